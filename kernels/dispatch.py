@@ -1,0 +1,53 @@
+"""Chooses, per call, the Triton launcher (CUDA tensors) or the torch reference (everything else).
+
+    LORAPLEX_KERNELS=auto       (default) Triton on CUDA when the op has a Triton launcher, else reference
+    LORAPLEX_KERNELS=reference  always the torch reference (debugging, bit-exact comparisons)
+
+Triton launchers are registered by name in ``TRITON_LAUNCHERS`` as "module:function" under ``loraplex.kernels``
+and imported lazily, so CPU-only machines never import triton.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from loraplex.kernels import reference
+
+logger = logging.getLogger(__name__)
+
+# op name -> "module:function" of its Triton launcher (same signature as reference.<op>).
+TRITON_LAUNCHERS: dict[str, str] = {}
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("LORAPLEX_KERNELS", "auto")
+    if mode not in ("auto", "reference"):
+        raise ValueError(f"LORAPLEX_KERNELS={mode!r}: expected 'auto' or 'reference'")
+    return mode
+
+
+@functools.cache
+def _load_launcher(name: str) -> Callable | None:
+    target = TRITON_LAUNCHERS.get(name)
+    if target is None:
+        return None
+    module, func = target.split(":")
+    try:
+        return getattr(importlib.import_module(f"loraplex.kernels.{module}"), func)
+    except ImportError as e:  # triton missing or broken: the reference still works
+        logger.warning("Triton launcher for %s unavailable (%s); using the torch reference", name, e)
+        return None
+
+
+def resolve(name: str, tensor: torch.Tensor) -> Callable:
+    """The implementation of op ``name`` for inputs living where ``tensor`` lives."""
+    if tensor.is_cuda and kernel_mode() == "auto":
+        launcher = _load_launcher(name)
+        if launcher is not None:
+            return launcher
+    return getattr(reference, name)
