@@ -1,0 +1,62 @@
+"""What every attention layer needs to know about one step, built once per step by the model runner.
+
+    tokens of the step:   [ seq0 new tokens | seq1 new tokens | ... ]      (T in all)
+    query_start_loc:      [0, n0, n0+n1, ...]                              [B+1] int32
+    seq_lens:             context length of each sequence after this step  [B]   int32
+    block_tables:         physical blocks of each sequence, logical order  [B, max_blocks] int32 (pad: 0)
+    slot_mapping:         where each new token's K/V goes (block*BS+off)   [T]   int64
+
+A decode token is just a sequence with one new token; a prefill chunk one with several.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def contiguous(cls, seq_lens: list[int], query_lens: list[int], block_size: int,
+                   device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for sequences stored in consecutive blocks (sequence b owns a contiguous run of blocks).
+        For tests and warm-up; the model runner builds real metadata from the block manager's tables."""
+        tables, slots, next_block = [], [], 0
+        for ctx, n_new in zip(seq_lens, query_lens):
+            n_blocks = (ctx + block_size - 1) // block_size
+            table = list(range(next_block, next_block + n_blocks))
+            next_block += n_blocks
+            tables.append(table)
+            for pos in range(ctx - n_new, ctx):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=bt.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+
+    @staticmethod
+    def blocks_needed(seq_lens: list[int], block_size: int) -> int:
+        return sum((s + block_size - 1) // block_size for s in seq_lens)
