@@ -1,0 +1,149 @@
+"""asyncio front of the engine: one background thread drives ``LLMEngine.step()``; each request's outputs are
+streamed to its own asyncio queue.
+
+    generate() ──(add/abort commands)──▶ engine thread: apply commands, step(), route outputs
+        ▲                                                     │
+        └──────────── per-request asyncio.Queue ◀─────────────┘  (loop.call_soon_threadsafe)
+
+A consumer that stops iterating (client gone, task cancelled) aborts its request, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; in-flight requests are failed with this error."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams | None
+    adapter: object | None
+    loop: asyncio.AbstractEventLoop
+    sink: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model: str, **kwargs) -> "AsyncEngine":
+        return cls(LLMEngine.from_pretrained(model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- public API -----------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                       adapter: object | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs, one per step that gives it a token; the last has ``finished=True``.
+        Bad input raises ValueError from the first iteration; other requests are unaffected."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Add(request_id, prompt, params, adapter, loop, sink))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ---- engine thread --------------------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._sinks.get(request_id)
+        if target is None:
+            return
+        loop, sink = target
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody listens any more
+            self._sinks.pop(request_id, None)
+            self.engine.abort(request_id)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.adapter)
+                except (ValueError, TypeError) as e:
+                    cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, e)
+                    continue
+                self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
+            else:
+                self.engine.abort(cmd.request_id)
+                self._sinks.pop(cmd.request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+                    if out.finished:
+                        self._sinks.pop(out.request_id, None)
+        except BaseException as e:  # noqa: BLE001 - fail every waiter loudly, never hang them
+            logger.exception("engine loop failed")
+            self._error = e
+            err = EngineDeadError(f"engine loop failed: {e!r}")
+            for request_id in list(self._sinks):
+                self._deliver(request_id, err)
+            self._sinks.clear()

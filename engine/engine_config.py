@@ -1,0 +1,48 @@
+"""Engine settings: what to load, where, and the cache / scheduler limits. Validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    model: str                              # folder with config.json (+ safetensors unless load_format="dummy")
+    tokenizer: str | None = None            # defaults to the model folder
+    dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"                    # auto: cuda when available
+    load_format: str = "auto"               # auto | safetensors | dummy
+    seed: int = 0
+    # scheduler
+    max_model_len: int | None = None        # defaults to the model's max_position_embeddings (capped at 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None        # explicit pool size; else sized from memory
+    kv_cache_memory_bytes: int | None = None  # CPU budget (default: enough for max_num_seqs full sequences, ≤ 1 GiB)
+    gpu_memory_utilization: float = 0.90    # CUDA: fraction of total memory the engine may use
+    enable_prefix_caching: bool = True
+    progress: bool = True                   # progress bar while loading weights
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not supported; choose one of {', '.join(DEVICES)}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format {self.load_format!r}: expected auto, safetensors or dummy")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")

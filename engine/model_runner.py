@@ -1,0 +1,183 @@
+"""The model runner owns the model, the KV cache tensors and every device buffer of a step.
+
+    SchedulerOutput ──▶ prepare(): input_ids, positions, AttentionMetadata ──▶ model ──▶ logits of sampling rows
+                                                                                   ──▶ Sampler ──▶ {seq_id: token}
+
+The scheduler never builds a tensor; this module never decides who runs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from loraplex.engine.attention_metadata import AttentionMetadata
+from loraplex.engine.config import ModelConfig
+from loraplex.engine.engine_config import EngineConfig
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.kernels import ops
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_CAP_BYTES = 256 << 20
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor      # [N] rows of the step's tokens whose logits are sampled
+    sample_seqs: list              # [N] the sequences those rows belong to
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, max_model_len: int, max_num_seqs: int):
+        from loraplex.engine.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, device=self.device, dtype=self.dtype,
+                                                   load_format=config.load_format, progress=config.progress)
+        self.model.eval()
+        self.block_size = config.block_size
+        self.num_blocks = self._size_kv_pool(max_model_len, max_num_seqs)
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.sampler = Sampler()
+        # Debug/test hook: called with (sequences, logits [N, V] float32) before sampling.
+        self.logits_hook: Callable[[list, torch.Tensor], None] | None = None
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %s on %s", self.num_blocks,
+                    self.block_size, self.num_blocks * self.block_size,
+                    self.num_blocks * self.bytes_per_block / 2**20, self.dtype, self.device)
+
+    # ---- KV pool sizing -------------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        cfg: ModelConfig = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _size_kv_pool(self, max_model_len: int, max_num_seqs: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.bytes_per_block
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+            budget -= self._activation_headroom_bytes()
+            if budget < per_block * blocks_per_seq:
+                raise RuntimeError(
+                    f"not enough GPU memory for one sequence of {max_model_len} tokens: {budget / 2**30:.2f} GiB left "
+                    f"for the KV cache after weights; raise gpu_memory_utilization or lower max_model_len")
+            return budget // per_block
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = min(CPU_KV_CACHE_CAP_BYTES, per_block * blocks_per_seq * max_num_seqs)
+        num = budget // per_block
+        if num < blocks_per_seq:
+            raise ValueError(f"KV cache budget of {budget} bytes holds {num} blocks, fewer than one sequence of "
+                             f"max_model_len={max_model_len} needs ({blocks_per_seq}); raise kv_cache_memory_bytes")
+        return num
+
+    def _activation_headroom_bytes(self) -> int:
+        cfg = self.model_config
+        tokens = self.config.max_num_batched_tokens
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        widest = max(cfg.q_size + 2 * cfg.kv_size, 2 * max(cfg.intermediate_size, cfg.moe_intermediate_size)
+                     * max(1, cfg.num_experts_per_tok))
+        return tokens * (widest * elem * 4 + cfg.vocab_size * 4) + (1 << 30)
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        sample_rows: list[int] = []
+        sample_seqs: list = []
+        tables: list[list[int]] = []
+        for s in out.scheduled:
+            seq = s.seq
+            start, n = seq.num_computed_tokens, s.num_new_tokens
+            ids.extend(seq.all_token_ids[start:start + n])
+            pos = torch.arange(start, start + n, dtype=torch.int64)
+            table = torch.tensor(s.block_ids, dtype=torch.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+            tables.append(s.block_ids)
+            if s.sample:
+                sample_rows.append(qsl[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.cat(positions).to(dev, non_blocking=True),
+            attn=attn,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, torch.Generator | None]]
+                ) -> dict[int, int]:
+        """Run one step. ``sampling`` maps each sampling sequence id to its params and generator."""
+        if not out.scheduled:
+            return {}
+        if out.blocks_to_copy:
+            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                            torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device))
+        inputs = self.prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        if not inputs.sample_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.logits_hook is not None:
+            self.logits_hook(inputs.sample_seqs, logits)
+        seq_ids = [seq.seq_id for seq in inputs.sample_seqs]
+        tokens = self.sampler.sample(logits, [sampling[i][0] for i in seq_ids], [sampling[i][1] for i in seq_ids])
+        return dict(zip(seq_ids, tokens))
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g

@@ -1,0 +1,1 @@
+"""Building blocks shared by the model families: linear, norm, rotary, attention, dense MLP, MoE."""

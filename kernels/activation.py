@@ -1,0 +1,55 @@
+"""Gated activations in Triton: x [T, 2I] = [gate | up] -> act(gate) * up [T, I].
+
+Two entry points share one kernel (the activation is a constexpr): SiLU-and-mul and GPT-OSS's clamped SwiGLU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr, out_ptr,  # x [T, 2I]; out [T, I]
+    I, stride_x, stride_out, alpha, limit,
+    ACT: tl.constexpr,  # 0: silu(gate) * up, 1: clamped swiglu
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        y = gate * tl.sigmoid(gate) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        y = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, act: int, alpha: float, limit: float) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"gated activation expects x [T, 2I], got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(max(inter, 16)))
+    if num_tokens and inter:
+        _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            x, out, inter, x.stride(0), out.stride(0), float(alpha), float(limit), ACT=act, BLOCK=block,
+            num_warps=4)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``reference.silu_and_mul``."""
+    return _launch(x, 0, 1.0, 0.0)
+
+
+def swiglu_clamp_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """Same contract as ``reference.swiglu_clamp_and_mul``."""
+    return _launch(x, 1, alpha, limit)

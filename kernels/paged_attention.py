@@ -1,0 +1,150 @@
+"""Paged attention in Triton for prefill chunks and decode alike (GQA, causal, sliding window, sinks).
+
+Grid: (query blocks, KV heads). A program owns BLOCK_Q query tokens of one sequence times the GROUP query
+heads sharing one KV head, so K/V tiles are loaded once per group. Query blocks are numbered so that
+sequence b's blocks start at ``query_start_loc[b] // BLOCK_Q + b`` -- an upper bound that needs no host
+sync; a program finds its sequence by binary search and leaves at once when it lies past the sequence's
+query tokens. K/V rows are gathered through the block table per key position, so tiles may span blocks and
+tables may point anywhere (holes, any order). Online softmax in fp32 (exp2); a sink starts the running max
+and denominator of its head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Q, D]; k, v caches [NB, BS, KV, D]
+    bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,  # block_tables [B, MB]; seq_lens [B]; query_start_loc [B+1]; sinks [Q]
+    num_seqs, scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # ---- which sequence: largest b with query_start_loc[b] // BLOCK_Q + b <= pid
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= pid, mid, lo)
+        hi = tl.where(first <= pid, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(qsl_ptr + seq)
+    n_q = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= n_q:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    # ---- query tile: row r = (token qi, head h of the group)
+    rows = tl.arange(0, BLOCK_M)
+    qi = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (qi < n_q)
+    q_pos = ctx_len - n_q + qi
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tok = (q_start + qi).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    if USE_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # ---- key range of this block: causal end, sliding-window start
+    first_q_pos = ctx_len - n_q + q_block * BLOCK_Q
+    kv_end = tl.minimum(ctx_len, first_q_pos + BLOCK_Q)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_begin, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot_in_blk = pos % KV_BLOCK_SIZE
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + slot_in_blk[:, None] * stride_ks + kv_head * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        corr = tl.exp2(m_i - m_new)
+        l_i = l_i * corr + tl.sum(p, 1)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + slot_in_blk[:, None] * stride_vs + kv_head * stride_vh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def default_blocks(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N): decode packs one token's head group; prefill chunks take more query rows."""
+    per_seq = max(1, num_tokens // max(1, num_seqs))
+    target_rows = 16 if per_seq <= 2 else 64
+    block_q = max(1, target_rows // group)
+    return block_q, 64
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                    block_q: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Same contract as ``reference.paged_attention``; ``block_q`` / ``block_n`` override the tile sizes."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, kv_block_size, num_kv_heads, kd = k_cache.shape
+    if kd != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {tuple(k_cache.shape)} do not match q head dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    group = num_q_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    dq, dn = default_blocks(num_tokens, num_seqs, group)
+    block_q, block_n = block_q or dq, block_n or dn
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        sinks if sinks is not None else q, num_seqs, float(scale) * _LOG2E,
+        int(sliding_window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
+        BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_block_size,
+        SEARCH_STEPS=max(1, math.ceil(math.log2(num_seqs + 1))),
+        USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None,
+        num_warps=4, num_stages=2,
+    )
+    return out

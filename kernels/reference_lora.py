@@ -1,0 +1,186 @@
+"""Torch references of the multi-LoRA, MoE-alignment and INT8-MoE ops (the spec their Triton launchers match).
+
+Shape legend: T tokens, A activated experts per token, E experts, L adapter slots (max_loras), R max rank
+(every adapter zero-padded to R), K input features, N output features, S output slices of a fused target.
+
+    token_lora_idx [T] int32     slot of each token's adapter, -1 = no adapter (its rows get no delta)
+    scaling        [L] float32   alpha / rank of the adapter in each slot
+    dense target:  lora_a [S, L, R, K]   one A per output slice (q, k, v / gate, up) -- same input for all
+                   lora_b [L, N, R]      the slices' B stacked along N in slice order (N = sum(output_slices))
+    expert target: lora_a [L, E, R, K],  lora_b [L, E, N, R]
+                   (separate gate/up adapters: stack their A along R and make B block-diagonal, which is exact)
+
+MoE alignment: the flat index of a routed pair is ``t * A + a``. ``sorted_ids`` lists the pairs grouped by
+expert (token order kept), each expert's group padded with the sentinel ``T * A`` to a multiple of
+``block_size``; ``expert_ids[j]`` is the expert of block j (-1 past the used blocks). Buffers have the static
+length ``moe_align_capacity`` so no host sync is needed::
+
+    sorted_ids  | e0 e0 e0 pad | e2 pad pad pad | e3 e3 e3 e3 | sentinel ...
+    expert_ids  |      0       |       2       |      3      |   -1 ...
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.reference import act_and_mul
+
+# ------------------------------------------------------------------------------------------ dense LoRA
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_idx: torch.Tensor,
+                scaling: torch.Tensor) -> torch.Tensor:
+    """buf[s, t] = scaling[l] * x[t] @ lora_a[s, l].T with l = token_lora_idx[t]; zero rows for l = -1.
+
+    x [T, K]; lora_a [S, L, R, K]; token_lora_idx [T]; scaling [L] -> buf [S, T, R] float32.
+    """
+    num_slices, _, rank, _ = lora_a.shape
+    buf = torch.zeros(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    for lora in token_lora_idx.unique().tolist():
+        if lora < 0:
+            continue
+        rows = torch.where(token_lora_idx == lora)[0]
+        xs = x[rows].float()
+        for s in range(num_slices):
+            buf[s, rows] = (xs @ lora_a[s, lora].float().T) * scaling[lora].float()
+    return buf
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_lora_idx: torch.Tensor,
+                output_slices: tuple[int, ...]) -> None:
+    """In place: y[t, slice s] += buf[s, t] @ lora_b[l, slice s].T with l = token_lora_idx[t] (skip l = -1).
+
+    y [T, N]; buf [S, T, R] (from lora_shrink); lora_b [L, N, R]; output_slices: S widths summing to N.
+    """
+    check_slices(y, buf, lora_b, output_slices)
+    for lora in token_lora_idx.unique().tolist():
+        if lora < 0:
+            continue
+        rows = torch.where(token_lora_idx == lora)[0]
+        off = 0
+        for s, width in enumerate(output_slices):
+            delta = buf[s, rows].float() @ lora_b[lora, off:off + width].float().T
+            y[rows, off:off + width] = (y[rows, off:off + width].float() + delta).to(y.dtype)
+            off += width
+
+
+def check_slices(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, output_slices) -> None:
+    if len(output_slices) != buf.shape[0]:
+        raise ValueError(f"{len(output_slices)} output slices but the shrink buffer has {buf.shape[0]}")
+    if sum(output_slices) != y.shape[1] or lora_b.shape[1] != y.shape[1]:
+        raise ValueError(f"output_slices sum to {sum(output_slices)}, lora_b has N={lora_b.shape[1]}, "
+                         f"y has N={y.shape[1]}: all three must agree")
+    if lora_b.shape[2] != buf.shape[2]:
+        raise ValueError(f"lora_b rank {lora_b.shape[2]} != shrink buffer rank {buf.shape[2]}")
+
+
+# ------------------------------------------------------------------------------------------ MoE alignment
+
+
+def moe_align_capacity(num_pairs: int, num_experts: int, block_size: int) -> tuple[int, int]:
+    """(length of sorted_ids, length of expert_ids): worst case when every non-empty expert pads a block."""
+    padded = num_pairs + min(num_experts, num_pairs) * (block_size - 1)
+    num_blocks = (padded + block_size - 1) // block_size
+    return num_blocks * block_size, num_blocks
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group routed pairs by expert, padded per expert to ``block_size``.
+
+    topk_ids [T, A] -> sorted_ids [P] int32, expert_ids [P / block_size] int32, num_tokens_post_pad [1] int32.
+    """
+    lora = torch.zeros(topk_ids.shape[0], dtype=torch.int32, device=topk_ids.device)
+    sorted_ids, expert_ids, num_post = moe_align_lora(topk_ids, lora, num_experts, 1, block_size)
+    return sorted_ids[0], expert_ids[0], num_post
+
+
+def moe_align_lora(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, num_experts: int, max_loras: int,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align per adapter slot: slot l's table holds only the pairs of tokens with token_lora_idx == l.
+
+    topk_ids [T, A]; token_lora_idx [T] (-1: in no table) ->
+    sorted_ids [L, P] int32, expert_ids [L, P / block_size] int32, num_tokens_post_pad [L] int32.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    cap, num_blocks = moe_align_capacity(num_pairs, num_experts, block_size)
+    dev = topk_ids.device
+    sorted_ids = torch.full((max_loras, cap), num_pairs, dtype=torch.int32, device=dev)
+    expert_ids = torch.full((max_loras, num_blocks), -1, dtype=torch.int32, device=dev)
+    num_post = torch.zeros(max_loras, dtype=torch.int32, device=dev)
+    flat = topk_ids.reshape(-1).long()
+    pair_lora = token_lora_idx.long().repeat_interleave(top_k)
+    for lora in range(max_loras):
+        pos = 0
+        for e in range(num_experts):
+            pairs = torch.where((flat == e) & (pair_lora == lora))[0]
+            n = pairs.numel()
+            if n == 0:
+                continue
+            sorted_ids[lora, pos:pos + n] = pairs.to(torch.int32)
+            padded = (n + block_size - 1) // block_size * block_size
+            expert_ids[lora, pos // block_size:(pos + padded) // block_size] = e
+            pos += padded
+        num_post[lora] = pos
+    return sorted_ids, expert_ids, num_post
+
+
+# --------------------------------------------------------------------------------------------- MoE LoRA
+
+
+def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, scaling: torch.Tensor,
+                   topk_weights: torch.Tensor | None = None) -> None:
+    """In place, per routed pair p = t*A + a with l = token_lora_idx[t] >= 0 and e = topk_ids[t, a]:
+    y[p] += w * scaling[l] * lora_b[l, e] @ (lora_a[l, e] @ x_row), w = topk_weights[t, a] (or 1).
+
+    y [T*A, N] (the expert GEMM's per-pair output); x [T, K] (gate_up: rows shared by a token's pairs) or
+    [T*A, K] (down: one row per pair); lora_a [L, E, R, K]; lora_b [L, E, N, R]; topk_ids [T, A].
+    """
+    num_tokens, top_k = topk_ids.shape
+    per_pair_input = x.shape[0] == num_tokens * top_k and top_k > 1
+    for t in range(num_tokens):
+        lora = int(token_lora_idx[t])
+        if lora < 0:
+            continue
+        for a in range(top_k):
+            p = t * top_k + a
+            e = int(topk_ids[t, a])
+            row = x[p if per_pair_input else t].float()
+            delta = lora_b[lora, e].float() @ (lora_a[lora, e].float() @ row) * scaling[lora].float()
+            if topk_weights is not None:
+                delta = delta * topk_weights[t, a].float()
+            y[p] = (y[p].float() + delta).to(y.dtype)
+
+
+# --------------------------------------------------------------------------------------------- INT8 MoE
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8: w [..., N, K] -> (q int8 [..., N, K], scale float32 [..., N])."""
+    scale = w.float().abs().amax(dim=-1).clamp(min=1e-8) / 127.0
+    q = torch.round(w.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def fused_moe_int8(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,
+                   w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   activation: str = "silu", b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                   alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """fused_moe with INT8 weight-only experts: w = q * scale per output channel.
+
+    x [T, H]; w13_q [E, 2I, H] int8, w13_scale [E, 2I]; w2_q [E, H, I] int8, w2_scale [E, H] -> [T, H].
+    """
+    out = torch.zeros_like(x)
+    for e in range(w13_q.shape[0]):
+        tok, slot = torch.where(topk_ids == e)
+        if tok.numel() == 0:
+            continue
+        w13 = (w13_q[e].float() * w13_scale[e].float()[:, None])
+        w2 = (w2_q[e].float() * w2_scale[e].float()[:, None])
+        h = F.linear(x[tok].float(), w13, None if b13 is None else b13[e].float())
+        h = act_and_mul(h, activation, alpha, limit)
+        h = F.linear(h, w2, None if b2 is None else b2[e].float())
+        out.index_add_(0, tok, (h * topk_weights[tok, slot, None].float()).to(out.dtype))
+    return out

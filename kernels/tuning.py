@@ -1,0 +1,147 @@
+"""Tuned launch configs: ``tuning_configs/<device>/<op>.json``, keyed by the op's shape, then by M (tokens).
+
+File layout (written by ``loraplex tune`` through :func:`config_path`, read by :func:`get_config`)::
+
+    {
+      "E=32,N=5760,K=2880": {               # shape key: the op's static dims, see shape_key()
+        "1":  {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        "16": {...},
+        "64": {...}
+      }
+    }
+
+The M entry nearest to the call's M wins (ties go to the smaller M). ``LORAPLEX_TUNING_DIR`` replaces the
+``tuning_configs`` folder. A missing file, or a shape the file lacks, falls back to the launcher's default with
+one warning per (folder, device, op[, shape]). Files are read once and cached; :func:`clear_cache` forgets them.
+Torch-free and triton-free so the CPU path may import it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
+
+TUNING_DIR_ENV = "LORAPLEX_TUNING_DIR"
+_REPO_TUNING_DIR = Path(__file__).resolve().parent.parent / "tuning_configs"
+
+
+class TuningConfigError(ValueError):
+    """A tuning file exists but cannot be used (bad JSON or a bad layout)."""
+
+
+def tuning_dir() -> Path:
+    """The folder holding one sub-folder per device (``LORAPLEX_TUNING_DIR`` or the repo's tuning_configs/)."""
+    override = os.environ.get(TUNING_DIR_ENV)
+    return Path(override) if override else _REPO_TUNING_DIR
+
+
+def device_folder_name(device_name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"NVIDIA_H200"`` (spaces and path separators become underscores)."""
+    name = device_name.strip()
+    for ch in (" ", "/", "\\", ":"):
+        name = name.replace(ch, "_")
+    if not name:
+        raise ValueError("device name is empty; pass the name torch.cuda.get_device_name() reports")
+    return name
+
+
+def current_device_name() -> str:
+    """The name torch reports for the current CUDA device ("cpu" without one)."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def shape_key(shape: Mapping[str, int]) -> str:
+    """Canonical key of an op's static dims, in the order given: ``{"E": 32, "N": 5760}`` -> ``"E=32,N=5760"``."""
+    return ",".join(f"{k}={int(v)}" for k, v in shape.items())
+
+
+def config_path(op: str, device_name: str | None = None, root: str | os.PathLike | None = None) -> Path:
+    """The one naming function: where the configs of ``op`` on ``device_name`` live (loader and tuner use it)."""
+    if not op or "/" in op:
+        raise ValueError(f"bad op name {op!r}; expected a plain name such as 'fused_moe'")
+    device = device_folder_name(device_name if device_name is not None else current_device_name())
+    return Path(root if root is not None else tuning_dir()) / device / f"{op}.json"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+@functools.cache
+def _load(path: str) -> dict[str, dict[int, dict[str, Any]]] | None:
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TuningConfigError(f"{p} is not valid JSON ({e}); re-run `loraplex tune` or delete it") from None
+    if not isinstance(raw, dict):
+        raise TuningConfigError(f"{p}: expected an object keyed by shape, got {type(raw).__name__}")
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for skey, by_m in raw.items():
+        if not isinstance(by_m, dict):
+            raise TuningConfigError(f"{p}: entry {skey!r} must map M -> config, got {type(by_m).__name__}")
+        try:
+            table[skey] = {int(m): dict(cfg) for m, cfg in by_m.items()}
+        except (TypeError, ValueError):
+            raise TuningConfigError(f"{p}: entry {skey!r} has a non-integer M key or a non-object config") from None
+    return table
+
+
+def nearest_m(available: list[int] | set[int] | dict, m: int) -> int:
+    """The available M closest to ``m``; ties go to the smaller."""
+    if not available:
+        raise ValueError("no M entries to choose from")
+    return min(available, key=lambda k: (abs(k - m), k))
+
+
+def get_config(op: str, shape: Mapping[str, int], m: int, default: Mapping[str, Any], *,
+               device_name: str | None = None) -> dict[str, Any]:
+    """The tuned config of ``op`` at ``shape`` nearest to ``m`` tokens, else a copy of ``default``.
+
+    Keys missing from a tuned entry are taken from ``default`` so older files keep working.
+    """
+    path = config_path(op, device_name)
+    table = _load(str(path))
+    if table is None:
+        _warn_once(f"no tuning file {path}; using default {op} configs (run `loraplex tune` on this GPU)")
+        return dict(default)
+    skey = shape_key(shape)
+    by_m = table.get(skey)
+    if not by_m:
+        _warn_once(f"{path} has no entry for shape {skey}; using default {op} configs")
+        return dict(default)
+    return {**default, **by_m[nearest_m(by_m, m)]}
+
+
+def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]], *,
+                  device_name: str | None = None, root: str | os.PathLike | None = None) -> Path:
+    """Merge ``{shape key: {M: config}}`` into the op's file (other shapes kept) and return its path."""
+    path = config_path(op, device_name, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged: dict[str, dict[str, Any]] = {}
+    if path.is_file():
+        merged = json.loads(path.read_text(encoding="utf-8"))
+    for skey, by_m in configs.items():
+        entry = merged.setdefault(skey, {})
+        for m, cfg in by_m.items():
+            entry[str(int(m))] = dict(cfg)
+        merged[skey] = dict(sorted(entry.items(), key=lambda kv: int(kv[0])))
+    path.write_text(json.dumps(merged, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    _load.cache_clear()
+    return path
+
+
+def clear_cache() -> None:
+    """Forget loaded files and issued warnings (tests, or after writing new files)."""
+    _load.cache_clear()
+    _warn_once.cache_clear()

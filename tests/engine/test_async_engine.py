@@ -1,0 +1,85 @@
+"""AsyncEngine streams concurrent requests, fails bad ones alone, and frees blocks when a consumer leaves."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from loraplex.engine import AsyncEngine, LLMEngine, SamplingParams
+
+
+@pytest.fixture
+def engine_path(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_moe")
+
+
+def make(path):
+    return LLMEngine.from_pretrained(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=32,
+                                     progress=False)
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 13, 21)]
+
+
+def test_streams_match_sync_engine_and_bad_request_fails_alone(engine_path):
+    sync = make(engine_path)
+    ps = prompts(sync.model_config.vocab_size)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.output_token_ids for o in sync.generate(ps, params)]
+    engine = AsyncEngine(make(engine_path))
+
+    async def consume(rid, prompt):
+        tokens, n_chunks = [], 0
+        async for out in engine.generate(rid, prompt, params):
+            tokens.extend(out.new_token_ids)
+            n_chunks += 1
+            assert out.output_token_ids == tokens
+        return tokens, n_chunks
+
+    async def bad():
+        with pytest.raises(ValueError, match="prompt is empty"):
+            async for _ in engine.generate("bad", [], params):
+                pass
+        return "raised"
+
+    async def main():
+        return await asyncio.gather(*(consume(f"r{i}", p) for i, p in enumerate(ps)), bad())
+
+    try:
+        *results, bad_result = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert bad_result == "raised"
+    for (tokens, n_chunks), exp in zip(results, expected):
+        assert tokens == exp
+        assert n_chunks == len(exp), "each token should stream as its own chunk"
+
+
+def test_consumer_that_leaves_aborts_and_frees_blocks(engine_path):
+    inner = make(engine_path)
+    engine = AsyncEngine(inner)
+    ps = prompts(inner.model_config.vocab_size)
+
+    async def leave_early():
+        got = 0
+        gen = engine.generate("leaver", ps[2], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        async for _ in gen:
+            got += 1
+            if got == 3:
+                break
+        await gen.aclose()
+        return got
+
+    try:
+        assert asyncio.run(leave_early()) == 3
+        deadline = time.monotonic() + 5
+        while inner.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not inner.has_unfinished_requests()
+        assert inner.kv_cache.num_free_blocks == inner.runner.num_blocks
+    finally:
+        engine.shutdown()
