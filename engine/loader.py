@@ -6,7 +6,7 @@
 Every checkpoint tensor maps to a ``Target``: a parameter of the engine's model, optionally one expert and a
 row range of it (fused qkv / gate_up / w13), and a transform (GPT-OSS's [E, H, 2I] interleaved gate_up is
 transposed and de-interleaved). The set of expected names comes from the config, so missing and unexpected
-tensors and shape mismatches are reported before any data is copied.
+tensors are reported before any data is copied; a shape mismatch names the tensor, its file and both shapes.
 """
 from __future__ import annotations
 
@@ -240,9 +240,11 @@ def _load_safetensors(model: CausalLM, cfg: ModelConfig, path: str, progress: bo
                 raise WeightLoadError(f"cannot read tensor {name!r} from {fname} (truncated or corrupt?): {e}") \
                     from None
             if t.transform is not None:
-                if src.dim() != 3 and t.transform is not _gpt_oss_gate_up_bias:
-                    raise WeightLoadError(f"tensor {name!r} in {fname} has shape {tuple(src.shape)}; expected 3 dims")
-                src = t.transform(src)
+                try:
+                    src = t.transform(src)
+                except (IndexError, RuntimeError) as e:
+                    raise WeightLoadError(f"tensor {name!r} in {fname} has shape {tuple(src.shape)}, which does "
+                                          f"not fit the {cfg.family} layout of {t.param}: {e}") from None
             dest = _dest(params, t)
             if tuple(src.shape) != tuple(dest.shape):
                 raise WeightLoadError(f"tensor {name!r} in {fname} has shape {tuple(src.shape)} (after layout "
@@ -255,21 +257,22 @@ def _load_safetensors(model: CausalLM, cfg: ModelConfig, path: str, progress: bo
 
 
 def _init_dummy(model: CausalLM, seed: int = 0) -> None:
-    """Deterministic random weights: matrices ~ N(0, 1/fan_in) (unit-variance outputs), norms 1, biases and
-    sinks small, embeddings N(0, 1)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Deterministic random weights, drawn on the parameters' device: matrices ~ N(0, 1/fan_in) (unit-variance
+    outputs), norms 1, biases and sinks N(0, 0.02), embeddings N(0, 1)."""
+    gens: dict[torch.device, torch.Generator] = {}
     for name, p in sorted(model.named_parameters()):
-        shape = p.shape
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
             continue
+        if p.device not in gens:
+            gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
         if p.dim() == 1 or name.endswith(("b13", "b2")):
             std = 0.02
         elif name.endswith("embed_tokens.weight"):
             std = 1.0
         else:
-            std = shape[-1] ** -0.5
-        p.data.copy_((torch.randn(shape, generator=gen) * std).to(p.dtype))
+            std = p.shape[-1] ** -0.5
+        p.data.normal_(0.0, std, generator=gens[p.device])
 
 
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

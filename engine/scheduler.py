@@ -155,7 +155,7 @@ class Scheduler:
             if not self._admissible(group, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
-            hit_blocks, n_hit = self.kv.get_computed_blocks(seq)
+            hit_blocks, n_hit = self.kv.get_computed_blocks(seq, record=False)
             n = seq.num_tokens - n_hit
             if n > budget:
                 if not cfg.enable_chunked_prefill:
@@ -163,6 +163,7 @@ class Scheduler:
                 n = budget
             if not self.kv.allocate_slots(seq, n, hit_blocks):
                 break
+            self.kv.record_prefix_query(seq.num_tokens, n_hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._priority)

@@ -49,12 +49,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -----------------------------------------------------------------------------------
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+    def get_computed_blocks(self, seq: Sequence, record: bool = True) -> tuple[list[int], int]:
         """The longest run of cached full blocks that prefixes ``seq``: ``(block_ids, num_cached_tokens)``.
 
         Never the whole sequence: the last token must be computed to produce logits, so only full blocks
         within the first ``num_tokens - 1`` tokens count. Takes no references (``allocate_slots`` does).
-        Each call counts ``num_tokens`` queried tokens and the hit tokens.
+        With ``record`` the call adds ``num_tokens`` queried tokens and the hit tokens to the counters; a caller
+        that may retry (the scheduler, when blocks run out) passes False and calls ``record_prefix_query``
+        once the request is admitted.
         """
         if not self.enable_prefix_caching or seq.block_ids:
             return [], 0
@@ -68,9 +70,15 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += len(block_ids) * self.block_size
+        if record:
+            self.record_prefix_query(seq.num_tokens, len(block_ids) * self.block_size)
         return block_ids, len(block_ids) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup in the hit-rate counters (tokens)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of ``seq`` that are full and computed but not yet hashed (call after a step)."""

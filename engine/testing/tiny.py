@@ -19,7 +19,7 @@ FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen3")
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=72, num_attention_heads=6, num_key_value_heads=2, head_dim=12, num_hidden_layers=2,
-    vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+    vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
     tie_word_embeddings=False,
 )
 

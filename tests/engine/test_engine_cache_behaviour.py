@@ -61,7 +61,7 @@ def test_preemption_by_recompute_matches_unconstrained_run(tiny_checkpoint):
     path = tiny_checkpoint("gpt_oss")
     roomy = make_engine(path, max_num_batched_tokens=64)
     vocab = roomy.model_config.vocab_size
-    prompts = [random_ids(vocab, n, seed=n) for n in (6, 11, 15, 19, 22, 9)]
+    prompts = [random_ids(vocab, n, seed=100 + n) for n in (6, 11, 15, 19, 22, 9)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = run_all(roomy, prompts, params)
 

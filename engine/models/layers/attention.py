@@ -23,7 +23,8 @@ class Attention(nn.Module):
         self.scale = ops.attention_scale(cfg.head_dim)
         self.sliding_window = cfg.window_for_layer(layer_idx)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
-                               output_sizes=[self.q_size, self.kv_size, self.kv_size])
+                               output_sizes=[self.q_size, self.kv_size, self.kv_size],
+                               output_names=["q_proj", "k_proj", "v_proj"])
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -12,7 +12,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias,
-                                   output_sizes=[intermediate_size, intermediate_size])
+                                   output_sizes=[intermediate_size, intermediate_size],
+                                   output_names=["gate_proj", "up_proj"])
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]

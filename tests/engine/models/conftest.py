@@ -25,7 +25,8 @@ def alloc_kv_caches(cfg, num_blocks: int, block_size: int = BLOCK_SIZE, dtype=to
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
-def shuffled_block_tables(max_lens: list[int], block_size: int = BLOCK_SIZE, seed: int = 0) -> tuple[list[list[int]], int]:
+def shuffled_block_tables(max_lens: list[int], block_size: int = BLOCK_SIZE,
+                          seed: int = 0) -> tuple[list[list[int]], int]:
     """Give each sequence enough blocks for ``max_lens`` tokens, drawn from a shuffled pool (non-contiguous,
     interleaved between sequences). Returns (tables, num_blocks)."""
     need = [(n + block_size - 1) // block_size for n in max_lens]

@@ -78,6 +78,39 @@ def test_prefill_and_paged_decode_match_transformers(family, tiny_checkpoints):
         got = torch.stack(step_logits[b])
         assert rel_err(got, ref) <= TOL, f"{family} seq {b}: decode logits differ"
         # non-degenerate tiny model: greedy continuation varies and top-1 is well separated
-        assert len(set(s[len(prompts[b]):])) >= 2, f"{family}: greedy output is a constant token"
+        assert len(set(s[len(prompts[b]):])) >= 3, f"{family}: greedy output is (nearly) a constant token"
         top2 = ref.topk(2, dim=-1).values
-        assert ((top2[:, 0] - top2[:, 1]) > 1e3 * TOL * ref.abs().max()).float().mean() >= 0.5
+        gaps = (top2[:, 0] - top2[:, 1]) / ref.abs().max()
+        assert gaps.median() >= 100 * TOL, f"{family}: top-1 logits are not well separated"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.inference_mode()
+def test_chunked_prefill_mixed_with_decode_matches_transformers(family, tiny_checkpoints):
+    """Step 1: seq0's whole prompt + seq1's first chunk; step 2: seq0 decodes one token while seq1's second
+    chunk (longer than GPT-OSS's window) runs in the same batch."""
+    path = tiny_checkpoints[family]
+    model, cfg = load_model(path, progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    p0, p1 = _prompts(cfg.vocab_size, seed=3)[1:]
+    split = 6
+    tables, num_blocks = shuffled_block_tables([len(p0) + 1, len(p1)], seed=11)
+    caches = alloc_kv_caches(cfg, num_blocks)
+
+    attn = paged_metadata(tables, [len(p0), split], [len(p0), split])
+    ids = torch.tensor(p0 + p1[:split])
+    pos = torch.tensor(list(range(len(p0))) + list(range(split)))
+    step1 = model.compute_logits(model(ids, pos, attn, caches))
+    nxt = int(step1[len(p0) - 1].argmax())
+
+    attn = paged_metadata(tables, [len(p0) + 1, len(p1)], [1, len(p1) - split])
+    ids = torch.tensor([nxt] + p1[split:])
+    pos = torch.tensor([len(p0)] + list(range(split, len(p1))))
+    step2 = model.compute_logits(model(ids, pos, attn, caches))
+
+    ref0 = _hf_logits(hf, p0 + [nxt])
+    ref1 = _hf_logits(hf, p1)
+    assert rel_err(step1[:len(p0)], ref0[:len(p0)]) <= TOL
+    assert rel_err(step1[len(p0):], ref1[:split]) <= TOL
+    assert rel_err(step2[:1], ref0[len(p0):]) <= TOL
+    assert rel_err(step2[1:], ref1[split:]) <= TOL

@@ -1,0 +1,112 @@
+"""``loraplex tune``: search Triton launch configs for a model's shapes on the current GPU and write
+``tuning_configs/<device>/<op>.json`` through ``kernels.tuning.write_configs`` (the loader's naming function).
+
+    loraplex tune --model gpt-oss-20b --max-loras 8 --rank 32 --m 1,16,64,256
+    loraplex tune --model /path/to/checkpoint --out /tmp/tuning      # any MoE config.json the engine reads
+
+For every tunable op (fused_moe, fused_moe_int8, lora_shrink, lora_expand, fused_moe_lora) and M, each
+candidate (block sizes, warps, stages, split-K, group size) is timed by CUDA-graph replay and the fastest wins
+(a candidate that fails to launch is skipped; benchmarks/kernels/check_gpu.py then checks the tuned configs
+against the references). Compiles are shared across M (M is not a constexpr).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("tune", help="tune Triton kernel configs for a model on this GPU",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="a preset (gpt-oss-20b, qwen3-30b-a3b) or a checkpoint folder with config.json")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--rank", type=int, default=32, help="max LoRA rank (adapters are padded to it)")
+    p.add_argument("--m", default="1,16,64,256", help="token counts to tune, comma-separated")
+    p.add_argument("--ops", default="", help="only these ops (comma-separated tuning-file names)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--out", default=None, help="tuning folder (default: LORAPLEX_TUNING_DIR or tuning_configs/)")
+    p.add_argument("--time-budget", type=float, default=0.0, help="stop searching after this many seconds")
+    p.set_defaults(func=run)
+
+
+def resolve_shapes(model: str):
+    from loraplex.kernels.tuning_cases import PRESETS, ModelShapes
+
+    if model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    from loraplex.engine.config import ModelConfig
+
+    return ModelShapes.from_model_config(ModelConfig.from_pretrained(model))
+
+
+def parse_ms(text: str) -> list[int]:
+    try:
+        ms = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise SystemExit(f"--m must be comma-separated integers, got {text!r}") from None
+    if not ms or ms[0] < 1:
+        raise SystemExit(f"--m needs positive token counts, got {text!r}")
+    return ms
+
+
+def tune_case(case, deadline: float) -> tuple[dict, float, float]:
+    """(best config, its time ms, default time ms). Candidates whose output differs from the default's fail."""
+    import torch
+
+    from loraplex.kernels.tuning_cases import bench_time_ms
+
+    default_ms = bench_time_ms(lambda: case.run(case.default))
+    best, best_ms = dict(case.default), default_ms
+    for cfg in case.space:
+        if time.monotonic() > deadline:
+            break
+        try:
+            ms = bench_time_ms(lambda: case.run(cfg))
+        except Exception as e:  # noqa: BLE001  (out of resources etc.: skip the candidate)
+            logger.info("%s M=%d: %s failed (%s)", case.label, case.m, cfg, type(e).__name__)
+            torch.cuda.synchronize()
+            continue
+        if ms < best_ms:
+            best, best_ms = dict(cfg), ms
+    return best, best_ms, default_ms
+
+
+def run(args) -> int:
+    import torch
+
+    from loraplex.kernels import tuning
+    from loraplex.kernels.tuning_cases import tunable_cases
+
+    if not torch.cuda.is_available():
+        raise SystemExit("loraplex tune needs a CUDA GPU: the configs are specific to the device")
+    shapes = resolve_shapes(args.model)
+    ms = parse_ms(args.m)
+    only = {o for o in args.ops.split(",") if o}
+    dtype = getattr(torch, args.dtype)
+    device_name = torch.cuda.get_device_name()
+    deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else float("inf")
+    results: dict[str, dict[str, dict[int, dict]]] = {}
+    print(f"tuning {shapes.name} on {device_name}: M={ms}, max_loras={args.max_loras}, rank={args.rank}")
+    for m in ms:
+        torch.manual_seed(m)
+        for case in tunable_cases(shapes, m, args.max_loras, args.rank, dtype, "cuda"):
+            if only and case.op not in only:
+                continue
+            try:
+                best, best_ms, default_ms = tune_case(case, deadline)
+            except Exception as e:  # noqa: BLE001  (the default itself failed: nothing to write for it)
+                print(f"  {case.label:28s} M={m:<4d} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            # gate_up and down of fused_moe_lora differ in shape, so both land in one file under two keys
+            results.setdefault(case.op, {}).setdefault(tuning.shape_key(case.shape), {})[m] = best
+            print(f"  {case.label:28s} M={m:<4d} default {default_ms * 1e3:8.1f} us  tuned {best_ms * 1e3:8.1f} us"
+                  f"  x{default_ms / best_ms:4.2f}  {best}", flush=True)
+        torch.cuda.empty_cache()
+    for op, configs in results.items():
+        path = tuning.write_configs(op, configs, device_name=device_name, root=args.out)
+        print(f"wrote {path}")
+    return 0
