@@ -1,0 +1,102 @@
+"""Request dependencies as ``Annotated`` aliases. Tenant scoping lives here, in ``CurrentTenant`` and
+``TenantAdapter``; handlers never filter by tenant themselves."""
+from __future__ import annotations
+
+from datetime import timedelta, timezone
+from typing import Annotated, Iterator
+
+from fastapi import Depends, Path, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from loraplex.engine.config import ModelConfig
+from loraplex.platform.api.errors import ApiError
+from loraplex.platform.blobs.base import BlobStore
+from loraplex.platform.core.config import Settings
+from loraplex.platform.core.security import same_secret
+from loraplex.platform.crud import adapters as adapters_crud
+from loraplex.platform.crud import tenants as tenants_crud
+from loraplex.platform.db.base import utcnow
+from loraplex.platform.db.models import Adapter, Tenant
+from loraplex.platform.engines.notifier import EngineNotifier
+from loraplex.platform.schemas.adapters import NAME_PATTERN
+
+LAST_USED_GRANULARITY = timedelta(minutes=1)  # last_used_at is written at most this often per key
+bearer = HTTPBearer(auto_error=False)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessionmaker() as session:
+        yield session
+
+
+def get_blob_store(request: Request) -> BlobStore:
+    return request.app.state.blob_store
+
+
+def get_notifier(request: Request) -> EngineNotifier:
+    return request.app.state.notifier
+
+
+def get_base_model(request: Request) -> ModelConfig:
+    model = request.app.state.base_model
+    if model is None:
+        raise ApiError(503, "this deployment has no base model configured (LORAPLEX_BASE_MODEL_PATH); uploads are "
+                            "unavailable until the operator sets it", code="no_base_model")
+    return model
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+BlobStoreDep = Annotated[BlobStore, Depends(get_blob_store)]
+NotifierDep = Annotated[EngineNotifier, Depends(get_notifier)]
+BaseModelDep = Annotated[ModelConfig, Depends(get_base_model)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+def _unauthorized(what: str) -> ApiError:
+    return ApiError(401, f"missing or invalid {what}; send it as 'Authorization: Bearer <key>'",
+                    code="unauthorized", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_admin(settings: SettingsDep, credentials: Credentials) -> None:
+    if credentials is None or not same_secret(credentials.credentials, settings.admin_key.get_secret_value()):
+        raise _unauthorized("admin key")
+
+
+def current_tenant(session: SessionDep, settings: SettingsDep, credentials: Credentials) -> Tenant:
+    if credentials is None:
+        raise _unauthorized("API key")
+    key = tenants_crud.authenticate_key(session=session, key=credentials.credentials,
+                                        secret=settings.secret_key.get_secret_value())
+    if key is None:
+        raise _unauthorized("API key")
+    if key.tenant.disabled:
+        raise ApiError(403, "this tenant is disabled; contact the operator", code="tenant_disabled")
+    now, last = utcnow(), key.last_used_at
+    if last is not None and last.tzinfo is None:  # SQLite hands back naive UTC
+        last = last.replace(tzinfo=timezone.utc)
+    if last is None or now - last > LAST_USED_GRANULARITY:
+        key.last_used_at = now
+        session.commit()
+    return key.tenant
+
+
+AdminKey = Annotated[None, Depends(require_admin)]
+CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
+
+
+def tenant_adapter(session: SessionDep, tenant: CurrentTenant,
+                   name: Annotated[str, Path(pattern=NAME_PATTERN, examples=["support-bot"])]) -> Adapter:
+    """The current tenant's adapter ``name``. Another tenant's adapter is a 404 like a missing one."""
+    adapter = adapters_crud.get_adapter(session=session, tenant=tenant, name=name)
+    if adapter is None:
+        raise ApiError(404, f"adapter {name!r} not found", code="adapter_not_found")
+    return adapter
+
+
+TenantAdapter = Annotated[Adapter, Depends(tenant_adapter)]

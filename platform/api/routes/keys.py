@@ -1,0 +1,36 @@
+"""Admin API: a tenant's API keys (the key itself is shown once, at issue)."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from loraplex.platform.api.deps import SessionDep, SettingsDep
+from loraplex.platform.api.errors import ApiError
+from loraplex.platform.api.routes.tenants import AdminTenant
+from loraplex.platform.crud import tenants as crud
+from loraplex.platform.schemas.tenants import ApiKeyCreate, ApiKeyCreated, ApiKeyPublic, ApiKeysPublic
+
+router = APIRouter(prefix="/admin/tenants/{tenant_id}/keys", tags=["admin: keys"])
+
+
+@router.post("", status_code=201, response_model=ApiKeyCreated)
+def issue_key(session: SessionDep, settings: SettingsDep, tenant: AdminTenant, body: ApiKeyCreate) -> ApiKeyCreated:
+    row, key = crud.issue_key(session=session, tenant=tenant, name=body.name,
+                              secret=settings.secret_key.get_secret_value())
+    session.commit()
+    return ApiKeyCreated(**ApiKeyPublic.model_validate(row).model_dump(), key=key)
+
+
+@router.get("", response_model=ApiKeysPublic)
+def list_keys(session: SessionDep, tenant: AdminTenant) -> ApiKeysPublic:
+    rows = crud.list_keys(session=session, tenant=tenant)
+    return ApiKeysPublic(data=[ApiKeyPublic.model_validate(r) for r in rows], count=len(rows))
+
+
+@router.delete("/{key_id}", response_model=ApiKeyPublic)
+def revoke_key(session: SessionDep, tenant: AdminTenant, key_id: str) -> ApiKeyPublic:
+    row = crud.get_key(session=session, tenant=tenant, key_id=key_id)
+    if row is None:
+        raise ApiError(404, f"key {key_id!r} not found for this tenant", code="key_not_found")
+    crud.revoke_key(session=session, key=row)
+    session.commit()
+    return ApiKeyPublic.model_validate(row)

@@ -1,0 +1,1 @@
+"""Settings and security helpers of the control plane."""

@@ -1,0 +1,96 @@
+"""The control plane's settings: one pydantic-settings ``Settings``, read from ``LORAPLEX_*`` env vars (or a
+``.env`` file). Defaults are the embedded deployment: a SQLite file and a local blob folder under ``data_dir``.
+
+    LORAPLEX_DATABASE_URL=postgresql+psycopg://user@db/loraplex
+    LORAPLEX_BLOB_BACKEND=s3  LORAPLEX_S3_BUCKET=adapters  LORAPLEX_S3_ENDPOINT_URL=http://minio:9000
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_SECRET = "changethis"
+
+
+class Settings(BaseSettings):
+    """Every knob of the control plane. Outside ``environment="development"`` the default secrets are refused."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", env_file=".env", extra="ignore")
+
+    environment: Literal["development", "test", "production"] = "development"
+    data_dir: str = "./loraplex-data"
+
+    # registry
+    database_url: str | None = None  # default: sqlite:///<data_dir>/loraplex.db
+    database_echo: bool = False
+
+    # blobs
+    blob_backend: Literal["local", "s3"] = "local"
+    blob_dir: str | None = None  # default: <data_dir>/blobs
+    s3_endpoint_url: str | None = None
+    s3_bucket: str = "loraplex-adapters"
+    s3_region: str = "us-east-1"
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: SecretStr | None = None
+    s3_part_size: int = Field(default=16 * 1024 * 1024, ge=1024)  # AWS S3 needs >= 5 MiB (all parts but the last)
+    s3_max_attempts: int = Field(default=4, ge=1)
+    s3_connect_timeout_s: float = 5.0
+    s3_read_timeout_s: float = 60.0
+
+    # quotas (enforced by the gateway through Redis; None = in-process store)
+    redis_url: str | None = None
+    default_requests_per_minute: int | None = None
+    default_tokens_per_minute: int | None = None
+    default_max_concurrency: int | None = None
+    default_tokens_per_day: int | None = None
+
+    # secrets
+    admin_key: SecretStr = SecretStr(DEFAULT_SECRET)
+    secret_key: SecretStr = SecretStr(DEFAULT_SECRET)  # HMAC key for tenant API key hashes
+
+    # the base model served (a Hugging Face folder with config.json) and the name adapters must name
+    base_model_path: str | None = None
+    base_model_name: str | None = None  # default: the folder's name
+    base_model_aliases: list[str] = []
+
+    # upload limits
+    max_upload_bytes: int = Field(default=2 * 1024**3, gt=0)
+    max_rank: int = Field(default=64, gt=0)
+    max_header_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    max_archive_members: int = Field(default=64, gt=0)
+    spool_dir: str | None = None  # where uploads are streamed before validation; default: the system temp dir
+
+    @model_validator(mode="after")
+    def _refuse_default_secrets(self) -> "Settings":
+        if self.environment != "development":
+            for name in ("admin_key", "secret_key"):
+                if getattr(self, name).get_secret_value() == DEFAULT_SECRET:
+                    raise ValueError(f"LORAPLEX_{name.upper()} is the default {DEFAULT_SECRET!r}; set a secret "
+                                     f"value for environment={self.environment!r}")
+        if self.blob_backend == "s3" and not self.s3_bucket:
+            raise ValueError("LORAPLEX_S3_BUCKET is required when LORAPLEX_BLOB_BACKEND=s3")
+        return self
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return self.database_url or f"sqlite:///{os.path.abspath(os.path.join(self.data_dir, 'loraplex.db'))}"
+
+    @property
+    def blob_path(self) -> str:
+        return os.path.abspath(self.blob_dir or os.path.join(self.data_dir, "blobs"))
+
+    @property
+    def served_model_name(self) -> str | None:
+        if self.base_model_name:
+            return self.base_model_name
+        return os.path.basename(os.path.normpath(self.base_model_path)) if self.base_model_path else None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process's settings, read once from the environment."""
+    return Settings()

@@ -1,0 +1,137 @@
+"""ORM models of the registry (Pydantic schemas for the API live apart, in ``schemas/``).
+
+    tenants ─┬─< api_keys
+             ├─< adapters ─┬─< adapter_versions
+             │             └─< adapter_aliases ──> adapter_versions
+             └─< usage_records ──> adapter_versions (set null when the version row goes)
+"""
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Integer, String, Text,
+                        UniqueConstraint)
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from loraplex.platform.db.base import Base, new_id, utcnow
+
+
+class AdapterStatus(str, enum.Enum):
+    """Lifecycle of an adapter version. Uploads validate before a row exists, so a row starts at ``uploading``
+    (blob being written); ``validating`` is for versions whose checks run after the row is written (imports)."""
+
+    uploading = "uploading"
+    validating = "validating"
+    ready = "ready"
+    failed = "failed"
+    deleted = "deleted"
+
+
+def _ts(**kw) -> Mapped[datetime]:
+    return mapped_column(DateTime(timezone=True), default=utcnow, **kw)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = _ts()
+    # quotas (None = the deployment default); enforced by the gateway
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    max_concurrency: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_day: Mapped[int | None] = mapped_column(BigInteger)
+
+    keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant", cascade="all, delete-orphan",
+                                              passive_deletes=True)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100), default="")
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = _ts()
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    tenant: Mapped[Tenant] = relationship(back_populates="keys")
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = _ts()
+    updated_at: Mapped[datetime] = _ts(onupdate=utcnow)
+
+    versions: Mapped[list[AdapterVersion]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="AdapterVersion.number")
+    aliases: Mapped[list[AdapterAlias]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", passive_deletes=True, order_by="AdapterAlias.name")
+
+
+class AdapterVersion(Base):
+    __tablename__ = "adapter_versions"
+    __table_args__ = (UniqueConstraint("adapter_id", "number"), UniqueConstraint("tenant_id", "idempotency_key"))
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[AdapterStatus] = mapped_column(
+        Enum(AdapterStatus, native_enum=False, length=16, create_constraint=True, name="adapter_status",
+             values_callable=lambda e: [m.value for m in e]), default=AdapterStatus.uploading)
+    sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    alpha: Mapped[float | None] = mapped_column(Float)
+    targets: Mapped[list[str]] = mapped_column(JSON, default=list)
+    dtype: Mapped[str | None] = mapped_column(String(8))
+    base_model: Mapped[str | None] = mapped_column(String(300))
+    adapter_config: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # as uploaded; the engine reads scaling here
+    blob_uri: Mapped[str | None] = mapped_column(String(1024))
+    error: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = _ts()
+    updated_at: Mapped[datetime] = _ts(onupdate=utcnow)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+
+class AdapterAlias(Base):
+    __tablename__ = "adapter_aliases"
+
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version_id: Mapped[str] = mapped_column(ForeignKey("adapter_versions.id", ondelete="CASCADE"))
+    updated_at: Mapped[datetime] = _ts(onupdate=utcnow)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="aliases")
+    version: Mapped[AdapterVersion] = relationship()
+
+
+class UsageRecord(Base):
+    """Tokens used by one request (written by the gateway)."""
+
+    __tablename__ = "usage_records"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    adapter_version_id: Mapped[str | None] = mapped_column(ForeignKey("adapter_versions.id", ondelete="SET NULL"))
+    model: Mapped[str] = mapped_column(String(200))  # what the request named: adapter[:version], or the base model
+    request_id: Mapped[str] = mapped_column(String(64))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = _ts(index=True)

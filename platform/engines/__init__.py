@@ -1,0 +1,1 @@
+"""How the control plane tells engines about registry changes."""

@@ -1,0 +1,1 @@
+"""Pydantic request/response schemas of the API (apart from the ORM models)."""

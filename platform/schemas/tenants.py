@@ -1,0 +1,61 @@
+"""Tenants, their quotas and API keys, as the admin API sees them."""
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Quotas(BaseModel):
+    """Per-tenant limits enforced by the gateway; null means the deployment default."""
+
+    requests_per_minute: int | None = Field(default=None, ge=0, examples=[600])
+    tokens_per_minute: int | None = Field(default=None, ge=0, examples=[200_000])
+    max_concurrency: int | None = Field(default=None, ge=0, examples=[16])
+    tokens_per_day: int | None = Field(default=None, ge=0, examples=[50_000_000])
+
+
+class TenantCreate(BaseModel):
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", examples=["acme"])
+    quotas: Quotas = Field(default_factory=Quotas)
+
+
+class TenantPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    disabled: bool
+    created_at: datetime
+    quotas: Quotas
+
+
+class TenantsPublic(BaseModel):
+    data: list[TenantPublic]
+    count: int
+
+
+class ApiKeyCreate(BaseModel):
+    name: str = Field(default="", max_length=100, examples=["ci"])
+
+
+class ApiKeyPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class ApiKeyCreated(ApiKeyPublic):
+    """Returned once, when the key is issued: ``key`` is never shown again."""
+
+    key: str = Field(examples=["lpx_3f9a1c0b2d_5mX...Q"])
+
+
+class ApiKeysPublic(BaseModel):
+    data: list[ApiKeyPublic]
+    count: int
