@@ -21,7 +21,22 @@ from loraplex.kernels import reference
 logger = logging.getLogger(__name__)
 
 # op name -> "module:function" of its Triton launcher (same signature as reference.<op>).
-TRITON_LAUNCHERS: dict[str, str] = {}
+TRITON_LAUNCHERS: dict[str, str] = {
+    "rms_norm": "rms_norm:rms_norm",
+    "silu_and_mul": "activation:silu_and_mul",
+    "swiglu_clamp_and_mul": "activation:swiglu_clamp_and_mul",
+    "reshape_and_cache": "reshape_and_cache:reshape_and_cache",
+    "copy_blocks": "copy_blocks:copy_blocks",
+    "paged_attention": "paged_attention:paged_attention",
+    "fused_moe": "fused_moe:fused_moe",
+    "fused_moe_int8": "fused_moe_int8:fused_moe_int8",
+    "lora_shrink": "lora_shrink:lora_shrink",
+    "lora_expand": "lora_expand:lora_expand",
+    "lora_shrink_expand": "lora_shrink_expand:lora_shrink_expand",
+    "moe_align": "moe_align:moe_align",
+    "moe_align_lora": "moe_align:moe_align_lora",
+    "fused_moe_lora": "fused_moe_lora:fused_moe_lora",
+}
 
 
 def kernel_mode() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.kernels import reference_lora
 from loraplex.kernels.dispatch import resolve
 from loraplex.kernels.reference import attention_scale, moe_route  # noqa: F401  (host-side helpers)
 
@@ -41,3 +42,43 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                     sliding_window=None, sinks=None):
     return resolve("paged_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                          sliding_window=sliding_window, sinks=sinks)
+
+
+# ---- multi-LoRA, MoE alignment and INT8 MoE (references and layouts in ``reference_lora.py``)
+
+
+def _resolve_ext(name: str, tensor: torch.Tensor):
+    try:
+        return resolve(name, tensor)
+    except AttributeError:  # no core reference: this op's reference lives in reference_lora
+        return getattr(reference_lora, name)
+
+
+def fused_moe_int8(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights, topk_ids, *, activation="silu", b13=None,
+                   b2=None, alpha=1.702, limit=7.0):
+    return _resolve_ext("fused_moe_int8", x)(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights, topk_ids,
+                                             activation=activation, b13=b13, b2=b2, alpha=alpha, limit=limit)
+
+
+def lora_shrink(x, lora_a, token_lora_idx, scaling) -> torch.Tensor:
+    return _resolve_ext("lora_shrink", x)(x, lora_a, token_lora_idx, scaling)
+
+
+def lora_expand(y, buf, lora_b, token_lora_idx, output_slices) -> None:
+    return _resolve_ext("lora_expand", y)(y, buf, lora_b, token_lora_idx, output_slices)
+
+
+def lora_shrink_expand(y, x, lora_a, lora_b, token_lora_idx, scaling, output_slices) -> None:
+    return _resolve_ext("lora_shrink_expand", y)(y, x, lora_a, lora_b, token_lora_idx, scaling, output_slices)
+
+
+def moe_align(topk_ids, num_experts, block_size):
+    return _resolve_ext("moe_align", topk_ids)(topk_ids, num_experts, block_size)
+
+
+def moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_size):
+    return _resolve_ext("moe_align_lora", topk_ids)(topk_ids, token_lora_idx, num_experts, max_loras, block_size)
+
+
+def fused_moe_lora(y, x, lora_a, lora_b, topk_ids, token_lora_idx, scaling, topk_weights=None) -> None:
+    return _resolve_ext("fused_moe_lora", y)(y, x, lora_a, lora_b, topk_ids, token_lora_idx, scaling, topk_weights)

@@ -3,14 +3,12 @@
 Grid: (query blocks, KV heads). A program owns BLOCK_Q query tokens of one sequence times the GROUP query
 heads sharing one KV head, so K/V tiles are loaded once per group. Query blocks are numbered so that
 sequence b's blocks start at ``query_start_loc[b] // BLOCK_Q + b`` -- an upper bound that needs no host
-sync; a program finds its sequence by binary search and leaves at once when it lies past the sequence's
+sync; a program finds its sequence by counting block starts and leaves at once when it lies past the sequence's
 query tokens. K/V rows are gathered through the block table per key position, so tiles may span blocks and
 tables may point anywhere (holes, any order). Online softmax in fp32 (exp2); a sink starts the running max
 and denominator of its head.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -19,7 +17,7 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Q, D]; k, v caches [NB, BS, KV, D]
     bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,  # block_tables [B, MB]; seq_lens [B]; query_start_loc [B+1]; sinks [Q]
@@ -27,21 +25,21 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    # ---- which sequence: largest b with query_start_loc[b] // BLOCK_Q + b <= pid
-    lo = 0
-    hi = num_seqs - 1
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first <= pid, mid, lo)
-        hi = tl.where(first <= pid, hi, mid - 1)
-    seq = lo
+    # ---- which sequence: the last b with query_start_loc[b] // BLOCK_Q + b <= pid (non-decreasing in b),
+    # counted SEARCH_BLOCK sequences per vector load so the batch size is no compile-time constant
+    before = 0
+    for c in range(0, num_seqs, SEARCH_BLOCK):
+        b = c + tl.arange(0, SEARCH_BLOCK)
+        b_ok = b < num_seqs
+        first = tl.load(qsl_ptr + b, mask=b_ok, other=0) // BLOCK_Q + b
+        before += tl.sum((b_ok & (first <= pid)).to(tl.int32), 0)
+    seq = before - 1
     q_start = tl.load(qsl_ptr + seq)
     n_q = tl.load(qsl_ptr + seq + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + seq)
@@ -143,7 +141,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_block_size,
-        SEARCH_STEPS=max(1, math.ceil(math.log2(num_seqs + 1))),
+        SEARCH_BLOCK=128,
         USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None,
         num_warps=4, num_stages=2,
     )

@@ -64,6 +64,15 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_
             off += width
 
 
+def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                       token_lora_idx: torch.Tensor, scaling: torch.Tensor, output_slices: tuple[int, ...]) -> None:
+    """lora_expand(y, lora_shrink(x, ...), ...) as one op (the fused small-rank path), in place.
+
+    y [T, N]; x [T, K]; lora_a [S, L, R, K]; lora_b [L, N, R]; token_lora_idx [T]; scaling [L].
+    """
+    lora_expand(y, lora_shrink(x, lora_a, token_lora_idx, scaling), lora_b, token_lora_idx, output_slices)
+
+
 def check_slices(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, output_slices) -> None:
     if len(output_slices) != buf.shape[0]:
         raise ValueError(f"{len(output_slices)} output slices but the shrink buffer has {buf.shape[0]}")

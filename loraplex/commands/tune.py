@@ -4,10 +4,10 @@
     loraplex tune --model gpt-oss-20b --max-loras 8 --rank 32 --m 1,16,64,256
     loraplex tune --model /path/to/checkpoint --out /tmp/tuning      # any MoE config.json the engine reads
 
-For every tunable op (fused_moe, fused_moe_int8, lora_shrink, lora_expand, fused_moe_lora) and M, each
-candidate (block sizes, warps, stages, split-K, group size) is timed by CUDA-graph replay and the fastest wins
-(a candidate that fails to launch is skipped; benchmarks/kernels/check_gpu.py then checks the tuned configs
-against the references). Compiles are shared across M (M is not a constexpr).
+For every tunable op (fused_moe, fused_moe_int8, lora_shrink, lora_expand, lora_shrink_expand,
+fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group size) is timed by CUDA-graph
+replay and the fastest wins (a candidate that fails to launch is skipped; benchmarks/kernels/check_gpu.py then
+checks the tuned configs against the references). Compiles are shared across M (M is not a constexpr).
 """
 from __future__ import annotations
 

@@ -55,3 +55,12 @@ def test_paged_attention_rejects_bad_gqa():
     q, kc, vc, tables, seq_lens, qsl = _case([4], [1], num_q=3, num_kv=2)
     with pytest.raises(ValueError, match="not a multiple"):
         paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.2)
+
+
+def test_paged_attention_many_sequences_span_search_chunks():
+    """More sequences than one search chunk (128): decode rows must still find their own sequence."""
+    ctx = [1 + (i % 5) for i in range(150)]
+    q, kc, vc, tables, seq_lens, qsl = _case(ctx, [1] * 150, num_q=2, num_kv=1, d=16, bs=4)
+    got = paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.25)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,124 @@
+"""GPU correctness at real shapes: every Triton op against its torch reference in bf16 (rel. error <= 1e-2),
+plus the compile-once check (changing the token count reuses the compiled kernel).
+
+    python3 benchmarks/kernels/check_gpu.py --model gpt-oss-20b --m 1,33,256
+Exit status 1 if any op misses the tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from loraplex.kernels.tuning_cases import PRESETS, misc_cases, tunable_cases  # noqa: E402
+
+TOLERANCE = 1e-2
+
+
+def compiled_variants(kernel) -> int | None:
+    """How many binaries a @triton.jit function holds (None if this Triton hides its cache)."""
+    try:
+        return sum(len(entry[0]) for entry in kernel.device_caches.values())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def compile_once_check() -> list[str]:
+    """Run each op at several token counts with one fixed config; each kernel must compile once."""
+    from loraplex.kernels import fused_moe_lora as fl
+    from loraplex.kernels import lora_expand as ex
+    from loraplex.kernels import lora_shrink as sh
+    from loraplex.kernels import paged_attention as pa
+    from loraplex.kernels.tuning_cases import moe_lora_cases, dense_lora_cases, misc_cases as mc
+
+    s = PRESETS["gpt-oss-20b"]
+    kernels = {"lora_shrink": sh._lora_shrink_kernel, "lora_expand": ex._lora_expand_kernel,
+               "moe_lora_shrink": fl._moe_lora_shrink_kernel, "moe_lora_expand": fl._moe_lora_expand_kernel,
+               "paged_attention": pa._paged_attention_kernel}
+    before = {k: compiled_variants(v) for k, v in kernels.items()}
+    for m in (3, 17, 45, 100):  # same tile choice for paged attention (decode), fixed configs elsewhere
+        for case in dense_lora_cases(s, m, 8, 32, torch.bfloat16, "cuda") + moe_lora_cases(s, m, 8, 32,
+                                                                                            torch.bfloat16, "cuda"):
+            case.run(case.default)
+        [c for c in mc(s, m, torch.bfloat16, "cuda", context=64) if c.label.startswith("paged")][0].run(None)
+    torch.cuda.synchronize()
+    lines = []
+    for name, kernel in kernels.items():
+        after = compiled_variants(kernel)
+        if after is None or before[name] is None:
+            lines.append(f"compile-once {name}: cache not inspectable on this Triton")
+            continue
+        new = after - before[name]
+        lines.append(f"compile-once {name}: {new} new binaries over M=3,17,45,100 ({'OK' if new <= 2 else 'FAIL'})")
+    return lines
+
+
+def copy_blocks_and_dispatch_check() -> list[str]:
+    """copy_blocks (not graph-capturable, so not in the cases) and that CUDA tensors dispatch to Triton."""
+    from loraplex.kernels import dispatch, reference
+    from loraplex.kernels.copy_blocks import copy_blocks
+
+    ks = [torch.randn(64, 16, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    vs = [torch.randn(64, 16, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    mapping = torch.tensor([[3, 40], [7, 9], [63, 0]], device="cuda")
+    want_k, want_v = [k.clone() for k in ks], [v.clone() for v in vs]
+    copy_blocks(ks, vs, mapping)
+    reference.copy_blocks(want_k, want_v, mapping)
+    same = all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v))
+    x = torch.randn(2, 8, device="cuda")
+    picked = {name: dispatch.resolve(name, x).__module__ for name in dispatch.TRITON_LAUNCHERS}
+    off = [n for n, mod in picked.items() if "reference" in mod]
+    return [f"{'ok  ' if same else 'FAIL'} copy_blocks (4 layers, 3 copies, one launch) exact={same}",
+            f"{'ok  ' if not off else 'FAIL'} dispatch on CUDA picks Triton for {len(picked) - len(off)}/{len(picked)}"
+            f" ops{'; reference for ' + ', '.join(off) if off else ''}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="gpt-oss-20b", choices=sorted(PRESETS))
+    p.add_argument("--m", default="1,33,256")
+    args = p.parse_args(argv)
+    shapes = PRESETS[args.model]
+    worst, failed = 0.0, []
+    print(f"# correctness on {torch.cuda.get_device_name()} at {shapes.name} shapes, bf16, tolerance {TOLERANCE}")
+    for m in (int(v) for v in args.m.split(",")):
+        torch.manual_seed(100 + m)
+        cases = tunable_cases(shapes, m, 8, 32, torch.bfloat16, "cuda")
+        cases += misc_cases(shapes, m, torch.bfloat16, "cuda", context=1024)
+        for case in cases:
+            try:
+                err = case.check()
+            except Exception as e:  # noqa: BLE001  (a crash is a failure; go on with the other ops)
+                print(f"FAIL {case.label} M={m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                failed.append(f"{case.label} M={m}")
+                continue
+            worst = max(worst, err)
+            ok = err <= TOLERANCE
+            if not ok:
+                failed.append(f"{case.label} M={m}")
+            print(f"{'ok  ' if ok else 'FAIL'} {case.label:32s} M={m:<4d} rel_err={err:.2e}", flush=True)
+        del cases
+        torch.cuda.empty_cache()
+    try:
+        for line in copy_blocks_and_dispatch_check():
+            print(line)
+            if line.startswith("FAIL"):
+                failed.append(line)
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL copy_blocks/dispatch check crashed: {type(e).__name__}: {e}")
+        failed.append("copy_blocks")
+    try:
+        for line in compile_once_check():
+            print(line)
+    except Exception as e:  # noqa: BLE001
+        print(f"compile-once check crashed: {type(e).__name__}: {e}")
+    print(f"worst rel. error {worst:.2e}; {'all within' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

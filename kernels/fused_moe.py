@@ -1,0 +1,191 @@
+"""Fused MoE in Triton: grouped GEMMs over the routed experts (bf16/fp16/fp32, or INT8 weight-only).
+
+    moe_align ──> gate_up GEMM + bias + act(gate) * up ──> down GEMM + bias, * routing weight ──> sum over A
+                  inter [T*A, I]                            out [T*A, H]                         [T, H]
+
+Both GEMMs walk BLOCK_M-row blocks of pairs sorted by expert (one expert per block, so one weight tile per
+program). Programs are ordered in groups of GROUP_M blocks per column block for L2 reuse; blocks past the
+padded pair count leave at once. INT8 weights are widened in registers and the per-output-channel scale is
+applied to the fp32 accumulator (dequantisation fused). The pair count is not a compile-time constant.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels import tuning
+from loraplex.kernels.moe_align import moe_align
+
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
+    per_group = GROUP_M * NUM_N
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N]; alignment tables
+    num_pairs, num_m, N, K, alpha, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_be, stride_ot,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    tok = (pairs // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
+    wg_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
+    wu_ptrs = wg_ptrs + N * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            wg = tl.load(wg_ptrs, mask=col_ok[None, :], other=0)
+            wu = tl.load(wu_ptrs, mask=col_ok[None, :], other=0)
+        else:
+            k_ok = k0 + k < K
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0)
+            wu = tl.load(wu_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0)
+        acc_g += tl.dot(xt, wg.to(xt.dtype))
+        acc_u += tl.dot(xt, wu.to(xt.dtype))
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    # ---- epilogue: dequant scale, bias, activation
+    if W_INT8:
+        acc_g *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
+        acc_u *= tl.load(scale_ptr + expert * stride_se + N + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc_g += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + expert * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :], h.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def _moe_down_kernel(
+    h_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # h [T*A, K]; w2 [E, N, K]; scale [E, N]; bias [E, N]; topk_weights [T*A]; out [T*A, N]; tables
+    num_pairs, num_m, N, K,
+    stride_ht, stride_we, stride_wn, stride_se, stride_be, stride_ot,
+    W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    pairs64 = pairs.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs64[:, None] * stride_ht + k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            ht = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=col_ok[None, :], other=0)
+        else:
+            k_ok = k0 + k < K
+            ht = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0)
+        acc += tl.dot(ht, wt.to(ht.dtype))
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # ---- epilogue: dequant scale, bias, routing weight
+    if W_INT8:
+        acc *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pairs64[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def shape_of(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> dict[str, int]:
+    """Tuning-file shape key dims: experts, top-k, hidden, intermediate."""
+    return {"E": w13.shape[0], "A": topk_ids.shape[1], "H": x.shape[1], "I": w13.shape[1] // 2}
+
+
+def run_moe(x, w13, w2, topk_weights, topk_ids, *, activation, b13, b2, alpha, limit, w13_scale=None,
+            w2_scale=None, config: dict | None = None, op: str = "fused_moe") -> torch.Tensor:
+    """Both fused MoE launchers end here (``w*_scale`` given: INT8 weights)."""
+    if activation not in ("silu", "swiglu_clamp"):
+        raise ValueError(f"unknown activation {activation!r}; expected 'silu' or 'swiglu_clamp'")
+    num_tokens, hidden = x.shape
+    num_experts, two_i, h13 = w13.shape
+    inter = two_i // 2
+    if h13 != hidden or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match x "
+                         f"[T, {hidden}]: expected w13 [E, 2I, H] and w2 [E, H, I]")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                         f"both be [T={num_tokens}, A]")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    cfg = config or tuning.get_config(op, shape_of(x, w13, topk_ids), num_tokens, DEFAULT_CONFIG)
+    bm, bn, bk, gm = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+    launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, bm)
+    num_m = expert_ids.shape[0]
+    int8 = w13_scale is not None
+    dummy = x
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    num_n1 = triton.cdiv(inter, bn)
+    _moe_gate_up_kernel[(num_m * num_n1,)](
+        x, w13, w13_scale if int8 else dummy, b13 if b13 is not None else dummy, h, sorted_ids, expert_ids,
+        num_post, num_pairs, num_m, inter, hidden, float(alpha), float(limit),
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if int8 else 0,
+        b13.stride(0) if b13 is not None else 0, h.stride(0),
+        TOP_K=top_k, ACT=0 if activation == "silu" else 1, W_INT8=int8, HAS_BIAS=b13 is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n1, EVEN_K=hidden % bk == 0, **launch)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    num_n2 = triton.cdiv(hidden, bn)
+    weights = topk_weights.reshape(-1).contiguous()
+    _moe_down_kernel[(num_m * num_n2,)](
+        h, w2, w2_scale if int8 else dummy, b2 if b2 is not None else dummy, weights, out, sorted_ids,
+        expert_ids, num_post, num_pairs, num_m, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if int8 else 0,
+        b2.stride(0) if b2 is not None else 0, out.stride(0),
+        W_INT8=int8, HAS_BIAS=b2 is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n2, EVEN_K=inter % bk == 0, **launch)
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0,
+              config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``reference.fused_moe``; ``config`` overrides the tuned config (the tuner)."""
+    return run_moe(x, w13, w2, topk_weights, topk_ids, activation=activation, b13=b13, b2=b2, alpha=alpha,
+                   limit=limit, config=config)

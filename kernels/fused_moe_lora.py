@@ -1,0 +1,154 @@
+"""Expert LoRA in Triton (gate_up or down): shrink and expand over pairs aligned by (adapter slot, expert).
+
+    moe_align_lora ─> shrink: buf[p] = scaling[l] * A[l, e] @ x_row(p)      grid (blocks, slots, SPLIT_K)
+                   └> expand: y[p] += w(p) * B[l, e] @ buf[p]  (fused add)   grid (blocks x column blocks, slots)
+
+One grid dimension runs over adapter slots; a slot's table holds only pairs of tokens using it, so tokens
+without an adapter, idle slots and padding blocks exit at once. Split-K shrink adds partial sums with relaxed
+atomics. Each pair has exactly one slot, so expand's read-add-write of y needs no atomics. gate_up reads the
+token's row (x [T, K], pair p -> token p // A); down reads the pair's own row (x [T*A, K]).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels import tuning
+from loraplex.kernels.fused_moe import _grouped_pid
+from loraplex.kernels.moe_align import moe_align_lora
+
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4,
+                  "num_stages": 2}
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+def _moe_lora_shrink_kernel(
+    x_ptr, a_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # x [T or T*A, K]; lora_a [L, E, R, K]; buf [T*A, R] fp32; scaling [L]; tables [L, *]
+    num_pairs, capacity, num_blocks, K, R,
+    stride_xt, stride_al, stride_ae, stride_ar,
+    ROW_DIV: tl.constexpr,  # A for gate_up (token rows), 1 for down (pair rows)
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    lora = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr + lora):  # early exit: no (more) pairs for this slot
+        return
+    lora64 = lora.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    rows = (pairs // ROW_DIV).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xt + k[None, :]
+    a_ptrs = a_ptr + lora64 * stride_al + expert * stride_ae + r[None, :] * stride_ar + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            at = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + tl.arange(0, BLOCK_K) < K
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += tl.dot(xt, at.to(xt.dtype))
+        x_ptrs += BLOCK_K * SPLIT_K
+        a_ptrs += BLOCK_K * SPLIT_K
+    acc *= tl.load(scaling_ptr + lora).to(tl.float32)
+    out_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * R + r[None, :]
+    mask = row_ok[:, None] & r_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+def _moe_lora_expand_kernel(
+    y_ptr, buf_ptr, b_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # y [T*A, N]; buf [T*A, R] fp32; lora_b [L, E, N, R]; topk_weights [T*A]; tables [L, *]
+    num_pairs, capacity, num_blocks, N, R,
+    stride_yt, stride_bl, stride_be, stride_bn,
+    HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_N: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_blocks, NUM_N, GROUP_M)
+    lora = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr + lora):
+        return
+    lora64 = lora.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    pairs64 = pairs.to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    h = tl.load(buf_ptr + pairs64[:, None] * R + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + lora64 * stride_bl + expert * stride_be + cols[None, :] * stride_bn + r[:, None],
+                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    delta = tl.dot(h.to(b.dtype), b)
+    if HAS_WEIGHTS:
+        delta *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + pairs64[:, None] * stride_yt + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def shape_of(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, topk_ids: torch.Tensor) -> dict[str, int]:
+    """Tuning-file shape key dims."""
+    num_loras, num_experts, rank, k = lora_a.shape
+    return {"L": num_loras, "E": num_experts, "A": topk_ids.shape[1], "R": rank, "K": k, "N": y.shape[1]}
+
+
+def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, scaling: torch.Tensor,
+                   topk_weights: torch.Tensor | None = None, *, config: dict | None = None,
+                   align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Same contract as ``reference_lora.fused_moe_lora`` (in place). ``align`` reuses a ``moe_align_lora``
+    result made with the same BLOCK_M (the engine aligns once per layer for gate_up and down)."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    num_loras, num_experts, rank, k = lora_a.shape
+    n = y.shape[1]
+    if y.shape[0] != num_pairs or lora_b.shape != (num_loras, num_experts, n, rank):
+        raise ValueError(f"y must be [T*A={num_pairs}, N] and lora_b [L, E, N, R]={num_loras, num_experts, n, rank};"
+                         f" got y {tuple(y.shape)}, lora_b {tuple(lora_b.shape)}")
+    if x.shape[0] not in (num_tokens, num_pairs) or x.shape[1] != k:
+        raise ValueError(f"x must be [T, K] (gate_up) or [T*A, K] (down) with K={k}, got {tuple(x.shape)}")
+    for name, t in (("x", x), ("y", y), ("lora_a", lora_a), ("lora_b", lora_b)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if num_pairs == 0:
+        return
+    cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, lora_a, topk_ids), num_tokens,
+                                      DEFAULT_CONFIG)
+    bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+    launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    sorted_ids, expert_ids, num_post = align or moe_align_lora(topk_ids, token_lora_idx, num_experts, num_loras, bm)
+    capacity, num_blocks = sorted_ids.shape[1], expert_ids.shape[1]
+    if capacity != num_blocks * bm:
+        raise ValueError(f"align tables were made with block size {capacity // max(num_blocks, 1)} but the config's "
+                         f"BLOCK_M is {bm}; call moe_align_lora with block_size={bm}")
+    per_token = x.shape[0] == num_tokens and top_k > 1
+    buf = (torch.zeros if split_k > 1 else torch.empty)(num_pairs, rank, dtype=torch.float32, device=y.device)
+    block_r = max(16, triton.next_power_of_2(rank))
+    _moe_lora_shrink_kernel[(num_blocks, num_loras, split_k)](
+        x, lora_a, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        ROW_DIV=top_k if per_token else 1, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=bk, SPLIT_K=split_k,
+        EVEN_K=k % (bk * split_k) == 0, **launch)
+    num_n = triton.cdiv(n, bn)
+    weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else buf
+    _moe_lora_expand_kernel[(num_blocks * num_n, num_loras)](
+        y, buf, lora_b, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, n, rank,
+        y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r,
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, **launch)

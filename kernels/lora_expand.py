@@ -1,0 +1,98 @@
+"""LoRA expand in Triton, with the add into the base output fused: y[t, slice s] += buf[s, t] @ lora_b[l, slice s].T.
+
+Grid: (token blocks x column blocks, adapter slots, slices). Programs are ordered in groups of GROUP_M token
+blocks per column block so a B tile stays in L2 while its token blocks pass. Each token has one adapter, so
+the read-add-write of y needs no atomics; programs past their slot's tokens or their slice's width leave at
+once. Up to three output slices (q/k/v or gate/up) are passed as scalars, so no per-call host tensors.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels import tuning
+from loraplex.kernels.lora_shrink import lora_segments
+from loraplex.kernels.reference_lora import check_slices
+
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+MAX_SLICES = 3
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _lora_expand_kernel(
+    y_ptr, buf_ptr, b_ptr, order_ptr, seg_start_ptr, seg_len_ptr,
+    # y [T, N]; buf [S, T, R] fp32; lora_b [L, N, R]; order [T]; seg_start, seg_len [L]
+    num_tokens, R, OFF1, OFF2, W0, W1, W2,
+    stride_yt, stride_bs, stride_bt, stride_bl, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    lora = tl.program_id(1)
+    sl = tl.program_id(2)
+    # ---- grouped program order over (token block, column block)
+    num_m = tl.cdiv(num_tokens, BLOCK_M)
+    per_group = GROUP_M * NUM_N
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    count = tl.load(seg_len_ptr + lora)
+    width = tl.where(sl == 0, W0, tl.where(sl == 1, W1, W2))
+    if (pid_m * BLOCK_M >= count) | (pid_n * BLOCK_N >= width):  # early exit
+        return
+    offset = tl.where(sl == 0, 0, tl.where(sl == 1, OFF1, OFF2))
+    start = tl.load(seg_start_ptr + lora)
+    idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = idx < count
+    tok = tl.load(order_ptr + start + idx, mask=row_ok, other=0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < width
+    cols = offset + cols
+    h = tl.load(buf_ptr + sl * stride_bs + tok[:, None] * stride_bt + r[None, :],
+                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + lora.to(tl.int64) * stride_bl + cols[None, :] * stride_bn + r[:, None],
+                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    delta = tl.dot(h.to(b.dtype), b)  # [BLOCK_M, BLOCK_N] fp32
+    # ---- fused add into the base output
+    y_ptrs = y_ptr + tok[:, None] * stride_yt + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def shape_of(y: torch.Tensor, buf: torch.Tensor, output_slices) -> dict[str, int]:
+    """Tuning-file shape key dims (N is the widest slice)."""
+    return {"S": buf.shape[0], "R": buf.shape[2], "N": max(output_slices)}
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_lora_idx: torch.Tensor,
+                output_slices: tuple[int, ...], *, config: dict | None = None,
+                segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Same contract as ``reference_lora.lora_expand`` (in place). ``segments`` reuses ``lora_segments``."""
+    check_slices(y, buf, lora_b, output_slices)
+    if len(output_slices) > MAX_SLICES:
+        raise ValueError(f"at most {MAX_SLICES} output slices are supported, got {len(output_slices)}")
+    if y.stride(-1) != 1 or not lora_b.is_contiguous() or not buf.is_contiguous():
+        raise ValueError("y must be row-contiguous, lora_b [L, N, R] and buf [S, T, R] contiguous")
+    num_tokens = y.shape[0]
+    max_loras, _, rank = lora_b.shape
+    if num_tokens == 0:
+        return
+    cfg = config or tuning.get_config("lora_expand", shape_of(y, buf, output_slices), num_tokens, DEFAULT_CONFIG)
+    order, seg_start, seg_len = segments or lora_segments(token_lora_idx, max_loras)
+    widths = list(output_slices) + [0] * (MAX_SLICES - len(output_slices))
+    offsets = [0, widths[0], widths[0] + widths[1]]
+    block_m, block_n = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
+    num_n = triton.cdiv(max(output_slices), block_n)
+    grid = (triton.cdiv(num_tokens, block_m) * num_n, max_loras, len(output_slices))
+    _lora_expand_kernel[grid](
+        y, buf, lora_b, order, seg_start, seg_len, num_tokens, rank, offsets[1], offsets[2], *widths,
+        y.stride(0), buf.stride(0), buf.stride(1), lora_b.stride(0), lora_b.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, num_warps=int(cfg["num_warps"]),
+        num_stages=int(cfg["num_stages"]),
+    )

@@ -1,0 +1,312 @@
+"""Problems at a model's real shapes, shared by ``loraplex tune``, the kernel benchmark and the GPU check.
+
+A :class:`Case` is one op at one M (tokens): inputs built on the device, a ``run(config)`` that launches the
+Triton op (``config=None``: tuned file or default), the reference for correctness, the bytes the op must move
+at least (for achieved bandwidth) and, for tunable ops, the config search space.
+Shape legend: M tokens, H hidden, E experts, A top-k, I expert intermediate, L adapter slots, R rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The dims the hot-path kernels see for one model."""
+
+    name: str
+    hidden: int
+    num_experts: int
+    top_k: int
+    moe_intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    activation: str = "silu"
+    expert_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: {self.num_heads} heads not a multiple of {self.num_kv_heads} kv heads")
+
+    @property
+    def qkv_slices(self) -> tuple[int, int, int]:
+        return (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> "ModelShapes":
+        """From ``loraplex.engine.config.ModelConfig``."""
+        if not cfg.is_moe:
+            raise ValueError(f"{cfg.family} is not a MoE model; the kernel tuner needs expert shapes")
+        return cls(name=cfg.name_or_path or cfg.family, hidden=cfg.hidden_size, num_experts=cfg.num_experts,
+                   top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
+                   num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                   activation="swiglu_clamp" if cfg.family == "gpt_oss" else "silu",
+                   expert_bias=cfg.expert_bias)
+
+
+PRESETS = {
+    "gpt-oss-20b": ModelShapes("gpt-oss-20b", hidden=2880, num_experts=32, top_k=4, moe_intermediate=2880,
+                               num_heads=64, num_kv_heads=8, head_dim=64, activation="swiglu_clamp",
+                               expert_bias=True),
+    "qwen3-30b-a3b": ModelShapes("qwen3-30b-a3b", hidden=2048, num_experts=128, top_k=8, moe_intermediate=768,
+                                 num_heads=32, num_kv_heads=4, head_dim=128),
+}
+
+
+@dataclass
+class Case:
+    op: str  # tuning-file op name ("" for ops without tuned configs)
+    label: str
+    m: int
+    shape: dict[str, int]
+    run: Callable[[dict | None], Any]
+    check: Callable[[], float] | None  # relative error vs the reference
+    nbytes: int
+    default: dict | None = None
+    space: list[dict] = field(default_factory=list)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in fp32."""
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm().clamp(min=1e-12))
+
+
+def _cfgs(keys: tuple[str, ...], rows: list[tuple]) -> list[dict]:
+    return [dict(zip(keys, r)) for r in rows]
+
+
+MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), [
+    (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (16, 128, 256, 1, 8, 3),
+    (16, 32, 256, 1, 4, 4), (16, 64, 64, 1, 4, 5), (32, 64, 128, 1, 4, 4), (32, 128, 128, 4, 8, 3),
+    (64, 64, 64, 4, 4, 4), (64, 128, 64, 4, 8, 4), (64, 128, 128, 4, 8, 3), (32, 64, 256, 1, 4, 3)])
+SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [
+    (16, 64, 1, 4, 2), (16, 128, 1, 4, 3), (16, 256, 1, 4, 3), (16, 128, 4, 4, 3), (16, 256, 4, 4, 3),
+    (16, 128, 8, 4, 3), (16, 64, 8, 2, 3), (32, 128, 4, 4, 3), (64, 128, 2, 4, 3), (64, 64, 1, 4, 3),
+    (16, 256, 8, 8, 3), (32, 256, 2, 8, 3)])
+EXPAND_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages"), [
+    (16, 64, 1, 4, 2), (16, 128, 1, 4, 2), (16, 256, 1, 4, 2), (16, 128, 4, 4, 2), (32, 128, 4, 4, 2),
+    (64, 128, 4, 4, 2), (16, 32, 1, 2, 2), (32, 256, 4, 8, 2), (64, 64, 8, 4, 2), (16, 512, 1, 8, 2)])
+FUSED_LORA_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), [
+    (16, 128, 128, 4, 3), (16, 64, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 256, 4, 3), (16, 64, 256, 4, 2),
+    (32, 128, 128, 4, 3), (16, 256, 256, 8, 3), (32, 256, 128, 8, 3), (64, 128, 64, 4, 3), (16, 128, 64, 4, 4)])
+MOE_LORA_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M", "num_warps", "num_stages"), [
+    (16, 64, 64, 1, 1, 4, 2), (16, 128, 128, 1, 1, 4, 3), (16, 128, 128, 4, 1, 4, 3), (16, 256, 256, 2, 1, 4, 3),
+    (16, 64, 256, 4, 1, 4, 3), (32, 128, 128, 2, 4, 4, 3), (16, 128, 64, 8, 1, 4, 3), (32, 64, 128, 1, 4, 4, 3),
+    (64, 128, 128, 1, 4, 8, 3), (16, 256, 128, 2, 1, 8, 3)])
+
+
+def _routing(m: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(m, num_experts, device=device)
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1), ids
+
+
+def _adapters(m: int, max_loras: int, device) -> torch.Tensor:
+    """Round-robin over every slot (all adapters active when M >= L), as a multi-tenant decode batch."""
+    return (torch.arange(m, device=device) % max_loras).to(torch.int32)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def moe_cases(s: ModelShapes, m: int, dtype, device, *, int8: bool = False) -> list[Case]:
+    from loraplex.kernels import reference, reference_lora
+    from loraplex.kernels.fused_moe import DEFAULT_CONFIG, fused_moe, shape_of
+    from loraplex.kernels.fused_moe_int8 import fused_moe_int8
+
+    h, e, i = s.hidden, s.num_experts, s.moe_intermediate
+    x = torch.randn(m, h, device=device, dtype=dtype)
+    w13 = (torch.randn(e, 2 * i, h, device=device) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=device) / i ** 0.5).to(dtype)
+    b13 = torch.randn(e, 2 * i, device=device, dtype=dtype) * 0.1 if s.expert_bias else None
+    b2 = torch.randn(e, h, device=device, dtype=dtype) * 0.1 if s.expert_bias else None
+    weights, ids = _routing(m, e, s.top_k, device)
+    active = int(ids.unique().numel())
+    kw = dict(activation=s.activation, b13=b13, b2=b2)
+    act_bytes = _nbytes(x) * 2 + m * s.top_k * i * x.element_size() * 2
+    if not int8:
+        return [Case("fused_moe", "fused_moe", m, shape_of(x, w13, ids),
+                     lambda cfg: fused_moe(x, w13, w2, weights, ids, config=cfg, **kw),
+                     lambda: rel_error(fused_moe(x, w13, w2, weights, ids, **kw),
+                                       reference.fused_moe(x, w13, w2, weights, ids, **kw)),
+                     nbytes=active * (w13[0].numel() + w2[0].numel()) * w13.element_size() + act_bytes,
+                     default=DEFAULT_CONFIG, space=MOE_SPACE)]
+    q13, s13 = reference_lora.quantize_int8_per_channel(w13)
+    q2, s2 = reference_lora.quantize_int8_per_channel(w2)
+    del w13, w2
+    args = (x, q13, s13, q2, s2, weights, ids)
+    return [Case("fused_moe_int8", "fused_moe_int8", m, shape_of(x, q13, ids),
+                 lambda cfg: fused_moe_int8(*args, config=cfg, **kw),
+                 lambda: rel_error(fused_moe_int8(*args, **kw), reference_lora.fused_moe_int8(*args, **kw)),
+                 nbytes=active * (q13[0].numel() + q2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
+                 + act_bytes, default=DEFAULT_CONFIG, space=MOE_SPACE)]
+
+
+def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
+    """qkv projection: 3 slices, K = hidden."""
+    from loraplex.kernels import lora_expand as ex
+    from loraplex.kernels import lora_shrink as sh
+    from loraplex.kernels import lora_shrink_expand as fu
+    from loraplex.kernels import reference_lora as ref
+
+    slices = s.qkv_slices
+    n = sum(slices)
+    x = torch.randn(m, s.hidden, device=device, dtype=dtype)
+    lora_a = (torch.randn(3, max_loras, rank, s.hidden, device=device) / s.hidden ** 0.5).to(dtype)
+    lora_b = (torch.randn(max_loras, n, rank, device=device) / rank ** 0.5).to(dtype)
+    scaling = torch.full((max_loras,), 2.0, device=device)
+    idx = _adapters(m, max_loras, device)
+    active = min(m, max_loras)
+    buf = ref.lora_shrink(x, lora_a, idx, scaling)
+    y = torch.randn(m, n, device=device, dtype=dtype)
+
+    def check_expand() -> float:
+        got, want = y.clone(), y.clone()
+        ex.lora_expand(got, buf, lora_b, idx, slices)
+        ref.lora_expand(want, buf, lora_b, idx, slices)
+        return rel_error(got, want)
+
+    def check_fused() -> float:
+        got, want = y.clone(), y.clone()
+        fu.lora_shrink_expand(got, x, lora_a, lora_b, idx, scaling, slices)
+        ref.lora_shrink_expand(want, x, lora_a, lora_b, idx, scaling, slices)
+        return rel_error(got, want)
+
+    return [
+        Case("lora_shrink_expand", "lora_shrink_expand[qkv]", m, fu.shape_of(y, lora_a, slices),
+             lambda cfg: fu.lora_shrink_expand(y, x, lora_a, lora_b, idx, scaling, slices, config=cfg),
+             check_fused,
+             nbytes=_nbytes(x) + 2 * _nbytes(y) + active * rank * (3 * s.hidden + n) * lora_a.element_size(),
+             default=fu.DEFAULT_CONFIG, space=FUSED_LORA_SPACE),
+        Case("lora_shrink", "lora_shrink[qkv]", m, sh.shape_of(x, lora_a),
+             lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg),
+             lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling), ref.lora_shrink(x, lora_a, idx, scaling)),
+             nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * lora_a.element_size(),
+             default=sh.DEFAULT_CONFIG, space=SHRINK_SPACE),
+        Case("lora_expand", "lora_expand[qkv]", m, ex.shape_of(y, buf, slices),
+             lambda cfg: ex.lora_expand(y, buf, lora_b, idx, slices, config=cfg), check_expand,
+             nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * lora_b.element_size(),
+             default=ex.DEFAULT_CONFIG, space=EXPAND_SPACE),
+    ]
+
+
+def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
+    """Expert LoRA on gate_up (K = H, N = 2I, token rows) and down (K = I, N = H, pair rows, weighted)."""
+    from loraplex.kernels import fused_moe_lora as fl
+    from loraplex.kernels import reference_lora as ref
+
+    e, a = s.num_experts, s.top_k
+    weights, ids = _routing(m, e, a, device)
+    idx = _adapters(m, max_loras, device)
+    scaling = torch.full((max_loras,), 2.0, device=device)
+    pairs = (idx.long()[:, None] * e + ids).unique().numel()  # distinct (adapter, expert) weight sets read
+    cases = []
+    for target, k, n, per_pair in (("gate_up", s.hidden, 2 * s.moe_intermediate, False),
+                                   ("down", s.moe_intermediate, s.hidden, True)):
+        x = torch.randn(m * a if per_pair else m, k, device=device, dtype=dtype)
+        lora_a = (torch.randn(max_loras, e, rank, k, device=device) / k ** 0.5).to(dtype)
+        lora_b = (torch.randn(max_loras, e, n, rank, device=device) / rank ** 0.5).to(dtype)
+        y = torch.randn(m * a, n, device=device, dtype=dtype)
+        tw = weights if per_pair else None
+
+        def check(x=x, lora_a=lora_a, lora_b=lora_b, y=y, tw=tw) -> float:
+            got, want = y.clone(), y.clone()
+            fl.fused_moe_lora(got, x, lora_a, lora_b, ids, idx, scaling, tw)
+            ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling, tw)
+            return rel_error(got, want)
+
+        cases.append(Case(
+            "fused_moe_lora", f"fused_moe_lora[{target}]", m, fl.shape_of(y, x, lora_a, ids),
+            lambda cfg, x=x, lora_a=lora_a, lora_b=lora_b, y=y, tw=tw:
+                fl.fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling, tw, config=cfg),
+            check, nbytes=pairs * rank * (k + n) * lora_a.element_size() + _nbytes(x) + 2 * _nbytes(y),
+            default=fl.DEFAULT_CONFIG, space=MOE_LORA_SPACE))
+    return cases
+
+
+def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) -> list[Case]:
+    """Untuned ops: rms_norm (+residual), activation, moe_align_lora, reshape_and_cache, decode attention."""
+    from loraplex.kernels import reference, reference_lora
+    from loraplex.kernels.activation import swiglu_clamp_and_mul
+    from loraplex.kernels.moe_align import moe_align_lora
+    from loraplex.kernels.paged_attention import paged_attention
+    from loraplex.kernels.reshape_and_cache import reshape_and_cache
+    from loraplex.kernels.rms_norm import rms_norm
+
+    h = s.hidden
+    x, res = torch.randn(m, h, device=device, dtype=dtype), torch.randn(m, h, device=device, dtype=dtype)
+    w = torch.randn(h, device=device, dtype=dtype)
+    g = torch.randn(m * s.top_k, 2 * s.moe_intermediate, device=device, dtype=dtype) * 4
+    _, ids = _routing(m, s.num_experts, s.top_k, device)
+    idx = _adapters(m, 8, device)
+    # decode: M sequences of `context` tokens, blocks shuffled across the pool
+    bs, kvh, d, qh = 16, s.num_kv_heads, s.head_dim, s.num_heads
+    per_seq = context // bs
+    nb = m * per_seq + 1
+    kc = torch.randn(nb, bs, kvh, d, device=device, dtype=dtype)
+    vc = torch.randn(nb, bs, kvh, d, device=device, dtype=dtype)
+    tables = torch.randperm(nb - 1, device=device)[:m * per_seq].view(m, per_seq).to(torch.int32)
+    seq_lens = torch.full((m,), context, device=device, dtype=torch.int32)
+    qsl = torch.arange(m + 1, device=device, dtype=torch.int32)
+    q = torch.randn(m, qh, d, device=device, dtype=dtype)
+    sinks = torch.randn(qh, device=device)
+    scale = d ** -0.5
+    new_k, new_v = torch.randn(m, kvh, d, device=device, dtype=dtype), torch.randn(m, kvh, d, device=device,
+                                                                                    dtype=dtype)
+    slots = (tables[:, -1].long() * bs + bs - 1).to(torch.int32)
+
+    def check_cache() -> float:
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        reshape_and_cache(new_k, new_v, k1, v1, slots)
+        reference.reshape_and_cache(new_k, new_v, k2, v2, slots)
+        return rel_error(torch.cat([k1, v1]), torch.cat([k2, v2]))
+
+    def check_align() -> float:
+        got = moe_align_lora(ids, idx, s.num_experts, 8, 16)
+        want = reference_lora.moe_align_lora(ids, idx, s.num_experts, 8, 16)
+        return 0.0 if all(torch.equal(a, b) for a, b in zip(got, want)) else 1.0
+
+    attn_kw = dict(sinks=sinks)
+    return [
+        Case("", "rms_norm+residual", m, {}, lambda cfg: rms_norm(x, w, 1e-5, res),
+             lambda: max(rel_error(a, b) for a, b in zip(rms_norm(x, w, 1e-5, res),
+                                                         reference.rms_norm(x, w, 1e-5, res))),
+             nbytes=4 * _nbytes(x) + _nbytes(w)),
+        Case("", "swiglu_clamp_and_mul", m, {}, lambda cfg: swiglu_clamp_and_mul(g, 1.702, 7.0),
+             lambda: rel_error(swiglu_clamp_and_mul(g, 1.702, 7.0), reference.swiglu_clamp_and_mul(g, 1.702, 7.0)),
+             nbytes=_nbytes(g) * 3 // 2),
+        Case("", "moe_align_lora", m, {}, lambda cfg: moe_align_lora(ids, idx, s.num_experts, 8, 16), check_align,
+             nbytes=_nbytes(ids, idx)),
+        Case("", "reshape_and_cache", m, {}, lambda cfg: reshape_and_cache(new_k, new_v, kc, vc, slots),
+             check_cache, nbytes=4 * _nbytes(new_k)),
+        Case("", f"paged_attention[decode ctx={context}]", m, {},
+             lambda cfg: paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw),
+             lambda: rel_error(paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw),
+                               reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw)),
+             nbytes=2 * m * context * kvh * d * kc.element_size() + 2 * _nbytes(q)),
+    ]
+
+
+def tunable_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
+    return (moe_cases(s, m, dtype, device) + moe_cases(s, m, dtype, device, int8=True)
+            + dense_lora_cases(s, m, max_loras, rank, dtype, device)
+            + moe_lora_cases(s, m, max_loras, rank, dtype, device))
+
+
+def bench_time_ms(fn: Callable[[], Any], rep_ms: int = 25) -> float:
+    """Device time of one call: CUDA-graph replay (no launch gaps), falling back to plain events."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms))
+    except Exception:  # noqa: BLE001  (an op that cannot be captured)
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench(fn, warmup=5, rep=rep_ms))

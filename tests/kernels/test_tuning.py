@@ -1,0 +1,87 @@
+import json
+import logging
+
+import pytest
+
+from loraplex.kernels import tuning
+
+DEFAULT = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4}
+
+
+@pytest.fixture
+def tdir(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path))
+    tuning.clear_cache()
+    yield tmp_path
+    tuning.clear_cache()
+
+
+def test_device_folder_name_replaces_spaces():
+    assert tuning.device_folder_name("NVIDIA H200") == "NVIDIA_H200"
+    with pytest.raises(ValueError, match="device name is empty"):
+        tuning.device_folder_name("  ")
+
+
+def test_config_path_is_shared_by_writer_and_reader(tdir):
+    path = tuning.write_configs("fused_moe", {"E=4,N=8": {16: {"BLOCK_M": 32}}}, device_name="NVIDIA H200")
+    assert path == tdir / "NVIDIA_H200" / "fused_moe.json" == tuning.config_path("fused_moe", "NVIDIA H200")
+    assert json.loads(path.read_text()) == {"E=4,N=8": {"16": {"BLOCK_M": 32}}}
+
+
+def test_nearest_m_wins_and_ties_go_low(tdir):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 1}, 16: {"BLOCK_M": 16}, 64: {"BLOCK_M": 64}}},
+                         device_name="gpu")
+    pick = lambda m: tuning.get_config("op", {"K": 8}, m, DEFAULT, device_name="gpu")["BLOCK_M"]  # noqa: E731
+    assert [pick(m) for m in (1, 7, 9, 33, 40, 41, 1000)] == [1, 1, 16, 16, 16, 64, 64]
+    assert pick(8) == 1  # 7 from 1, 8 from 16
+    # missing keys are filled from the default
+    assert tuning.get_config("op", {"K": 8}, 16, DEFAULT, device_name="gpu")["num_warps"] == 4
+
+
+def test_missing_file_warns_once_and_uses_default(tdir, caplog):
+    with caplog.at_level(logging.WARNING, logger="loraplex.kernels.tuning"):
+        for m in (1, 2, 3):
+            assert tuning.get_config("nope", {"K": 1}, m, DEFAULT, device_name="gpu") == DEFAULT
+    warnings = [r for r in caplog.records if "no tuning file" in r.getMessage()]
+    assert len(warnings) == 1 and "nope.json" in warnings[0].getMessage()
+
+
+def test_unknown_shape_falls_back(tdir, caplog):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 1}}}, device_name="gpu")
+    with caplog.at_level(logging.WARNING, logger="loraplex.kernels.tuning"):
+        assert tuning.get_config("op", {"K": 9}, 1, DEFAULT, device_name="gpu") == DEFAULT
+    assert "no entry for shape K=9" in caplog.text
+
+
+def test_files_are_cached(tdir):
+    path = tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 1}}}, device_name="gpu")
+    assert tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="gpu")["BLOCK_M"] == 1
+    path.write_text(json.dumps({"K=8": {"1": {"BLOCK_M": 128}}}))
+    assert tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="gpu")["BLOCK_M"] == 1  # cached
+    tuning.clear_cache()
+    assert tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="gpu")["BLOCK_M"] == 128
+
+
+def test_bad_json_names_the_file(tdir):
+    path = tuning.config_path("op", "gpu")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(tuning.TuningConfigError, match="op.json is not valid JSON"):
+        tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="gpu")
+
+
+def test_write_merges_other_shapes(tdir):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 1}}}, device_name="gpu")
+    path = tuning.write_configs("op", {"K=9": {4: {"BLOCK_M": 4}}, "K=8": {2: {"BLOCK_M": 2}}}, device_name="gpu")
+    assert json.loads(path.read_text()) == {"K=8": {"1": {"BLOCK_M": 1}, "2": {"BLOCK_M": 2}},
+                                            "K=9": {"4": {"BLOCK_M": 4}}}
+
+
+def test_repo_tuning_files_parse():
+    """Committed files load and every entry is keyed by integer M."""
+    tuning.clear_cache()
+    for path in tuning._REPO_TUNING_DIR.glob("*/*.json"):
+        table = tuning._load(str(path))
+        assert table, f"{path} is empty"
+        for by_m in table.values():
+            assert all(isinstance(m, int) for m in by_m)
