@@ -1,4 +1,4 @@
-.PHONY: demo test bootstrap
+.PHONY: demo test bootstrap chart-configs
 
 bootstrap:
 	./scripts/bootstrap.sh
@@ -9,3 +9,11 @@ demo: bootstrap
 
 test: bootstrap
 	./scripts/test.sh
+
+# Copies tuning_configs/ into the Helm chart (charts cannot read files outside their folder, nor follow links).
+# Run after `loraplex tune` writes new configs; tests/deploy checks that the two copies match.
+chart-configs:
+	rm -rf deploy/helm/loraplex/files/tuning_configs
+	mkdir -p deploy/helm/loraplex/files/tuning_configs
+	cp -R tuning_configs/. deploy/helm/loraplex/files/tuning_configs/
+	find deploy/helm/loraplex/files/tuning_configs -name '__pycache__' -prune -exec rm -rf {} +
