@@ -26,7 +26,7 @@ def _packages() -> list[str]:
 setup(
     packages=_packages(),
     package_dir=ROOTS,
-    package_data={"loraplex.platform": ["**/*.html", "**/*.js", "**/*.css", "**/*.json"],
+    package_data={"loraplex.platform": ["**/*.html", "**/*.js", "**/*.css", "**/*.json", "**/*.md", "**/LICENSE*"],
                   "loraplex.engine": ["**/*.json"]},
     include_package_data=True,
 )

@@ -10,13 +10,15 @@ A consumer that stops iterating (client gone, task cancelled) aborts its request
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.lora.manager import AdapterLoadError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -42,6 +44,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -65,7 +73,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                        adapter: object | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, one per step that gives it a token; the last has ``finished=True``.
-        Bad input raises ValueError from the first iteration; other requests are unaffected."""
+        Bad input raises ValueError from the first iteration; an adapter that cannot be loaded raises
+        AdapterLoadError (its message says why); other requests are unaffected."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}")
         loop = asyncio.get_running_loop()
@@ -91,10 +100,21 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
         self._wake.set()
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps (adapter evictions and anything else that
+        touches device buffers the step uses); returns its result or raises its exception."""
+        if not self.is_alive():
+            raise EngineDeadError(f"engine loop is not running: {self._error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
@@ -117,7 +137,13 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _Call):
+                if cmd.future.set_running_or_notify_cancel():
+                    try:
+                        cmd.future.set_result(cmd.fn(self.engine))
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        cmd.future.set_exception(e)
+            elif isinstance(cmd, _Add):
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.adapter)
                 except (ValueError, TypeError) as e:
@@ -137,7 +163,10 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                    if out.finish_reason == "error":  # e.g. its adapter failed to load: the consumer gets it raised
+                        self._deliver(out.request_id, AdapterLoadError(out.error))
+                    else:
+                        self._deliver(out.request_id, out)
                     if out.finished:
                         self._sinks.pop(out.request_id, None)
         except BaseException as e:  # noqa: BLE001 - fail every waiter loudly, never hang them
@@ -147,3 +176,14 @@ class AsyncEngine:
             for request_id in list(self._sinks):
                 self._deliver(request_id, err)
             self._sinks.clear()
+        finally:
+            self._fail_pending_calls()
+
+    def _fail_pending_calls(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call) and not cmd.future.done():
+                cmd.future.set_exception(EngineDeadError("the engine loop stopped before running this call"))

@@ -1,6 +1,7 @@
 """Engine settings: what to load, where, and the cache / scheduler limits. Validated on construction."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,6 +28,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90    # CUDA: fraction of total memory the engine may use
     enable_prefix_caching: bool = True
     progress: bool = True                   # progress bar while loading weights
+    # LoRA adapters (docs/adapters.md)
+    enable_lora: bool = False
+    max_loras: int = 4                      # GPU slots: distinct adapters in one step
+    max_lora_rank: int = 16                 # slot buffers are padded to this rank; higher ranks are refused
+    max_cpu_loras: int = 16                 # CPU LRU of loaded adapters (>= max_loras)
+    adapter_cache_dir: str | None = None    # disk cache, content-addressed by sha256 (default: a temp folder)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -46,3 +53,13 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
+                             "adapter in a GPU slot passes through the CPU tier; raise max_cpu_loras")
+        if self.adapter_cache_dir is not None and os.path.exists(self.adapter_cache_dir) \
+                and not os.path.isdir(self.adapter_cache_dir):
+            raise ValueError(f"adapter_cache_dir {self.adapter_cache_dir!r} exists and is not a folder")

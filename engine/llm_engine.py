@@ -3,6 +3,10 @@
     add_request ─▶ SequenceGroup ─▶ Scheduler.schedule() ─▶ SchedulerOutput ─▶ ModelRunner.execute()
                                           ▲                                            │ {seq_id: token}
                                           └──────────── Scheduler.update() ◀───────────┘ ─▶ RequestOutput
+
+With ``enable_lora`` the engine also owns an AdapterManager (GPU slots ← CPU ← disk ← fetcher): the scheduler
+activates each admitted request's adapter into a slot, every step passes ``{seq_id: slot}`` to the runner, and
+a request whose adapter fails to load finishes with ``finish_reason="error"`` and the reason in ``error``.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import torch
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.engine_config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager
+from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.outputs import RequestMetrics, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -75,13 +81,21 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         eos = list(dict.fromkeys(self.model_config.eos_token_ids + _generation_eos_ids(config.model)))
         self.eos_token_ids = eos
+        self.runner.sampler.eos_token_ids = list(eos)  # masked until min_tokens
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        enable_prefix_caching=config.enable_prefix_caching)
+        self.adapters: AdapterManager | None = None
+        if config.enable_lora:
+            slots = self.runner.init_lora(max_loras=config.max_loras, max_rank=config.max_lora_rank)
+            self.adapters = AdapterManager(
+                slots, self.model_config, max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                max_rank=config.max_lora_rank, cache_dir=config.adapter_cache_dir, dtype=self.runner.dtype,
+                pin_memory=self.runner.device.type == "cuda")
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                            eos_token_ids=eos),
-            self.kv_cache)
+                            eos_token_ids=eos, max_loras=config.max_loras if config.enable_lora else None),
+            self.kv_cache, adapter_slots=self.adapters)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
 
@@ -91,10 +105,18 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    adapter: object | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError naming the problem; nothing is queued then."""
+                    adapter: AdapterRef | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request (``adapter``: None = base model). Raises ValueError naming the problem; nothing is
+        queued then. The adapter's load starts now; an adapter that fails to load finishes the request with an
+        error output, not an exception here."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if adapter is not None:
+            if self.adapters is None:
+                raise ValueError("this engine serves the base model only: start it with enable_lora=True to serve "
+                                 "adapters")
+            if not isinstance(adapter, AdapterRef):
+                raise TypeError(f"adapter must be an AdapterRef, got {type(adapter).__name__}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -110,6 +132,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.scheduler.add(group)  # validates budget fit; raises before anything is recorded here
         self._requests[request_id] = _RequestState(group, params, generator, detok, RequestMetrics(arrival))
+        if adapter is not None and self.adapters.slot_of(adapter) is None:
+            self.adapters.ensure_loading(adapter)  # off the step loop, from now on
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -143,13 +167,16 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_adapter_requests()
         out = self.scheduler.schedule()
         now = time.monotonic()
         for request_id in out.preempted:
             if request_id in self._requests:
                 self._requests[request_id].metrics.num_preemptions += 1
         if not out.scheduled:
-            return []
+            if not failed and self.adapters is not None:
+                self.adapters.wait_for_progress(0.01)  # everyone waits on an adapter load: don't spin
+            return failed
         sampling = {}
         for s in out.scheduled:
             state = self._requests[s.seq.request_id]
@@ -158,7 +185,10 @@ class LLMEngine:
                 state.num_cached_tokens = s.seq.num_computed_tokens
             if s.sample:
                 sampling[s.seq.seq_id] = (state.params, state.generator)
-        sampled = self.runner.execute(out, sampling)
+        if self.adapters is None:
+            sampled = self.runner.execute(out, sampling)
+        else:
+            sampled = self.runner.execute(out, sampling, lora_slots=self._lora_slots(out))
         finished = {g.request_id for g in self.scheduler.update(out, sampled)}
         now = time.monotonic()
         outputs = []
@@ -170,7 +200,79 @@ class LLMEngine:
                                              s.seq.request_id in finished, now))
         for request_id in finished:
             self._requests.pop(request_id, None)
+        return failed + outputs
+
+    # ---- adapters -------------------------------------------------------------------------------------------
+    def _lora_slots(self, out) -> dict[int, int]:
+        """{seq_id: GPU slot} of this step's sequences that use an adapter (the scheduler activated them)."""
+        slots = {}
+        for s in out.scheduled:
+            adapter = self._requests[s.seq.request_id].group.adapter
+            if adapter is not None:
+                slot = self.adapters.slot_of(adapter)
+                if slot is None:  # the scheduler admits only resident adapters and never evicts running ones
+                    raise RuntimeError(f"adapter {adapter.adapter_id!r} of a running request has no slot")
+                slots[s.seq.seq_id] = slot
+        return slots
+
+    def _fail_adapter_requests(self) -> list[RequestOutput]:
+        """Finish waiting requests whose adapter failed to load, with finish_reason "error" and the reason."""
+        if self.adapters is None:
+            return []
+        outputs = []
+        for seq in list(self.scheduler.waiting):
+            state = self._requests.get(seq.request_id)
+            adapter = state.group.adapter if state is not None else None
+            if adapter is None or self.adapters.state(adapter) != "failed":
+                continue
+            reason = self.adapters.error(adapter)
+            err = AdapterLoadError(f"adapter {adapter.adapter_id!r} could not be loaded: {reason}")
+            self.scheduler.abort(seq.request_id)
+            del self._requests[seq.request_id]
+            out = self._make_output(state, [], True, time.monotonic())
+            out.finish_reason, out.error = "error", str(err)
+            logger.info("request %s failed: adapter %s did not load", seq.request_id, adapter.adapter_id)
+            outputs.append(out)
         return outputs
+
+    def load_adapter(self, adapter: AdapterRef, *, wait: bool = False, timeout: float | None = None) -> str:
+        """Preload ``adapter`` into the CPU tier (retrying a remembered failure); GPU slots are filled on demand.
+        Returns its state: "ready", "loading" or "failed" (``list_adapters()["failed"]`` says why)."""
+        self._require_lora()
+        state = self.adapters.ensure_loading(adapter, retry=True)
+        return self.adapters.wait(adapter, timeout) if wait and state == "loading" else state
+
+    def evict_adapter(self, adapter: AdapterRef) -> bool:
+        """Drop ``adapter`` from GPU and CPU (the disk cache keeps it) and forget a failure. ValueError while a
+        running request uses it. Call from the thread that steps the engine."""
+        self._require_lora()
+        users = [s.request_id for s in self.scheduler.running if self._requests[s.request_id].group.adapter == adapter]
+        if users:
+            raise ValueError(f"adapter {adapter.adapter_id!r} is in use by {len(users)} running request(s); abort "
+                             "them or wait for them to finish")
+        return self.adapters.evict(adapter)
+
+    def pin_adapter(self, adapter: AdapterRef, pinned: bool = True) -> None:
+        """Pin (never evict from CPU or its slot; starts its load) or unpin an adapter."""
+        self._require_lora()
+        if pinned:
+            self.adapters.pin(adapter)
+        else:
+            self.adapters.unpin(adapter)
+
+    def list_adapters(self) -> dict:
+        """Residency per tier, pins, failures and counters (see AdapterManager.residency)."""
+        self._require_lora()
+        return self.adapters.residency()
+
+    def _require_lora(self) -> None:
+        if self.adapters is None:
+            raise ValueError("LoRA is disabled on this engine; start it with enable_lora=True")
+
+    def close(self) -> None:
+        """Stop background adapter loads (the engine's other resources go with the object)."""
+        if self.adapters is not None:
+            self.adapters.close()
 
     def _make_output(self, state: _RequestState, new_ids: list[int], finished: bool, now: float) -> RequestOutput:
         seq = state.group.seqs[0]
@@ -189,13 +291,14 @@ class LLMEngine:
             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics, adapter=state.group.adapter)
 
     # ---- convenience ----------------------------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 adapters: AdapterRef | list[AdapterRef | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion together (continuous batching); outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        alist = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
         ids = [f"generate-{next(self._seq_ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, a in zip(ids, prompts, plist, alist):
+            self.add_request(rid, prompt, p, a)
         final: dict[str, RequestOutput] = {}
         while any(rid not in final for rid in ids):
             for o in self.step():

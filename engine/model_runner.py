@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -20,6 +20,9 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.kernels import ops
+
+if TYPE_CHECKING:
+    from loraplex.engine.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class ModelRunner:
         self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
+        self.lora: "LoRASlots | None" = None  # set by init_lora()
         # Debug/test hook: called with (sequences, logits [N, V] float32) before sampling.
         self.logits_hook: Callable[[list, torch.Tensor], None] | None = None
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %s on %s", self.num_blocks,
@@ -157,16 +161,43 @@ class ModelRunner:
             sample_seqs=sample_seqs,
         )
 
+    # ---- multi-LoRA -----------------------------------------------------------------------------------------
+    def init_lora(self, *, max_loras: int, max_rank: int) -> "LoRASlots":
+        """Attach multi-LoRA to the model: slot buffers on this runner's device and dtype. Returns the slots
+        (for the AdapterManager); ``execute(..., lora_slots=...)`` then routes tokens to them."""
+        from loraplex.engine.lora.slots import LoRASlots
+
+        self.lora = LoRASlots(self.model, self.model_config, max_loras=max_loras, max_rank=max_rank,
+                              device=self.device, dtype=self.dtype)
+        return self.lora
+
+    def _set_lora_tokens(self, out: SchedulerOutput, lora_slots: dict[int, int] | None) -> None:
+        """token_lora_idx [T] (-1 = base) in the step's token order, built once per step; None when no scheduled
+        sequence has an adapter, so no layer does LoRA work."""
+        used = lora_slots is not None and any(lora_slots.get(s.seq.seq_id, -1) >= 0 for s in out.scheduled)
+        if self.lora is None:
+            if used:
+                raise ValueError("execute() got adapter slots but LoRA is not attached; call init_lora() first")
+            return
+        if not used:
+            self.lora.set_token_slots(None)
+            return
+        idx = [lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
+        counts = [s.num_new_tokens for s in out.scheduled]
+        self.lora.set_token_slots(torch.tensor(idx, dtype=torch.int32).repeat_interleave(torch.tensor(counts)))
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, torch.Generator | None]]
-                ) -> dict[int, int]:
-        """Run one step. ``sampling`` maps each sampling sequence id to its params and generator."""
+    def execute(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, torch.Generator | None]],
+                lora_slots: dict[int, int] | None = None) -> dict[int, int]:
+        """Run one step. ``sampling`` maps each sampling sequence id to its params and generator; ``lora_slots``
+        maps sequence ids to the LoRA slot of their adapter (absent / None: base model)."""
         if not out.scheduled:
             return {}
         if out.blocks_to_copy:
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
                             torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device))
         inputs = self.prepare(out)
+        self._set_lora_tokens(out, lora_slots)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
         if not inputs.sample_seqs:
             return {}
@@ -174,7 +205,8 @@ class ModelRunner:
         if self.logits_hook is not None:
             self.logits_hook(inputs.sample_seqs, logits)
         seq_ids = [seq.seq_id for seq in inputs.sample_seqs]
-        tokens = self.sampler.sample(logits, [sampling[i][0] for i in seq_ids], [sampling[i][1] for i in seq_ids])
+        tokens = self.sampler.sample(logits, [sampling[i][0] for i in seq_ids], [sampling[i][1] for i in seq_ids],
+                                     seqs=inputs.sample_seqs)
         return dict(zip(seq_ids, tokens))
 
     def make_generator(self, seed: int) -> torch.Generator:

@@ -16,7 +16,7 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """One request's state after a step. ``new_token_ids``/``new_text`` are this step's delta (for streaming);
-    ``output_token_ids``/``text`` are cumulative."""
+    ``output_token_ids``/``text`` are cumulative. ``finish_reason``: "stop", "length", "abort" or "error"."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -29,3 +29,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     adapter: object | None = field(default=None, repr=False)
+    error: str | None = None  # why the request failed (finish_reason "error"), e.g. its adapter did not load

@@ -1,17 +1,40 @@
 """Token selection from the last-position logits of each sampled sequence.
 
-    logits [N, V] float32 -> greedy rows: argmax
-                          -> others: / temperature -> top-k -> top-p -> draw
+    logits [N, V] float32 -> penalties (repetition, presence, frequency) and the min_tokens mask, rows that use them
+                          -> greedy rows: argmax
+                          -> others: / temperature -> top-k -> top-p -> min-p -> draw
+                          -> logprobs of the chosen tokens under the raw logits, rows that ask for them
 
 The draw uses the exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i,
 and needs only one noise vector per row. A seeded row's noise comes from its own generator, one row at a
-time, so its token depends only on its own logits and generator state — never on the batch around it.
+time, so its token depends only on its own logits and generator state — never on the batch around it. Rows of
+one request (n > 1) that share a generator draw from it in row order, so the request stays reproducible.
+
+Penalties need each row's tokens: pass ``seqs`` (anything with ``prompt_token_ids`` and ``output_token_ids``,
+e.g. ``Sequence``), one per row.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
+from loraplex.engine.logprobs import TokenLogprob, compute_logprobs
 from loraplex.engine.sampling_params import SamplingParams
+
+
+class TokenHistory(Protocol):
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the chosen token, and its logprob entry when the row's params ask for ``logprobs``."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -22,10 +45,14 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 class Sampler:
-    """Stateless apart from the shared generator of unseeded rows (``seed`` makes a whole run reproducible)."""
+    """Stateless apart from the shared generator of unseeded rows (``seed`` makes a whole run reproducible).
 
-    def __init__(self, seed: int | None = None) -> None:
+    ``eos_token_ids`` are masked (with ``stop_token_ids``) while a row has fewer than ``min_tokens`` outputs.
+    """
+
+    def __init__(self, seed: int | None = None, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         self.seed = seed
+        self.eos_token_ids = list(eos_token_ids)
         self._shared: dict[str, torch.Generator] = {}
 
     def _shared_generator(self, device: torch.device) -> torch.Generator | None:
@@ -37,28 +64,88 @@ class Sampler:
         return self._shared[key]
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> list[int]:
-        """One token per row. ``logits`` [N, V]; ``params`` and ``generators`` have N entries (None: unseeded)."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               seqs: list[TokenHistory] | None = None) -> list[int]:
+        """One token per row. ``logits`` [N, V]; ``params``, ``generators`` (None: unseeded) and ``seqs`` (needed
+        only by rows with penalties or ``min_tokens``) have N entries."""
+        return self.forward(logits, params, generators, seqs).token_ids
+
+    @torch.no_grad()
+    def forward(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                seqs: list[TokenHistory] | None = None) -> SamplerOutput:
+        """``sample`` plus the logprob entries of rows whose params set ``logprobs`` or ``best_of > n`` (add
+        ``entry.logprob`` to the sequence with ``append_token(token, logprob)``)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
         n = logits.shape[0]
         if len(params) != n or len(generators) != n:
             raise ValueError(f"{n} logit rows but {len(params)} params and {len(generators)} generators")
         if n == 0:
-            return []
-        logits = logits.float()
+            return SamplerOutput([], [])
+        raw = logits.float()
+        logits = self.apply_penalties(raw, params, seqs)
         tokens = logits.argmax(dim=-1)  # [N]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             probs = self.probs(logits[idx], [params[i] for i in rows])  # [R, V]
             tokens[idx] = self._draw(probs, [generators[i] for i in rows])
-        return tokens.tolist()
+        token_ids = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * n
+        # rows that report logprobs, and best_of rows (their cumulative logprob ranks the sequences)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None or p.num_sequences > p.n]
+        if lp_rows:
+            entries = compute_logprobs(raw[lp_rows], [token_ids[i] for i in lp_rows],
+                                       [params[i].logprobs or 0 for i in lp_rows])
+            for i, e in zip(lp_rows, entries):
+                logprobs[i] = e
+        return SamplerOutput(token_ids, logprobs)
+
+    @torch.no_grad()
+    def beam_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
+                      seqs: list[TokenHistory] | None = None) -> torch.Tensor:
+        """Beam search scores of the next token [N, V]: log_softmax of the logits, then the penalties and the
+        ``min_tokens`` mask applied to those log-probs without renormalising (transformers' ``_beam_search``)."""
+        return self.apply_penalties(torch.log_softmax(logits.float(), dim=-1), params, seqs)
+
+    def apply_penalties(self, logits: torch.Tensor, params: list[SamplingParams],
+                        seqs: list[TokenHistory] | None) -> torch.Tensor:
+        """Repetition / presence / frequency penalties and the ``min_tokens`` mask on the rows that set them.
+        Returns ``logits`` itself when no row does, else a new tensor [N, V]."""
+        rows = [i for i, p in enumerate(params) if p.needs_token_history]
+        if not rows:
+            return logits
+        if seqs is None or len(seqs) != len(params):
+            raise ValueError("penalties and min_tokens need each row's tokens: pass seqs, one per logits row")
+        logits = logits.clone()
+        device, v = logits.device, logits.shape[1]
+
+        rep = [i for i in rows if params[i].repetition_penalty != 1.0]
+        if rep:  # transformers: seen tokens (prompt + output) — positive logits / p, negative logits * p
+            seen = _token_counts([seqs[i].prompt_token_ids + seqs[i].output_token_ids for i in rep], v, device) > 0
+            pen = torch.tensor([params[i].repetition_penalty for i in rep], device=device).unsqueeze(1)  # [R, 1]
+            x = logits[rep]
+            logits[rep] = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x)
+
+        pf = [i for i in rows if params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0]
+        if pf:  # OpenAI: over output tokens only
+            counts = _token_counts([seqs[i].output_token_ids for i in pf], v, device)  # [R, V]
+            pres = torch.tensor([params[i].presence_penalty for i in pf], device=device).unsqueeze(1)
+            freq = torch.tensor([params[i].frequency_penalty for i in pf], device=device).unsqueeze(1)
+            logits[pf] = logits[pf] - freq * counts - pres * (counts > 0).float()
+
+        for i in rows:  # min_tokens: few rows, few ids
+            p = params[i]
+            if len(seqs[i].output_token_ids) < p.min_tokens:
+                stops = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                stops = [t for t in stops if 0 <= t < v]
+                if stops:
+                    logits[i, stops] = float("-inf")
+        return logits
 
     @staticmethod
     def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Filtered, renormalised probabilities [R, V] of non-greedy rows: temperature, top-k, then top-p."""
+        """Filtered, renormalised probabilities [R, V] of non-greedy rows: temperature, top-k, top-p, then min-p."""
         device = logits.device
         temp = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
         logits = logits / temp.unsqueeze(1)
@@ -68,7 +155,13 @@ class Sampler:
         if any(k < v for k in top_k) or any(tp < 1.0 for tp in top_p):
             logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device),
                                         torch.tensor(top_p, device=device, dtype=torch.float32))
-        return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32).unsqueeze(1)
+            keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)  # the best token always passes
+            probs = probs * keep
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         q = torch.empty_like(probs)
@@ -80,6 +173,19 @@ class Sampler:
             if g is not None:
                 q[i].exponential_(generator=g)  # this row's stream only
         return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float32: how often each token id occurs in each row's list (ids outside the vocabulary ignored)."""
+    rows = [r for r, toks in enumerate(token_lists) for _ in toks]
+    ids = [t for toks in token_lists for t in toks]
+    counts = torch.zeros(len(token_lists), vocab_size, device=device)
+    if ids:
+        row_t = torch.tensor(rows, device=device)
+        id_t = torch.tensor(ids, device=device)
+        ok = (id_t >= 0) & (id_t < vocab_size)
+        counts.index_put_((row_t[ok], id_t[ok]), torch.ones(int(ok.sum()), device=device), accumulate=True)
+    return counts
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,19 @@ Every step takes, under one token budget (``max_num_batched_tokens``) and ``max_
         +---- preempt (front) -------+   blocks freed, num_computed_tokens = 0, outputs kept
 
 Chunked prefill is nothing but scheduling fewer tokens than ``num_tokens - num_computed_tokens``.
+
+Adapters (``adapter_slots``, the AdapterManager). A waiting request whose adapter is not in a GPU slot:
+
+    absent/loading ──ensure_loading()──▶ skipped, keeps its place (others go on; the load runs off the loop)
+    ready (on CPU) ──activate(in_use)──▶ a free slot, or the LRU unpinned slot no running request uses: admitted
+                                    └──▶ no slot: it is the "slot head"
+    failed         ──▶ skipped; the engine finishes it with the error
+
+No starvation (slots are granted in queue order): in the step a request first becomes the slot head, younger
+requests for adapters already running may still join the batch; from the next step until it has its slot, no
+younger request that needs an adapter is admitted (base-model requests still are). Running requests then drain,
+their slot frees, and the head takes it: its wait is bounded by the longest remaining generation among running
+requests (plus its load).
 """
 from __future__ import annotations
 
@@ -20,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -53,18 +67,30 @@ class SchedulerConfig:
         self.eos_token_ids = list(self.eos_token_ids)
 
 
+class AdapterSlots(Protocol):
+    """What the scheduler asks of the adapter manager (``loraplex.engine.lora.manager.AdapterManager``)."""
+
+    def slot_of(self, adapter) -> int | None: ...
+    def ensure_loading(self, adapter) -> str: ...           # "ready" | "loading" | "failed"
+    def activate(self, adapter, in_use: set) -> int | None: ...
+
+
 class Scheduler:
     """Decides each step's work; owns the waiting queue and running list; asks ``kv`` for blocks.
 
     ``can_admit(group) -> bool`` (optional) is consulted before admitting a waiting request, e.g. "is its
     adapter resident"; a request it refuses is skipped this step and keeps its place in the queue.
+    ``adapter_slots`` (optional) makes admission load and activate adapters (see the module docstring).
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 can_admit: Callable[[SequenceGroup], bool] | None = None) -> None:
+                 can_admit: Callable[[SequenceGroup], bool] | None = None,
+                 adapter_slots: AdapterSlots | None = None) -> None:
         self.config = config
         self.kv = kv
         self.can_admit = can_admit
+        self.adapter_slots = adapter_slots
+        self._slot_head: str | None = None  # request id refused a slot in the previous step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by (arrival_time, seq_id): FCFS order, victims at the end
         self._groups: dict[str, SequenceGroup] = {}
@@ -149,10 +175,16 @@ class Scheduler:
         # 2. waiting, front first; no admission in a step that had to preempt
         skipped: list[Sequence] = []
         adapters = self._running_adapters()
+        slot_head: str | None = None   # this step's oldest request refused a slot
+        barrier = False                # it was refused last step too: slots go to it first
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             group = self._groups[seq.request_id]
-            if not self._admissible(group, adapters):
+            verdict = self._admissible(group, adapters, barrier)
+            if verdict != "admit":
+                if verdict == "no_slot" and slot_head is None:
+                    slot_head = group.request_id
+                    barrier = slot_head == self._slot_head
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, n_hit = self.kv.get_computed_blocks(seq, record=False)
@@ -167,11 +199,13 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._priority)
-            if group.adapter is not None and not any(a is group.adapter for a in adapters):
+            if group.adapter is not None and group.adapter not in adapters:
                 adapters.append(group.adapter)
             out.scheduled.append(self._scheduled(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        if not out.preempted:  # a preempting step admits nobody: the head keeps its standing
+            self._slot_head = slot_head
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         return out
@@ -236,13 +270,30 @@ class Scheduler:
         adapters: list[object] = []
         for seq in self.running:
             a = self._groups[seq.request_id].adapter
-            if a is not None and not any(a is b for b in adapters):
+            if a is not None and a not in adapters:  # equality: two equal AdapterRefs are one adapter
                 adapters.append(a)
         return adapters
 
-    def _admissible(self, group: SequenceGroup, adapters: list[object]) -> bool:
+    def _admissible(self, group: SequenceGroup, adapters: list[object], barrier: bool) -> str:
+        """"admit", "wait" (not now; e.g. its adapter is loading) or "no_slot" (its adapter is ready but no
+        slot can be had). Activating an adapter into a slot happens here."""
         if self.can_admit is not None and not self.can_admit(group):
-            return False
-        if self.config.max_loras is None or group.adapter is None:
-            return True
-        return any(group.adapter is a for a in adapters) or len(adapters) < self.config.max_loras
+            return "wait"
+        a, gate = group.adapter, self.adapter_slots
+        if a is None:
+            return "admit"
+        running = a in adapters
+        if barrier:
+            if gate is not None and not running and gate.slot_of(a) is None:
+                gate.ensure_loading(a)  # prefetch while it waits its turn
+            return "wait"
+        if not running and self.config.max_loras is not None and len(adapters) >= self.config.max_loras:
+            if gate is not None and gate.slot_of(a) is None and gate.ensure_loading(a) != "ready":
+                return "wait"
+            return "no_slot"
+        if gate is None:
+            return "admit"
+        if not running and gate.slot_of(a) is None and gate.ensure_loading(a) != "ready":
+            return "wait"
+        # a slot hit for a resident adapter (running ones always are), else a load into a free/evictable slot
+        return "admit" if gate.activate(a, set(adapters)) is not None else "no_slot"

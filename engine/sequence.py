@@ -1,7 +1,7 @@
 """Token streams and requests, as the scheduler and KV cache manager see them (torch-free).
 
     Sequence       one token stream: prompt + outputs, how many tokens have K/V cached, its block table
-    SequenceGroup  one request: its sequences (one today; n > 1 later), sampling params, adapter, timings
+    SequenceGroup  one request: its sequences (n > 1 and beams fork them), sampling params, adapter, timings
 
 A sequence's tokens split into computed (K/V in the cache) and not yet computed:
 
@@ -24,6 +24,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    SWAPPED = enum.auto()  # preempted by swapping: K/V in the CPU block pool, waiting to be swapped back in
 
     @property
     def is_finished(self) -> bool:
@@ -57,6 +58,8 @@ class Sequence:
         self.block_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.extra_key = extra_key
+        self.cumulative_logprob = 0.0  # sum of the chosen tokens' logprobs (best_of ranking, beam scores)
+        self.parent_seq_id: int | None = None  # the sequence this one was forked from
 
     @property
     def finish_reason(self) -> str | None:
@@ -92,8 +95,22 @@ class Sequence:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprob: float = 0.0) -> None:
+        """Add one output token; ``logprob`` (its log-probability) accumulates into ``cumulative_logprob``."""
         self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def fork(self, seq_id: int | None = None) -> "Sequence":
+        """A copy of this stream under a new id (tokens, computed count, score, status), with no blocks: the KV
+        cache manager's ``fork(parent, child)`` gives it the parent's blocks."""
+        child = Sequence(next(_seq_ids) if seq_id is None else seq_id, self.request_id, self.prompt_token_ids,
+                         self.extra_key)
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.parent_seq_id = self.seq_id
+        return child
 
     def __repr__(self) -> str:  # lengths only: never the prompt
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
@@ -115,6 +132,7 @@ class SequenceGroup:
         self.adapter = adapter
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.beam_search: object | None = None  # a BeamSearchState while use_beam_search (engine/beam_search.py)
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -131,6 +149,30 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(s.status.is_finished for s in self.seqs)
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.is_finished]
+
+    def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is status]
+
+    def add_seq(self, seq: Sequence) -> None:
+        """Add a forked sequence (parallel sampling, a new beam)."""
+        if seq.request_id != self.request_id:
+            raise ValueError(f"sequence of request {seq.request_id!r} added to request {self.request_id!r}")
+        if any(s.seq_id == seq.seq_id for s in self.seqs):
+            raise ValueError(f"sequence {seq.seq_id} is already in request {self.request_id!r}")
+        self.seqs.append(seq)
+
+    def remove_seq(self, seq: Sequence) -> None:
+        """Drop a sequence (a pruned beam); its blocks must have been freed."""
+        self.seqs.remove(seq)
+
+    def best_seqs(self, n: int) -> list[Sequence]:
+        """The ``n`` finished sequences with the highest ``cumulative_logprob`` (best_of), best first; ties keep
+        sequence order."""
+        done = [s for s in self.seqs if s.status.is_finished]
+        return sorted(done, key=lambda s: -s.cumulative_logprob)[:n]
 
     def __repr__(self) -> str:
         return f"SequenceGroup({self.request_id!r}, seqs={len(self.seqs)}, finished={self.is_finished()})"

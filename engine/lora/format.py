@@ -259,25 +259,30 @@ def read_safetensors_header(source: str | os.PathLike | BinaryIO, *,
     if len(head) < 8:
         raise AdapterFormatError(f"adapter_model.safetensors is {size} bytes, too short to be a safetensors file; "
                                  "save the adapter with safe_serialization=True", code="not_safetensors")
-    if head[:2] == b"PK" or head[:1] == b"\x80":
-        raise AdapterFormatError("adapter_model.safetensors is a PyTorch pickle checkpoint, not safetensors; "
-                                 "save the adapter with save_pretrained(..., safe_serialization=True)",
-                                 code="not_safetensors")
+    # A pickle (0x80 + protocol) or torch zip ("PK\x03\x04") start is only a hint: 0x80 is also a valid low byte
+    # of the header length, so the pickle message is given only when the file does not parse as safetensors.
+    looks_pickled = head[:4] == b"PK\x03\x04" or (head[0] == 0x80 and 2 <= head[1] <= 5)
+
+    def refuse(message: str, code: str) -> AdapterFormatError:
+        if looks_pickled:
+            return AdapterFormatError("adapter_model.safetensors is a PyTorch pickle checkpoint, not safetensors; "
+                                      "save the adapter with save_pretrained(..., safe_serialization=True)",
+                                      code="not_safetensors")
+        return AdapterFormatError(message, code=code)
+
     n = int.from_bytes(head, "little")
     if n > max_header_bytes:
-        raise AdapterFormatError(f"safetensors header declares {n} bytes, over the {max_header_bytes}-byte limit; "
-                                 "this is not a valid adapter file (save it again with safetensors)",
-                                 code="header_too_large")
+        raise refuse(f"safetensors header declares {n} bytes, over the {max_header_bytes}-byte limit; "
+                     "this is not a valid adapter file (save it again with safetensors)", "header_too_large")
     if 8 + n > size:
-        raise AdapterFormatError(f"adapter_model.safetensors is truncated: its header declares {n} bytes but the "
-                                 f"file has {size - 8} after the length; upload the complete file",
-                                 code="truncated")
+        raise refuse(f"adapter_model.safetensors is truncated: its header declares {n} bytes but the "
+                     f"file has {size - 8} after the length; upload the complete file", "truncated")
     raw = f.read(n)
     try:
         d = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise AdapterFormatError("adapter_model.safetensors does not start with a safetensors JSON header; "
-                                 "save the adapter with safe_serialization=True", code="not_safetensors") from None
+        raise refuse("adapter_model.safetensors does not start with a safetensors JSON header; "
+                     "save the adapter with safe_serialization=True", "not_safetensors") from None
     if not isinstance(d, dict):
         raise AdapterFormatError("safetensors header is not a JSON object; save the adapter again with safetensors",
                                  code="not_safetensors")

@@ -83,3 +83,23 @@ def test_consumer_that_leaves_aborts_and_frees_blocks(engine_path):
         assert inner.kv_cache.num_free_blocks == inner.runner.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_call_runs_on_the_engine_thread_and_propagates_errors(engine_path):
+    import threading
+
+    engine = AsyncEngine(make(engine_path))
+
+    async def main():
+        name = await engine.call(lambda llm: threading.current_thread().name)
+        free = await engine.call(lambda llm: llm.kv_cache.num_free_blocks)
+        with pytest.raises(KeyError, match="nope"):
+            await engine.call(lambda llm: {}["nope"])
+        return name, free
+
+    try:
+        name, free = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert name == "loraplex-engine"
+    assert free == engine.engine.runner.num_blocks

@@ -117,3 +117,22 @@ def test_stop_conditions(tiny_checkpoint, stop_kind):
         out = run_all(engine, [prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))["r0"]
         assert out.output_token_ids == free_run[:4] and out.finish_reason == "length"
     assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+def test_penalties_and_min_tokens_run_through_the_engine(tiny_checkpoint):
+    """Rows with penalties / min_tokens need their token history in the sampler; EOS is held back until
+    min_tokens outputs exist."""
+    path = tiny_checkpoint("llama")
+    engine = make_engine(path)
+    prompt = random_ids(engine.model_config.vocab_size, 8, seed=11)
+    free_run = run_all(make_engine(path), [prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                   ignore_eos=True))["r0"].output_token_ids
+    eos = free_run[1]
+    engine.scheduler.config.eos_token_ids = [eos]
+    engine.runner.sampler.eos_token_ids = [eos]
+    out = run_all(engine, [prompt], [SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6)])["r0"]
+    assert len(out.output_token_ids) >= 6 and eos not in out.output_token_ids[:6]
+    penalised = run_all(make_engine(path), [prompt], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5,
+        frequency_penalty=0.5))["r0"].output_token_ids
+    assert len(penalised) == 12

@@ -110,3 +110,144 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match="2 logit rows but 1 params and 2 generators"):
         Sampler().sample(torch.zeros(2, 5), [P()], [None, None])
     assert Sampler().sample(torch.zeros(0, 5), [], []) == []
+
+
+# ---- sampling controls against transformers' logits processors --------------------------------------------
+def _hf():
+    from transformers.generation import logits_process as lp
+    return lp
+
+
+class Hist:
+    """A row's token history (what Sequence offers the sampler)."""
+
+    def __init__(self, prompt, output):
+        self.prompt_token_ids, self.output_token_ids = list(prompt), list(output)
+
+
+def _histories(n, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Hist(torch.randint(0, v, (5 + i,), generator=g).tolist(),
+                 torch.randint(0, v, (i * 3,), generator=g).tolist()) for i in range(n)]
+
+
+def test_repetition_penalty_matches_transformers():
+    torch.manual_seed(1)
+    n, v = 4, 40
+    logits = torch.randn(n, v) * 3
+    hist = _histories(n, v)
+    mine = Sampler().apply_penalties(logits, [P(repetition_penalty=1.7)] * n, hist)
+    proc = _hf().RepetitionPenaltyLogitsProcessor(1.7)
+    for i, h in enumerate(hist):  # transformers sees prompt + output as input_ids
+        ref = proc(torch.tensor([h.prompt_token_ids + h.output_token_ids]), logits[i:i + 1].clone())
+        torch.testing.assert_close(mine[i], ref[0])
+    assert not torch.equal(mine, logits)
+    # mixed batch: rows without the penalty are untouched
+    mixed = Sampler().apply_penalties(logits, [P(), P(repetition_penalty=0.5), P(), P()], hist)
+    torch.testing.assert_close(mixed[[0, 2, 3]], logits[[0, 2, 3]])
+    assert not torch.equal(mixed[1], logits[1])
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    v = 6
+    logits = torch.zeros(2, v)
+    hist = [Hist([0, 0, 0, 5], [1, 1, 2]), Hist([1], [4, 4, 4, 4])]
+    out = Sampler().apply_penalties(logits, [P(presence_penalty=0.5, frequency_penalty=0.25),
+                                             P(frequency_penalty=-1.0)], hist)
+    # written reference: logit - frequency * count - presence * [count > 0], counts over output tokens only
+    torch.testing.assert_close(out[0], torch.tensor([0, -0.5 - 0.5, -0.25 - 0.5, 0, 0, 0]))
+    torch.testing.assert_close(out[1], torch.tensor([0, 0, 0, 0, 4.0, 0]))
+
+
+def test_min_tokens_masks_eos_and_stop_ids_like_min_new_tokens_processor():
+    torch.manual_seed(2)
+    v, eos = 30, 2
+    logits = torch.randn(3, v)
+    hist = [Hist([7, 8], [1]), Hist([7, 8], [1, 3, 4]), Hist([7, 8], [])]
+    params = [P(min_tokens=3, stop_token_ids=[9]), P(min_tokens=3, stop_token_ids=[9]),
+              P(min_tokens=1, ignore_eos=True, stop_token_ids=[11])]
+    out = Sampler(eos_token_ids=[eos]).apply_penalties(logits, params, hist)
+    proc = _hf().MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=2, min_new_tokens=3, eos_token_id=[eos, 9])
+    for i in (0, 1):
+        ref = proc(torch.tensor([hist[i].prompt_token_ids + hist[i].output_token_ids]), logits[i:i + 1].clone())
+        torch.testing.assert_close(out[i], ref[0])
+    assert out[0, eos] == float("-inf") and out[0, 9] == float("-inf")
+    torch.testing.assert_close(out[1], logits[1])  # 3 outputs: no longer masked
+    assert out[2, 11] == float("-inf") and out[2, eos] == logits[2, eos]  # ignore_eos: EOS is not a stop
+    # greedy argmax never picks the masked EOS
+    peaked = torch.zeros(1, v)
+    peaked[0, eos] = 10.0
+    greedy = Sampler(eos_token_ids=[eos]).sample(peaked, [P(temperature=0, min_tokens=2)], [None], [Hist([1], [])])
+    assert greedy != [eos]
+
+
+def test_penalties_need_histories():
+    with pytest.raises(ValueError, match="penalties and min_tokens need each row's tokens: pass seqs"):
+        Sampler().sample(torch.zeros(1, 5), [P(repetition_penalty=1.1)], [None])
+
+
+@pytest.mark.parametrize("params, warpers", [
+    (P(min_p=0.15), lambda lp: [lp.MinPLogitsWarper(0.15)]),
+    (P(temperature=0.7, min_p=0.3), lambda lp: [lp.TemperatureLogitsWarper(0.7), lp.MinPLogitsWarper(0.3)]),
+    (P(top_k=7), lambda lp: [lp.TopKLogitsWarper(7)]),
+    (P(top_p=0.8), lambda lp: [lp.TopPLogitsWarper(0.8)]),
+    (P(temperature=1.3, top_k=12, top_p=0.9, min_p=0.05),
+     lambda lp: [lp.TemperatureLogitsWarper(1.3), lp.TopKLogitsWarper(12), lp.TopPLogitsWarper(0.9),
+                 lp.MinPLogitsWarper(0.05)]),
+])
+def test_filters_match_transformers_warpers(params, warpers):
+    torch.manual_seed(3)
+    logits = torch.randn(5, 64) * 2
+    ref = logits.clone()
+    for w in warpers(_hf()):
+        ref = w(None, ref)
+    torch.testing.assert_close(Sampler.probs(logits, [params] * 5), torch.softmax(ref, dim=-1))
+
+
+def test_logprobs_are_raw_model_logprobs_of_the_sampled_token():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 50)
+    params = [P(temperature=0, logprobs=3), P(seed=1, top_k=5, logprobs=0), P(temperature=0)]
+    gens = [None, make_generator(1), None]
+    out = Sampler().forward(logits, params, gens)
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs[2] is None
+    for i in (0, 1):
+        e = out.logprobs[i]
+        assert e.token_id == out.token_ids[i]
+        assert e.logprob == pytest.approx(ref[i, e.token_id].item(), abs=1e-6)
+        assert e.rank == int((ref[i] > ref[i, e.token_id]).sum()) + 1
+    assert out.logprobs[0].rank == 1 and len(out.logprobs[0].top) == 3 and out.logprobs[1].top == []
+    top = ref[0].topk(3)
+    assert [t for t, _ in out.logprobs[0].top] == top.indices.tolist()
+
+
+def test_beam_logprobs_process_log_probs_as_transformers_beam_search():
+    torch.manual_seed(5)
+    logits = torch.randn(2, 30)
+    hist = _histories(2, 30)
+    out = Sampler().beam_logprobs(logits, [P(repetition_penalty=1.4)] * 2, hist)
+    proc = _hf().RepetitionPenaltyLogitsProcessor(1.4)
+    for i, h in enumerate(hist):
+        ref = proc(torch.tensor([h.prompt_token_ids + h.output_token_ids]), torch.log_softmax(logits[i:i + 1], -1))
+        torch.testing.assert_close(out[i], ref[0])
+
+
+def test_n_rows_sharing_one_generator_are_reproducible():
+    logits = torch.randn(1, 80).repeat(4, 1)  # one request, n = 4 forked rows with the same logits
+    p = P(seed=11, n=4)
+
+    def draw():
+        g = make_generator(11)
+        return Sampler().sample(logits, [p] * 4, [g] * 4)
+    assert draw() == draw()
+    assert len(set(draw())) > 1  # the rows draw different tokens from one stream
+
+
+def test_best_of_rows_get_the_sampled_tokens_logprob_for_ranking():
+    torch.manual_seed(6)
+    logits = torch.randn(2, 20)
+    out = Sampler(seed=0).forward(logits, [P(best_of=3), P()], [None, None])
+    e = out.logprobs[0]
+    assert e is not None and e.top == [] and out.logprobs[1] is None
+    assert e.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[out.token_ids[0]].item(), abs=1e-6)

@@ -1,0 +1,387 @@
+"""AdapterManager: makes adapters resident, tier by tier, off the step loop.
+
+    fetcher (file://, s3://) ──▶ disk cache ──▶ CPU LRU ──────────▶ GPU slots
+      by URI scheme        cache_dir/<sha>-<uri>/ max_cpu_loras      max_loras (LoRASlots)
+                           sha256 verified      pinned memory      activate(): LRU unpinned slot that no
+                                                on CUDA            running sequence uses is evicted
+      └──────────── background thread pool ───────────┘            └── step thread only ──┘
+
+``ensure_loading(ref)`` starts at most one load per ref (single-flight): fetch (or a disk-cache hit), sha256
+check, then ``load_adapter_weights`` (format checks against the base model, NaN/Inf) into CPU
+``AdapterWeights``. A failure is remembered per ref (``state`` = "failed", ``error``) and leaves nothing in any
+tier; ``evict(ref)`` (or ``ensure_loading(ref, retry=True)``) forgets it. ``activate(ref, in_use)`` copies a CPU-ready adapter into a GPU slot; it touches device buffers, so
+only the thread that runs the model steps may call it (the engine's scheduler does).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Literal
+
+from loraplex.engine.config import ModelConfig
+from loraplex.engine.lora.fetch import ADAPTER_FILES, AdapterFetchError, Fetcher, default_fetchers
+from loraplex.engine.lora.ref import AdapterRef
+
+logger = logging.getLogger(__name__)
+
+AdapterState = Literal["absent", "loading", "ready", "failed"]
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class AdapterChecksumError(ValueError):
+    """The fetched ``adapter_model.safetensors`` does not have the sha256 the reference names."""
+
+
+class AdapterLoadError(RuntimeError):
+    """What a request for an adapter that could not be loaded finishes with; ``__cause__`` is the reason."""
+
+
+@dataclass
+class AdapterCounters:
+    """Monotonic counts since start. A "swap" is an ``activation`` that needed an ``eviction``."""
+
+    fetches: int = 0          # fetcher calls (disk-cache misses)
+    disk_hits: int = 0        # loads served from the disk cache
+    loads: int = 0            # adapters converted into CPU weights
+    cpu_evictions: int = 0    # CPU LRU drops
+    activations: int = 0      # CPU -> GPU slot copies
+    slot_hits: int = 0        # admissions whose adapter was already in a slot
+    evictions: int = 0        # GPU slots taken from one adapter for another (or by evict())
+    failures: int = 0         # loads that failed
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class AdapterManager:
+    """GPU slots <- CPU LRU <- disk cache <- fetcher, for one engine. Thread-safe except ``activate`` and
+    ``evict``, which touch the slot buffers and belong to the step thread."""
+
+    def __init__(self, slots: Any, model_config: ModelConfig, *, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 cache_dir: str | None, fetchers: dict[str, Fetcher] | None = None, dtype: Any = None,
+                 base_model_name: str | None = None, pin_memory: bool = False, max_workers: int = 2,
+                 loader: Callable[[str, str], Any] | None = None) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras}): every adapter in "
+                             "a GPU slot passes through the CPU tier")
+        self.slots = slots
+        self.model_config = model_config
+        self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
+        self.base_model_name = base_model_name
+        self.pin_memory = pin_memory
+        self.fetchers: dict[str, Fetcher] = dict(default_fetchers() if fetchers is None else fetchers)
+        self._own_cache_dir = cache_dir is None
+        self.cache_dir = tempfile.mkdtemp(prefix="loraplex-adapters-") if cache_dir is None else cache_dir
+        os.makedirs(self.cache_dir, exist_ok=True)
+        self._loader = loader or self._default_loader(dtype)
+        self._lock = threading.RLock()
+        self._progress = threading.Condition(self._lock)  # notified when a load ends
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="loraplex-adapter-load")
+        self._cpu: OrderedDict[AdapterRef, Any] = OrderedDict()   # LRU first
+        self._slot_refs: list[AdapterRef | None] = [None] * max_loras
+        self._slot_lru: OrderedDict[int, None] = OrderedDict()     # occupied slots, LRU first
+        self._loading: dict[AdapterRef, threading.Event] = {}  # set when the load is over
+        self._failed: dict[AdapterRef, BaseException] = {}
+        self._pinned: set[AdapterRef] = set()
+        self.counters = AdapterCounters()
+
+    def _default_loader(self, dtype: Any) -> Callable[[str, str], Any]:
+        def load(folder: str, adapter_id: str):
+            # validates with loraplex.engine.lora.format (config, header, shapes vs the base, rank) and refuses
+            # NaN/Inf; raises AdapterFormatError saying what is wrong
+            from loraplex.engine.lora.weights import load_adapter_weights
+
+            return load_adapter_weights(folder, self.model_config, max_rank=self.max_rank, dtype=dtype,
+                                        base_model_name=self.base_model_name, adapter_id=adapter_id)
+        return load
+
+    def register_fetcher(self, scheme: str, fetcher: Fetcher) -> None:
+        """Serve ``scheme://`` URIs with ``fetcher`` (the control plane registers ``s3``)."""
+        with self._lock:
+            self.fetchers[scheme.lower()] = fetcher
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+    def slot_of(self, ref: AdapterRef) -> int | None:
+        """GPU slot of ``ref`` if it is resident."""
+        with self._lock:
+            try:
+                return self._slot_refs.index(ref)
+            except ValueError:
+                return None
+
+    def state(self, ref: AdapterRef) -> AdapterState:
+        """"ready" once its weights are on CPU (or in a slot), "loading", "failed", or "absent"."""
+        with self._lock:
+            if ref in self._failed:
+                return "failed"
+            if ref in self._cpu or ref in self._slot_refs:
+                return "ready"
+            return "loading" if ref in self._loading else "absent"
+
+    def error(self, ref: AdapterRef) -> BaseException | None:
+        """Why the last load of ``ref`` failed, or None."""
+        with self._lock:
+            return self._failed.get(ref)
+
+    def residency(self) -> dict:
+        """A snapshot for operators and the router: what is where, and the counters."""
+        with self._lock:
+            return {
+                "gpu": {slot: ref.adapter_id for slot, ref in enumerate(self._slot_refs) if ref is not None},
+                "cpu": [ref.adapter_id for ref in self._cpu],
+                "cpu_bytes": sum(int(getattr(w, "nbytes", 0)) for w in self._cpu.values()),
+                "loading": [ref.adapter_id for ref in self._loading],
+                "failed": {ref.adapter_id: str(e) for ref, e in self._failed.items()},
+                "pinned": sorted(ref.adapter_id for ref in self._pinned),
+                "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
+                "counters": asdict(self.counters),
+            }
+
+    # ---- background loads -------------------------------------------------------------------------------------
+    def ensure_loading(self, ref: AdapterRef, *, retry: bool = False) -> AdapterState:
+        """Start loading ``ref`` unless it is loaded or loading (one load however often it is asked).
+        A failed ref stays failed unless ``retry``. Returns the state after the call."""
+        if not isinstance(ref, AdapterRef):
+            raise TypeError(f"adapter must be an AdapterRef, got {type(ref).__name__}")
+        with self._lock:
+            if retry:
+                self._failed.pop(ref, None)
+            if ref in self._failed:
+                return "failed"
+            if ref in self._cpu:
+                return "ready"
+            if ref in self._slot_refs:
+                return "ready"
+            if ref not in self._loading:
+                done = threading.Event()
+                self._loading[ref] = done
+                self._pool.submit(self._run, ref, done)
+            return "loading"
+
+    def wait(self, ref: AdapterRef, timeout: float | None = None) -> AdapterState:
+        """Block until ``ref`` is no longer loading (for tests and the platform's explicit preload)."""
+        with self._lock:
+            done = self._loading.get(ref)
+        if done is not None:
+            done.wait(timeout)
+        return self.state(ref)
+
+    def _run(self, ref: AdapterRef, done: threading.Event) -> None:
+        """Worker thread: load, then publish the result (or the failure) unless evicted meanwhile."""
+        try:
+            try:
+                weights, err = self._load(ref), None
+            except Exception as e:  # noqa: BLE001 - remembered per ref, surfaced to its requests
+                weights, err = None, e
+            with self._lock:
+                if self._loading.get(ref) is not done:  # evicted while loading: drop the result
+                    return
+                del self._loading[ref]
+                if err is not None:
+                    self.counters.failures += 1
+                    self._failed[ref] = err
+                    logger.warning("adapter %s failed to load: %s", ref.adapter_id, err)
+                    return
+                self._cpu[ref] = weights
+                self.counters.loads += 1
+                self._trim_cpu(keep=ref)
+        finally:
+            done.set()
+            with self._lock:
+                self._progress.notify_all()
+
+    def wait_for_progress(self, timeout: float) -> bool:
+        """Sleep until some load ends or ``timeout`` passes (an idle step loop waiting on loads calls this
+        instead of spinning). False at once if nothing is loading."""
+        with self._lock:
+            if not self._loading:
+                return False
+            return self._progress.wait(timeout)
+
+    def _trim_cpu(self, keep: AdapterRef) -> None:
+        """Drop CPU entries, LRU first, until within max_cpu_loras: never pinned ones or ``keep``; copies whose
+        adapter sits in a GPU slot go last (they can come back from disk if the slot is lost)."""
+        while len(self._cpu) > self.max_cpu_loras:
+            candidates = [r for r in self._cpu if r != keep and r not in self._pinned]
+            if not candidates:
+                return
+            victim = next((r for r in candidates if r not in self._slot_refs), candidates[0])
+            del self._cpu[victim]
+            self.counters.cpu_evictions += 1
+
+    def _load(self, ref: AdapterRef) -> Any:
+        """Worker thread: disk cache or fetch -> sha256 -> checked CPU weights. Cleans up on failure."""
+        cached = os.path.join(self.cache_dir, self.cache_key(ref)) if ref.sha256 else None
+        created: str | None = None
+        try:
+            if cached and os.path.isfile(os.path.join(cached, WEIGHTS_FILE)):
+                folder = cached
+                with self._lock:
+                    self.counters.disk_hits += 1
+                self._verify_sha256(ref, folder)
+            else:
+                created = tempfile.mkdtemp(prefix=".fetch-", dir=self.cache_dir)
+                folder = self._fetch(ref, created)
+                self._verify_sha256(ref, folder)
+                if cached:
+                    folder = self._publish(folder, cached)
+                    if folder == cached:
+                        created = cached
+            weights = self._loader(folder, ref.adapter_id)
+            if self.pin_memory and hasattr(weights, "pin_memory"):
+                weights = weights.pin_memory() or weights
+            if not ref.sha256 and created:  # nothing to key a cache entry by: the fetched copy was temporary
+                shutil.rmtree(created, ignore_errors=True)
+            return weights
+        except BaseException:
+            for path in {created, cached} - {None}:  # a bad adapter leaves nothing on disk
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    def num_disk_entries(self) -> int:
+        """Adapters in the disk cache (fetches in flight, ``.fetch-*``, excluded)."""
+        try:
+            return sum(1 for name in os.listdir(self.cache_dir)
+                       if not name.startswith(".") and os.path.isdir(os.path.join(self.cache_dir, name)))
+        except OSError:
+            return 0
+
+    @staticmethod
+    def cache_key(ref: AdapterRef) -> str:
+        """Disk-cache entry name: the weights' sha256 plus a digest of the URI. The URI carries the adapter's
+        config (inline for s3://, a per-version folder for file://), so two versions with equal weights but
+        different configs (another alpha, say) never share an entry."""
+        return f"{ref.sha256}-{hashlib.sha256(ref.uri.encode()).hexdigest()[:16]}"
+
+    def _fetch(self, ref: AdapterRef, dest: str) -> str:
+        with self._lock:
+            fetcher = self.fetchers.get(ref.scheme)
+            self.counters.fetches += 1
+        if fetcher is None:
+            raise AdapterFetchError(f"no fetcher for {ref.scheme}:// URIs (adapter {ref.adapter_id!r}); "
+                                    f"registered: {', '.join(sorted(self.fetchers)) or 'none'}")
+        folder = fetcher.fetch(ref.uri, dest)
+        for name in ADAPTER_FILES:
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise AdapterFetchError(f"fetching {ref.uri!r} gave no {name}; the blob store entry of adapter "
+                                        f"{ref.adapter_id!r} is incomplete")
+        return folder
+
+    @staticmethod
+    def _verify_sha256(ref: AdapterRef, folder: str) -> None:
+        if ref.sha256 is None:
+            return
+        got = sha256_file(os.path.join(folder, WEIGHTS_FILE))
+        if got != ref.sha256:
+            raise AdapterChecksumError(f"sha256 mismatch for adapter {ref.adapter_id!r}: expected {ref.sha256}, "
+                                       f"fetched {WEIGHTS_FILE} has {got}; the blob is corrupt or the reference "
+                                       "is stale, upload the adapter again")
+
+    @staticmethod
+    def _publish(folder: str, cached: str) -> str:
+        """Move a verified fetch into the content-addressed cache (atomic rename; a racing twin wins)."""
+        try:
+            os.rename(folder, cached)
+            return cached
+        except OSError:
+            if os.path.isfile(os.path.join(cached, WEIGHTS_FILE)):
+                shutil.rmtree(folder, ignore_errors=True)
+                return cached
+            raise
+
+    # ---- GPU slots (step thread) --------------------------------------------------------------------------------
+    def activate(self, ref: AdapterRef, in_use: set[AdapterRef] | frozenset = frozenset()) -> int | None:
+        """Put a CPU-ready adapter into a GPU slot and return it: a free slot, else the least recently used
+        unpinned slot whose adapter is not in ``in_use``. None when not CPU-ready or no slot can be had."""
+        with self._lock:
+            slot = self.slot_of(ref)
+            if slot is not None:
+                self._slot_lru.move_to_end(slot)
+                self.counters.slot_hits += 1
+                return slot
+            weights = self._cpu.get(ref)
+            if weights is None:
+                return None
+            slot = next((i for i, r in enumerate(self._slot_refs) if r is None), None)
+            if slot is None:
+                slot = next((i for i in self._slot_lru
+                             if self._slot_refs[i] not in self._pinned and self._slot_refs[i] not in in_use), None)
+                if slot is None:
+                    return None
+                logger.info("adapter slot %d: %s -> %s", slot, self._slot_refs[slot].adapter_id, ref.adapter_id)
+                self.counters.evictions += 1
+            try:
+                self.slots.load(slot, weights)
+            except Exception as e:  # noqa: BLE001 - refused by the slots: fail this adapter, not the step
+                self.slots.clear(slot)
+                self._slot_refs[slot] = None
+                self._slot_lru.pop(slot, None)
+                del self._cpu[ref]
+                self._failed[ref] = e
+                self.counters.failures += 1
+                logger.warning("adapter %s could not be put in a slot: %s", ref.adapter_id, e)
+                return None
+            self._slot_refs[slot] = ref
+            self._slot_lru[slot] = None
+            self._slot_lru.move_to_end(slot)
+            self._cpu.move_to_end(ref)
+            self.counters.activations += 1
+            return slot
+
+    def num_free_slots(self, in_use: set[AdapterRef] | frozenset = frozenset()) -> int:
+        """Slots empty or held by an unpinned adapter not in ``in_use``."""
+        with self._lock:
+            return sum(r is None or (r not in self._pinned and r not in in_use) for r in self._slot_refs)
+
+    # ---- operator controls ------------------------------------------------------------------------------------
+    def pin(self, ref: AdapterRef) -> AdapterState:
+        """Never evict ``ref`` from CPU or its GPU slot; starts its load. At most ``max_loras - 1`` adapters
+        can be pinned, so that one slot always serves the others."""
+        with self._lock:
+            if ref not in self._pinned and len(self._pinned) >= self.max_loras - 1:
+                raise ValueError(f"cannot pin {ref.adapter_id!r}: {len(self._pinned)} adapters are pinned and "
+                                 f"max_loras={self.max_loras} must keep one slot unpinned; unpin one or raise "
+                                 "max_loras")
+            self._pinned.add(ref)
+        return self.ensure_loading(ref)
+
+    def unpin(self, ref: AdapterRef) -> None:
+        with self._lock:
+            self._pinned.discard(ref)
+
+    def evict(self, ref: AdapterRef) -> bool:
+        """Drop ``ref`` from every in-memory tier (GPU slot, CPU), forget a failure or an ongoing load, unpin it.
+        The disk cache keeps it. The caller makes sure no running sequence uses it. True if anything went."""
+        with self._lock:
+            found = self._failed.pop(ref, None) is not None
+            found |= self._loading.pop(ref, None) is not None
+            found |= self._cpu.pop(ref, None) is not None
+            self._pinned.discard(ref)
+            slot = self.slot_of(ref)
+            if slot is not None:
+                self.slots.clear(slot)
+                self._slot_refs[slot] = None
+                self._slot_lru.pop(slot, None)
+                self.counters.evictions += 1
+                found = True
+            return found
+
+    def close(self) -> None:
+        """Stop the loader threads (without waiting on a hung fetch); removes the cache folder it made."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_cache_dir:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)

@@ -1,0 +1,85 @@
+"""``engine_stats(llm_engine)``: one JSON-ready snapshot of an engine's load, KV cache and adapter tiers, read from
+public attributes only (torch-free; safe to call from another thread: it only reads lengths, counters and the
+adapter manager's locked ``residency()``). The platform's metrics poller turns it into Prometheus gauges.
+
+    {
+      "requests_running": 3, "requests_waiting": 5, "queue_length": 5, "num_preemptions": 0,
+      "kv_blocks_total": 512, "kv_blocks_free": 380, "kv_blocks_used": 132, "kv_usage": 0.26,
+      "kv_cached_blocks": 40, "prefix_cache_queries": 9000, "prefix_cache_hits": 4500, "prefix_cache_hit_rate": 0.5,
+      "lora_enabled": true,
+      "adapters": {"gpu": ["t/a/1"], "cpu": ["t/a/1", "t/b/2"], "disk": 7, "loading": [], "failed": 0,
+                   "pinned": [], "max_loras": 4, "max_cpu_loras": 16},
+      "adapter_tiers": {"gpu": 1, "cpu": 2, "disk": 7},
+      "adapter_counters": {"fetches": .., "disk_hits": .., "loads": .., "activations": .., "slot_hits": .., ...},
+      "adapter_cold_starts": 9,          # loads that had to go to disk or the blob store (fetches + disk hits)
+      "gpu_slot_hit_rate": 0.93          # slot_hits / (slot_hits + activations); None before any admission
+    }
+
+Counters are cumulative since the engine started; the poller turns their growth into Prometheus counters.
+``queue_length`` counts requests the engine holds that are not running (waiting for blocks, a slot or an adapter
+load).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def adapter_stats(manager: Any) -> dict:
+    """The adapter part of ``engine_stats`` from an ``AdapterManager`` (or None: LoRA disabled)."""
+    if manager is None:
+        return {"lora_enabled": False, "adapters": {"gpu": [], "cpu": [], "disk": 0, "loading": [], "failed": 0,
+                                                    "pinned": []},
+                "adapter_tiers": {"gpu": 0, "cpu": 0, "disk": 0}, "adapter_counters": {},
+                "adapter_cold_starts": 0, "gpu_slot_hit_rate": None}
+    res = manager.residency()
+    counters = dict(res.get("counters", {}))
+    gpu = sorted(res.get("gpu", {}).values())
+    cpu = list(res.get("cpu", []))
+    disk = manager.num_disk_entries()
+    slot_hits, activations = counters.get("slot_hits", 0), counters.get("activations", 0)
+    return {
+        "lora_enabled": True,
+        "adapters": {"gpu": gpu, "cpu": cpu, "disk": disk, "loading": list(res.get("loading", [])),
+                     "failed": len(res.get("failed", {})), "pinned": list(res.get("pinned", [])),
+                     "max_loras": res.get("max_loras"), "max_cpu_loras": res.get("max_cpu_loras")},
+        "adapter_tiers": {"gpu": len(gpu), "cpu": len(cpu), "disk": disk},
+        "adapter_counters": counters,
+        "adapter_cold_starts": counters.get("fetches", 0) + counters.get("disk_hits", 0),
+        "gpu_slot_hit_rate": _ratio(slot_hits, slot_hits + activations),
+    }
+
+
+def engine_stats(llm_engine: Any) -> dict:
+    """A snapshot of ``llm_engine`` (a ``LLMEngine``; an ``AsyncEngine``'s is ``.engine``) as a plain dict."""
+    scheduler, kv = llm_engine.scheduler, llm_engine.kv_cache
+    running, waiting = scheduler.num_running, scheduler.num_waiting
+    unfinished = llm_engine.num_unfinished_requests
+    total, free = kv.num_blocks, kv.num_free_blocks
+    queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    return {
+        "requests_running": running,
+        "requests_waiting": waiting,
+        "queue_length": max(waiting, unfinished - running),
+        "num_preemptions": getattr(scheduler, "num_preemptions", 0),
+        "kv_blocks_total": total,
+        "kv_blocks_free": free,
+        "kv_blocks_used": total - free,
+        "kv_usage": kv.usage,
+        "kv_cached_blocks": kv.num_cached_blocks,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": _ratio(hits, queries),
+        **adapter_stats(getattr(llm_engine, "adapters", None)),
+    }
+
+
+def empty_stats() -> dict:
+    """The same keys with nothing in flight and no cache: for engines without a model (the null engine)."""
+    return {"requests_running": 0, "requests_waiting": 0, "queue_length": 0, "num_preemptions": 0,
+            "kv_blocks_total": 0, "kv_blocks_free": 0, "kv_blocks_used": 0, "kv_usage": 0.0, "kv_cached_blocks": 0,
+            "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": None, **adapter_stats(None)}
