@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels import tuning
+from loraplex.kernels.dot import dot
 from loraplex.kernels.moe_align import moe_align
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
@@ -63,8 +64,8 @@ def _moe_gate_up_kernel(
             xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0)
             wu = tl.load(wu_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0)
-        acc_g += tl.dot(xt, wg.to(xt.dtype))
-        acc_u += tl.dot(xt, wu.to(xt.dtype))
+        acc_g += dot(xt, wg.to(xt.dtype))
+        acc_u += dot(xt, wu.to(xt.dtype))
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -116,7 +117,7 @@ def _moe_down_kernel(
             k_ok = k0 + k < K
             ht = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0)
-        acc += tl.dot(ht, wt.to(ht.dtype))
+        acc += dot(ht, wt.to(ht.dtype))
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     # ---- epilogue: dequant scale, bias, routing weight

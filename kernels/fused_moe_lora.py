@@ -1,12 +1,15 @@
 """Expert LoRA in Triton (gate_up or down): shrink and expand over pairs aligned by (adapter slot, expert).
 
-    moe_align_lora ─> shrink: buf[p] = scaling[l] * A[l, e] @ x_row(p)      grid (blocks, slots, SPLIT_K)
-                   └> expand: y[p] += w(p) * B[l, e] @ buf[p]  (fused add)   grid (blocks x column blocks, slots)
+    moe_align_lora ─> shrink: buf[p] = scaling[l] * A[l, e] @ x_row(p)      grid (flat blocks, SPLIT_K)
+                   └> expand: y[p] += w(p) * B[l, e] @ buf[p]  (fused add)   grid (flat blocks x column blocks)
 
-One grid dimension runs over adapter slots; a slot's table holds only pairs of tokens using it, so tokens
-without an adapter, idle slots and padding blocks exit at once. Split-K shrink adds partial sums with relaxed
-atomics. Each pair has exactly one slot, so expand's read-add-write of y needs no atomics. gate_up reads the
-token's row (x [T, K], pair p -> token p // A); down reads the pair's own row (x [T*A, K]).
+A slot's table holds only pairs of tokens using it; the grid's block dimension runs over the blocks all slots
+use together (``slot_blocks``: each program finds its slot and block from num_tokens_post_pad), so tokens
+without an adapter and idle slots launch nothing and the few programs past the used blocks exit at once.
+Split-K shrink writes one partial buffer per split that expand sums (decode: saves the zeroing launch), or, for
+many pairs, adds into one zeroed buffer with relaxed atomics. Each pair has exactly one slot, so expand's
+read-add-write of y needs no atomics. gate_up reads the token's row (x [T, K], pair p -> token p // A); down
+reads the pair's own row (x [T*A, K]).
 """
 from __future__ import annotations
 
@@ -15,27 +18,32 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels import tuning
+from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid
 from loraplex.kernels.moe_align import moe_align_lora
+from loraplex.kernels.slot_blocks import flat_blocks, slot_block
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4,
                   "num_stages": 2}
+# Split-K partial sums go to SPLIT_K separate buffers that expand adds up (no zeroing launch, no atomics) while
+# they stay this small (pairs x SPLIT_K rows, 128 B each at R = 32); past it, relaxed atomics into one zeroed
+# buffer, so a long prefill does not read SPLIT_K times the rows in expand.
+PARTIALS_MAX_ROWS = 16384
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
 def _moe_lora_shrink_kernel(
     x_ptr, a_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # x [T or T*A, K]; lora_a [L, E, R, K]; buf [T*A, R] fp32; scaling [L]; tables [L, *]
-    num_pairs, capacity, num_blocks, K, R,
-    stride_xt, stride_al, stride_ae, stride_ar,
+    # x [T or T*A, K]; lora_a [L, E, R, K]; buf [SPLIT_K or 1, T*A, R] fp32; scaling [L]; tables [L, *]
+    num_pairs, capacity, num_blocks, K, R, L,
+    stride_xt, stride_al, stride_ae, stride_ar, stride_split,
     ROW_DIV: tl.constexpr,  # A for gate_up (token rows), 1 for down (pair rows)
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr, PARTIALS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    lora = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr + lora):  # early exit: no (more) pairs for this slot
+    lora, pid_m, past = slot_block(tl.program_id(0), num_post_ptr, L, BLOCK_M, BLOCK_L, True)
+    pid_k = tl.program_id(1)
+    if past:  # past the blocks the slots use
         return
     lora64 = lora.to(tl.int64)
     expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
@@ -56,7 +64,7 @@ def _moe_lora_shrink_kernel(
             k_ok = k0 + tl.arange(0, BLOCK_K) < K
             xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += tl.dot(xt, at.to(xt.dtype))
+        acc += dot(xt, at.to(xt.dtype))
         x_ptrs += BLOCK_K * SPLIT_K
         a_ptrs += BLOCK_K * SPLIT_K
     acc *= tl.load(scaling_ptr + lora).to(tl.float32)
@@ -64,22 +72,24 @@ def _moe_lora_shrink_kernel(
     mask = row_ok[:, None] & r_ok[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc, mask=mask)
+    elif PARTIALS:  # this split's own buffer (written even when its K range is empty)
+        tl.store(out_ptrs + pid_k * stride_split, acc, mask=mask)
     else:
         tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
 def _moe_lora_expand_kernel(
     y_ptr, buf_ptr, b_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # y [T*A, N]; buf [T*A, R] fp32; lora_b [L, E, N, R]; topk_weights [T*A]; tables [L, *]
-    num_pairs, capacity, num_blocks, N, R,
-    stride_yt, stride_bl, stride_be, stride_bn,
+    # y [T*A, N]; buf [NUM_PARTS, T*A, R] fp32; lora_b [L, E, N, R]; topk_weights [T*A]; tables [L, *]
+    num_pairs, capacity, num_blocks, num_flat, N, R, L,
+    stride_yt, stride_bl, stride_be, stride_bn, stride_split,
     HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_N: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, NUM_PARTS: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_blocks, NUM_N, GROUP_M)
-    lora = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr + lora):
+    flat, pid_n = _grouped_pid(tl.program_id(0), num_flat, NUM_N, GROUP_M)
+    lora, pid_m, past = slot_block(flat, num_post_ptr, L, BLOCK_M, BLOCK_L, True)
+    if past:
         return
     lora64 = lora.to(tl.int64)
     expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
@@ -90,10 +100,13 @@ def _moe_lora_expand_kernel(
     r_ok = r < R
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    h = tl.load(buf_ptr + pairs64[:, None] * R + r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    h_ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
+    h = tl.load(h_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    for part in range(1, NUM_PARTS):  # split-K partial sums
+        h += tl.load(h_ptrs + part * stride_split, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     b = tl.load(b_ptr + lora64 * stride_bl + expert * stride_be + cols[None, :] * stride_bn + r[:, None],
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    delta = tl.dot(h.to(b.dtype), b)
+    delta = dot(h.to(b.dtype), b)
     if HAS_WEIGHTS:
         delta *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pairs64[:, None] * stride_yt + cols[None, :]
@@ -138,17 +151,23 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError(f"align tables were made with block size {capacity // max(num_blocks, 1)} but the config's "
                          f"BLOCK_M is {bm}; call moe_align_lora with block_size={bm}")
     per_token = x.shape[0] == num_tokens and top_k > 1
-    buf = (torch.zeros if split_k > 1 else torch.empty)(num_pairs, rank, dtype=torch.float32, device=y.device)
+    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
+    parts = split_k if partials else 1
+    alloc = torch.zeros if split_k > 1 and not partials else torch.empty  # every partial row is written
+    buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=y.device)
     block_r = max(16, triton.next_power_of_2(rank))
-    _moe_lora_shrink_kernel[(num_blocks, num_loras, split_k)](
+    # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
+    num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
+    block_l = triton.next_power_of_2(num_loras)
+    _moe_lora_shrink_kernel[(num_flat, split_k)](
         x, lora_a, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        num_loras, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0),
         ROW_DIV=top_k if per_token else 1, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=bk, SPLIT_K=split_k,
-        EVEN_K=k % (bk * split_k) == 0, **launch)
+        EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, **launch)
     num_n = triton.cdiv(n, bn)
     weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else buf
-    _moe_lora_expand_kernel[(num_blocks * num_n, num_loras)](
-        y, buf, lora_b, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, n, rank,
-        y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+    _moe_lora_expand_kernel[(num_flat * num_n,)](
+        y, buf, lora_b, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
+        rank, num_loras, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), buf.stride(0),
         HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r,
-        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, **launch)
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=block_l, NUM_PARTS=parts, **launch)

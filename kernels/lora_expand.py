@@ -1,9 +1,10 @@
 """LoRA expand in Triton, with the add into the base output fused: y[t, slice s] += buf[s, t] @ lora_b[l, slice s].T.
 
-Grid: (token blocks x column blocks, adapter slots, slices). Programs are ordered in groups of GROUP_M token
-blocks per column block so a B tile stays in L2 while its token blocks pass. Each token has one adapter, so
-the read-add-write of y needs no atomics; programs past their slot's tokens or their slice's width leave at
-once. Up to three output slices (q/k/v or gate/up) are passed as scalars, so no per-call host tensors.
+Grid: (token blocks of all slots together x column blocks, slices); each program finds its slot from the
+segment lengths (``slot_blocks``), so idle slots launch nothing. Programs are ordered in groups of GROUP_M
+token blocks per column block so a B tile stays in L2 while its token blocks pass. Each token has one
+adapter, so the read-add-write of y needs no atomics; programs past the used blocks or their slice's width
+leave at once. Up to three output slices (q/k/v or gate/up) are passed as scalars, so no per-call host tensors.
 """
 from __future__ import annotations
 
@@ -12,36 +13,33 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels import tuning
+from loraplex.kernels.dot import dot
+from loraplex.kernels.fused_moe import _grouped_pid
 from loraplex.kernels.lora_shrink import lora_segments
 from loraplex.kernels.reference_lora import check_slices
+from loraplex.kernels.slot_blocks import flat_blocks, slot_block
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
 MAX_SLICES = 3
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_flat"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, b_ptr, order_ptr, seg_start_ptr, seg_len_ptr,
     # y [T, N]; buf [S, T, R] fp32; lora_b [L, N, R]; order [T]; seg_start, seg_len [L]
-    num_tokens, R, OFF1, OFF2, W0, W1, W2,
+    num_flat, R, L, OFF1, OFF2, W0, W1, W2,
     stride_yt, stride_bs, stride_bt, stride_bl, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_N: tl.constexpr,
+    NUM_N: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    lora = tl.program_id(1)
-    sl = tl.program_id(2)
-    # ---- grouped program order over (token block, column block)
-    num_m = tl.cdiv(num_tokens, BLOCK_M)
-    per_group = GROUP_M * NUM_N
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    count = tl.load(seg_len_ptr + lora)
+    # ---- grouped program order over (token block, column block); token blocks of all slots together
+    flat, pid_n = _grouped_pid(tl.program_id(0), num_flat, NUM_N, GROUP_M)
+    sl = tl.program_id(1)
+    lora, pid_m, past = slot_block(flat, seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
     width = tl.where(sl == 0, W0, tl.where(sl == 1, W1, W2))
-    if (pid_m * BLOCK_M >= count) | (pid_n * BLOCK_N >= width):  # early exit
+    if past | (pid_n * BLOCK_N >= width):  # early exit
         return
+    count = tl.load(seg_len_ptr + lora)
     offset = tl.where(sl == 0, 0, tl.where(sl == 1, OFF1, OFF2))
     start = tl.load(seg_start_ptr + lora)
     idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,7 +54,7 @@ def _lora_expand_kernel(
                 mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     b = tl.load(b_ptr + lora.to(tl.int64) * stride_bl + cols[None, :] * stride_bn + r[:, None],
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    delta = tl.dot(h.to(b.dtype), b)  # [BLOCK_M, BLOCK_N] fp32
+    delta = dot(h.to(b.dtype), b)  # [BLOCK_M, BLOCK_N] fp32
     # ---- fused add into the base output
     y_ptrs = y_ptr + tok[:, None] * stride_yt + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
@@ -88,11 +86,12 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_
     offsets = [0, widths[0], widths[0] + widths[1]]
     block_m, block_n = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
     num_n = triton.cdiv(max(output_slices), block_n)
-    grid = (triton.cdiv(num_tokens, block_m) * num_n, max_loras, len(output_slices))
-    _lora_expand_kernel[grid](
-        y, buf, lora_b, order, seg_start, seg_len, num_tokens, rank, offsets[1], offsets[2], *widths,
+    num_flat = flat_blocks(num_tokens, max_loras, block_m)
+    _lora_expand_kernel[(num_flat * num_n, len(output_slices))](
+        y, buf, lora_b, order, seg_start, seg_len, num_flat, rank, max_loras, offsets[1], offsets[2], *widths,
         y.stride(0), buf.stride(0), buf.stride(1), lora_b.stride(0), lora_b.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, num_warps=int(cfg["num_warps"]),
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=triton.next_power_of_2(max_loras),
+        num_warps=int(cfg["num_warps"]),
         num_stages=int(cfg["num_stages"]),
     )

@@ -1,8 +1,8 @@
 """LoRA shrink in Triton: buf[s, t] = scaling[l] * x[t] @ lora_a[s, l].T for tokens grouped by adapter.
 
-Tokens are grouped by adapter slot on the device (a counting sort, no host sync); grid (token blocks, adapter
-slots, slices * SPLIT_K). A program whose slot has fewer tokens than its block start leaves at once, so
-tokens without an adapter and idle slots cost nothing. Split-K programs add their partial sums with relaxed
+Tokens are grouped by adapter slot on the device (a counting sort, no host sync); grid (token blocks of all
+slots together, slices * SPLIT_K), each program finding its slot from the segment lengths (``slot_blocks``),
+so tokens without an adapter and idle slots launch nothing. Split-K programs add their partial sums with relaxed
 atomics into a zeroed fp32 buffer. The token count is not a compile-time constant: one compile serves every
 batch size and context length.
 """
@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels import tuning
+from loraplex.kernels.dot import dot
+from loraplex.kernels.slot_blocks import flat_blocks, slot_block
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 
@@ -21,17 +23,16 @@ DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "n
 def _lora_shrink_kernel(
     x_ptr, a_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
     # x [T, K]; lora_a [S, L, R, K]; buf [S, T, R] fp32; order [T] tokens sorted by slot; seg_* [L]; scaling [L]
-    K, R,
+    K, R, L,
     stride_xt, stride_as, stride_al, stride_ar, stride_bs, stride_bt,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    lora = tl.program_id(1)
-    pid_z = tl.program_id(2)
-    count = tl.load(seg_len_ptr + lora)
-    if pid_m * BLOCK_M >= count:  # early exit: slot has no tokens here
+    lora, pid_m, past = slot_block(tl.program_id(0), seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
+    pid_z = tl.program_id(1)
+    if past:  # past the token blocks the slots use
         return
+    count = tl.load(seg_len_ptr + lora)
     sl = pid_z // SPLIT_K
     pid_k = pid_z % SPLIT_K
     start = tl.load(seg_start_ptr + lora)
@@ -53,7 +54,7 @@ def _lora_shrink_kernel(
             k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
             xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += tl.dot(xt, at.to(xt.dtype))
+        acc += dot(xt, at.to(xt.dtype))
         x_ptrs += BLOCK_K * SPLIT_K
         a_ptrs += BLOCK_K * SPLIT_K
     acc *= tl.load(scaling_ptr + lora).to(tl.float32)
@@ -70,14 +71,12 @@ def lora_segments(token_lora_idx: torch.Tensor, max_loras: int) -> tuple[torch.T
     """Tokens grouped by adapter slot, on the device: (order [T] int32, seg_start [L] int32, seg_len [L] int32).
 
     Slot l's tokens are order[seg_start[l] : seg_start[l] + seg_len[l]] in token order; tokens without an
-    adapter (-1) are in no segment. Two small Triton launches (moe_align's counting sort; no radix sort).
+    adapter (-1) are in no segment. One small Triton launch (moe_align's counting sort; no radix sort).
     The engine should compute it once per step and pass it to every layer's shrink and expand (``segments=``).
     """
     from loraplex.kernels.moe_align import group_by_slot
 
-    order, seg_len = group_by_slot(token_lora_idx, max_loras)
-    seg_start = torch.cumsum(seg_len, 0, dtype=torch.int32) - seg_len
-    return order, seg_start, seg_len
+    return group_by_slot(token_lora_idx, max_loras)
 
 
 def shape_of(x: torch.Tensor, lora_a: torch.Tensor) -> dict[str, int]:
@@ -112,12 +111,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_idx: torch.Ten
         buf.zero_()  # rows of tokens without an adapter stay zero
     order, seg_start, seg_len = segments or lora_segments(token_lora_idx, max_loras)
     block_m, block_k = int(cfg["BLOCK_M"]), int(cfg["BLOCK_K"])
-    grid = (triton.cdiv(num_tokens, block_m), max_loras, num_slices * split_k)
+    grid = (flat_blocks(num_tokens, max_loras, block_m), num_slices * split_k)
     _lora_shrink_kernel[grid](
-        x, lora_a, buf, order, seg_start, seg_len, scaling, in_features, rank,
+        x, lora_a, buf, order, seg_start, seg_len, scaling, in_features, rank, max_loras,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0), buf.stride(1),
         BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k, SPLIT_K=split_k,
-        EVEN_K=in_features % (block_k * split_k) == 0,
+        EVEN_K=in_features % (block_k * split_k) == 0, BLOCK_L=triton.next_power_of_2(max_loras),
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     return buf

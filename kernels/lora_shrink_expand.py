@@ -1,6 +1,7 @@
 """Dense LoRA shrink and expand fused into one Triton kernel, for small ranks (decode).
 
-Each program owns (a token block of one adapter slot) x (a column block of one output slice): it recomputes
+Each program owns (a token block of one adapter slot) x (a column block of one output slice) -- token blocks
+of all slots together, found from the segment lengths (``slot_blocks``) -- and recomputes
 h = scaling * x_rows @ A[s, l].T in registers ([BLOCK_M, R], fp32) and adds h @ B[l, cols].T into y. The
 column blocks of one token block run next to each other, so x rows and A stay in L2 between them; the
 [S, T, R] buffer and the second launch of the two-kernel path disappear. Worth it while R is small and the
@@ -13,30 +14,31 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels import tuning
+from loraplex.kernels.dot import dot
 from loraplex.kernels.lora_expand import MAX_SLICES
 from loraplex.kernels.lora_shrink import lora_segments
+from loraplex.kernels.slot_blocks import flat_blocks, slot_block
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit
 def _lora_shrink_expand_kernel(
     y_ptr, x_ptr, a_ptr, b_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
     # y [T, N]; x [T, K]; lora_a [S, L, R, K]; lora_b [L, N, R]; order [T]; seg_* [L]; scaling [L]
-    num_tokens, K, R, OFF1, OFF2, W0, W1, W2,
+    K, R, L, OFF1, OFF2, W0, W1, W2,
     stride_yt, stride_xt, stride_as, stride_al, stride_ar, stride_bl, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
+    NUM_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    lora = tl.program_id(1)
-    sl = tl.program_id(2)
-    pid_m = pid // NUM_N
+    sl = tl.program_id(1)
     pid_n = pid % NUM_N
-    count = tl.load(seg_len_ptr + lora)
+    lora, pid_m, past = slot_block(pid // NUM_N, seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
     width = tl.where(sl == 0, W0, tl.where(sl == 1, W1, W2))
-    if (pid_m * BLOCK_M >= count) | (pid_n * BLOCK_N >= width):  # early exit
+    if past | (pid_n * BLOCK_N >= width):  # early exit
         return
+    count = tl.load(seg_len_ptr + lora)
     offset = tl.where(sl == 0, 0, tl.where(sl == 1, OFF1, OFF2))
     start = tl.load(seg_start_ptr + lora)
     idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,7 +60,7 @@ def _lora_shrink_expand_kernel(
             k_ok = k0 + k < K
             xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        h += tl.dot(xt, at.to(xt.dtype))
+        h += dot(xt, at.to(xt.dtype))
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     h *= tl.load(scaling_ptr + lora).to(tl.float32)
@@ -68,7 +70,7 @@ def _lora_shrink_expand_kernel(
     cols = offset + cols
     b = tl.load(b_ptr + lora64 * stride_bl + cols[None, :] * stride_bn + r[:, None],
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    delta = tl.dot(h.to(b.dtype), b)
+    delta = dot(h.to(b.dtype), b)
     y_ptrs = y_ptr + tok[:, None] * stride_yt + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -109,12 +111,13 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
     offsets = [0, widths[0], widths[0] + widths[1]]
     bm, bn, bk = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"]), int(cfg["BLOCK_K"])
     num_n = triton.cdiv(max(output_slices), bn)
-    grid = (triton.cdiv(num_tokens, bm) * num_n, max_loras, num_slices)
+    grid = (flat_blocks(num_tokens, max_loras, bm) * num_n, num_slices)
     _lora_shrink_expand_kernel[grid](
-        y, x, lora_a, lora_b, order, seg_start, seg_len, scaling, num_tokens, in_features, rank,
+        y, x, lora_a, lora_b, order, seg_start, seg_len, scaling, in_features, rank, max_loras,
         offsets[1], offsets[2], *widths,
         y.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_b.stride(0),
         lora_b.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=bk, NUM_N=num_n,
-        EVEN_K=in_features % bk == 0, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+        EVEN_K=in_features % bk == 0, BLOCK_L=triton.next_power_of_2(max_loras), num_warps=int(cfg["num_warps"]),
+        num_stages=int(cfg["num_stages"]),
     )

@@ -1,9 +1,11 @@
 """MoE alignment in Triton: routed pairs grouped by expert (and by adapter slot for the LoRA variant), each
 group padded to the GEMM's BLOCK_M. Same contracts as ``reference_lora.moe_align`` / ``moe_align_lora``.
 
-Two launches over a grid (experts, slots): a count pass writes counts [L, E]; the align pass turns them into
-padded offsets (exclusive prefix sum in registers), writes its expert's block ids and scatters its pairs in
-token order (in-block prefix sums). Buffers have the static capacity of ``moe_align_capacity``: no host sync.
+One launch over a grid (experts, slots), no fills before it: each program histograms its slot's pairs over
+the experts (cheap at decode sizes, so every program does it rather than wait for a separate count pass),
+turns the counts into padded offsets, writes its expert's block ids, pads and pairs (token order, in-block
+prefix sums), and a share of the unused tail. Buffers have the static capacity of ``moe_align_capacity``: no
+host sync. At decode a launch costs more than the work, so one launch instead of five is the point.
 """
 from __future__ import annotations
 
@@ -14,52 +16,59 @@ import triton.language as tl
 from loraplex.kernels.reference_lora import moe_align_capacity
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_count_kernel(
-    ids_ptr, lora_ptr, counts_ptr,  # topk_ids [T*A]; token_lora_idx [T]; counts [L, E] int32
-    num_pairs, num_experts,
-    TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
-):
-    expert = tl.program_id(0)
-    lora = tl.program_id(1)
-    cnt = 0
-    for start in range(0, num_pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < num_pairs
-        hit = ok & (tl.load(ids_ptr + offs, mask=ok, other=-1) == expert)
-        if HAS_LORA:
-            hit = hit & (tl.load(lora_ptr + offs // TOP_K, mask=ok, other=-1) == lora)
-        cnt += tl.sum(hit.to(tl.int32), 0)
-    tl.store(counts_ptr + lora * num_experts + expert, cnt)
-
-
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
 def _moe_align_kernel(
-    ids_ptr, lora_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # counts [L, E]; sorted_ids [L, capacity]; expert_ids [L, num_blocks]; num_tokens_post_pad [L]
+    ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr, offsets_ptr,
+    # topk_ids [T*A]; token_lora_idx [T]; sorted_ids [L, capacity]; expert_ids [L, num_blocks];
+    # num_tokens_post_pad [L]; counts, offsets [L, E] (pairs per expert, start of its padded group)
     num_pairs, num_experts, capacity, num_blocks,
-    TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # power of two > E: bin E collects the pairs of other slots
     BLOCK: tl.constexpr,
 ):
     expert = tl.program_id(0)
     lora = tl.program_id(1)
-    # ---- padded offsets from the counts of this slot
+    lora64 = lora.to(tl.int64)
+    # ---- this slot's pairs per expert
+    hist = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < num_pairs
+        e = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+        hit = ok & (e >= 0) & (e < num_experts)
+        if HAS_LORA:
+            hit = hit & (tl.load(lora_ptr + offs // TOP_K, mask=ok, other=-1) == lora)
+        hist += tl.histogram(tl.where(hit, e, num_experts), BLOCK_E)
     ev = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + lora * num_experts + ev, mask=ev < num_experts, other=0)
+    counts = tl.where(ev < num_experts, hist, 0)
     padded = (counts + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
     offset = tl.sum(tl.where(ev < expert, padded, 0), 0)
+    mine = tl.sum(tl.where(ev == expert, counts, 0), 0)
+    total = tl.sum(padded, 0)
+    tl.store(counts_ptr + lora * num_experts + expert, mine)
+    tl.store(offsets_ptr + lora * num_experts + expert, offset)
     if expert == 0:
-        tl.store(num_post_ptr + lora, tl.sum(padded, 0))
-    mine = tl.load(counts_ptr + lora * num_experts + expert)
-    if mine == 0:  # expert without tokens
-        return
-    # ---- block -> expert
-    first_block = offset // BLOCK_SIZE
-    my_blocks = (mine + BLOCK_SIZE - 1) // BLOCK_SIZE
-    for b in range(0, my_blocks, BLOCK):
+        tl.store(num_post_ptr + lora, total)
+    # ---- unused tail (sorted_ids past `total`, blocks past total / BLOCK_SIZE), shared by the programs
+    for t in range(total + expert * BLOCK, capacity, BLOCK * num_experts):
+        offs = t + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + lora64 * capacity + offs, tl.full([BLOCK], 0, tl.int32) + num_pairs,
+                 mask=offs < capacity)
+    for b in range(total // BLOCK_SIZE + expert * BLOCK, num_blocks, BLOCK * num_experts):
         bo = b + tl.arange(0, BLOCK)
-        tl.store(expert_ids_ptr + lora * num_blocks + first_block + bo, tl.full([BLOCK], 0, tl.int32) + expert,
-                 mask=bo < my_blocks)
+        tl.store(expert_ids_ptr + lora64 * num_blocks + bo, tl.full([BLOCK], -1, tl.int32), mask=bo < num_blocks)
+    if mine == 0:  # expert without pairs of this slot
+        return
+    # ---- block -> expert, and the pad after this expert's pairs
+    my_padded = (mine + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    first_block = offset // BLOCK_SIZE
+    for b in range(0, my_padded // BLOCK_SIZE, BLOCK):
+        bo = b + tl.arange(0, BLOCK)
+        tl.store(expert_ids_ptr + lora64 * num_blocks + first_block + bo, tl.full([BLOCK], 0, tl.int32) + expert,
+                 mask=bo < my_padded // BLOCK_SIZE)
+    pad = tl.arange(0, PAD_BLOCK)
+    tl.store(sorted_ptr + lora64 * capacity + offset + mine + pad, tl.full([PAD_BLOCK], 0, tl.int32) + num_pairs,
+             mask=pad < my_padded - mine)
     # ---- scatter this expert's pairs in token order
     placed = 0
     for start in range(0, num_pairs, BLOCK):
@@ -70,40 +79,44 @@ def _moe_align_kernel(
             hit = hit & (tl.load(lora_ptr + offs // TOP_K, mask=ok, other=-1) == lora)
         hit_i = hit.to(tl.int32)
         rank = tl.cumsum(hit_i, 0) - 1 + placed
-        tl.store(sorted_ptr + lora * capacity + offset + rank, offs.to(tl.int32), mask=hit)
+        tl.store(sorted_ptr + lora64 * capacity + offset + rank, offs.to(tl.int32), mask=hit)
         placed += tl.sum(hit_i, 0)
 
 
 def _align(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor | None, num_experts: int, max_loras: int,
            block_size: int):
-    """(sorted_ids [L, P], expert_ids [L, P / block_size], num_tokens_post_pad [L], counts [L, E])."""
+    """(sorted_ids [L, P], expert_ids [L, P / block_size], num_tokens_post_pad [L], counts [L, E],
+    offsets [L, E])."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, A], got {tuple(topk_ids.shape)}")
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     cap, num_blocks = moe_align_capacity(num_pairs, num_experts, block_size)
     dev = topk_ids.device
-    sorted_ids = torch.full((max_loras, cap), num_pairs, dtype=torch.int32, device=dev)
-    expert_ids = torch.full((max_loras, num_blocks), -1, dtype=torch.int32, device=dev)
-    num_post = torch.zeros(max_loras, dtype=torch.int32, device=dev)
     if num_pairs == 0:
-        return sorted_ids, expert_ids, num_post, torch.zeros(max_loras, num_experts, dtype=torch.int32, device=dev)
-    counts = torch.empty(max_loras, num_experts, dtype=torch.int32, device=dev)  # every entry is written
+        zeros = torch.zeros(max_loras, num_experts, dtype=torch.int32, device=dev)
+        return (torch.full((max_loras, cap), num_pairs, dtype=torch.int32, device=dev),
+                torch.full((max_loras, num_blocks), -1, dtype=torch.int32, device=dev),
+                torch.zeros(max_loras, dtype=torch.int32, device=dev), zeros, zeros.clone())
+    # every entry of every output is written by the kernel
+    sorted_ids = torch.empty(max_loras, cap, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_loras, num_blocks, dtype=torch.int32, device=dev)
+    num_post = torch.empty(max_loras, dtype=torch.int32, device=dev)
+    counts = torch.empty(max_loras, num_experts, dtype=torch.int32, device=dev)
+    offsets = torch.empty(max_loras, num_experts, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
-    lora = token_lora_idx if token_lora_idx is not None else ids
     has_lora = token_lora_idx is not None
-    grid = (num_experts, max_loras)
-    _moe_count_kernel[grid](ids, lora, counts, num_pairs, num_experts, TOP_K=top_k, HAS_LORA=has_lora,
-                            BLOCK=1024, num_warps=4)
-    _moe_align_kernel[grid](ids, lora, counts, sorted_ids, expert_ids, num_post, num_pairs, num_experts, cap,
-                            num_blocks, TOP_K=top_k, HAS_LORA=has_lora, BLOCK_SIZE=block_size,
-                            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK=1024, num_warps=4)
-    return sorted_ids, expert_ids, num_post, counts
+    _moe_align_kernel[(num_experts, max_loras)](
+        ids, token_lora_idx if has_lora else ids, sorted_ids, expert_ids, num_post, counts, offsets,
+        num_pairs, num_experts, cap, num_blocks, TOP_K=top_k, HAS_LORA=has_lora, BLOCK_SIZE=block_size,
+        PAD_BLOCK=triton.next_power_of_2(block_size), BLOCK_E=triton.next_power_of_2(num_experts + 1),
+        BLOCK=1024, num_warps=4)
+    return sorted_ids, expert_ids, num_post, counts, offsets
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_size: int):
     """Same contract as ``reference_lora.moe_align``."""
-    sorted_ids, expert_ids, num_post, _ = _align(topk_ids, None, num_experts, 1, block_size)
+    sorted_ids, expert_ids, num_post, _, _ = _align(topk_ids, None, num_experts, 1, block_size)
     return sorted_ids[0], expert_ids[0], num_post
 
 
@@ -115,9 +128,9 @@ def moe_align_lora(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, num_exp
     return _align(topk_ids, token_lora_idx.contiguous(), num_experts, max_loras, block_size)[:3]
 
 
-def group_by_slot(token_lora_idx: torch.Tensor, max_loras: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens grouped by adapter slot (token order kept), tokens without an adapter left out:
-    (order [T] int32 -- the first sum(counts) entries are valid, counts [L] int32). moe_align with the slot
-    as the "expert", top-1 and blocks of one."""
-    sorted_ids, _, _, counts = _align(token_lora_idx.reshape(-1, 1), None, max_loras, 1, 1)
-    return sorted_ids[0], counts[0]
+def group_by_slot(token_lora_idx: torch.Tensor, max_loras: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens grouped by adapter slot (token order kept), tokens without an adapter left out, in one launch:
+    (order [T] int32, seg_start [L] int32, seg_len [L] int32); slot l's tokens are
+    order[seg_start[l] : seg_start[l] + seg_len[l]]. moe_align with the slot as the "expert", top-1, blocks of one."""
+    sorted_ids, _, _, counts, offsets = _align(token_lora_idx.reshape(-1, 1), None, max_loras, 1, 1)
+    return sorted_ids[0], offsets[0], counts[0]

@@ -60,16 +60,34 @@ def fused_moe_int8(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights, topk_ids, 
                                              activation=activation, b13=b13, b2=b2, alpha=alpha, limit=limit)
 
 
-def lora_shrink(x, lora_a, token_lora_idx, scaling) -> torch.Tensor:
-    return _resolve_ext("lora_shrink", x)(x, lora_a, token_lora_idx, scaling)
+def lora_segments(token_lora_idx: torch.Tensor, max_loras: int):
+    """The step's token grouping by adapter slot, to compute once per step and pass as ``segments=`` to every
+    layer's ``lora_shrink`` / ``lora_expand`` (one launch saved per call). None where the references run
+    (they group by themselves)."""
+    if _resolve_ext("lora_shrink", token_lora_idx) is reference_lora.lora_shrink:
+        return None
+    from loraplex.kernels.lora_shrink import lora_segments as triton_segments
+
+    return triton_segments(token_lora_idx, max_loras)
 
 
-def lora_expand(y, buf, lora_b, token_lora_idx, output_slices) -> None:
-    return _resolve_ext("lora_expand", y)(y, buf, lora_b, token_lora_idx, output_slices)
+def _with_segments(fn, segments) -> dict:
+    return {} if segments is None or fn.__module__ == reference_lora.__name__ else {"segments": segments}
 
 
-def lora_shrink_expand(y, x, lora_a, lora_b, token_lora_idx, scaling, output_slices) -> None:
-    return _resolve_ext("lora_shrink_expand", y)(y, x, lora_a, lora_b, token_lora_idx, scaling, output_slices)
+def lora_shrink(x, lora_a, token_lora_idx, scaling, *, segments=None) -> torch.Tensor:
+    fn = _resolve_ext("lora_shrink", x)
+    return fn(x, lora_a, token_lora_idx, scaling, **_with_segments(fn, segments))
+
+
+def lora_expand(y, buf, lora_b, token_lora_idx, output_slices, *, segments=None) -> None:
+    fn = _resolve_ext("lora_expand", y)
+    return fn(y, buf, lora_b, token_lora_idx, output_slices, **_with_segments(fn, segments))
+
+
+def lora_shrink_expand(y, x, lora_a, lora_b, token_lora_idx, scaling, output_slices, *, segments=None) -> None:
+    fn = _resolve_ext("lora_shrink_expand", y)
+    return fn(y, x, lora_a, lora_b, token_lora_idx, scaling, output_slices, **_with_segments(fn, segments))
 
 
 def moe_align(topk_ids, num_experts, block_size):

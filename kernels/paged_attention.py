@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.dot import dot
+
 _LOG2E = 1.4426950408889634
 
 
@@ -81,7 +83,7 @@ def _paged_attention_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + blk[:, None] * stride_kb + slot_in_blk[:, None] * stride_ks + kv_head * stride_kh
                     + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        s = dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
         keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             keep = keep & (pos[None, :] > q_pos[:, None] - window)
@@ -92,7 +94,7 @@ def _paged_attention_kernel(
         l_i = l_i * corr + tl.sum(p, 1)
         v = tl.load(v_ptr + blk[:, None] * stride_vb + slot_in_blk[:, None] * stride_vs + kv_head * stride_vh
                     + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * corr[:, None] + dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)

@@ -87,17 +87,19 @@ MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
 SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [
     (16, 64, 1, 4, 2), (16, 128, 1, 4, 3), (16, 256, 1, 4, 3), (16, 128, 4, 4, 3), (16, 256, 4, 4, 3),
     (16, 128, 8, 4, 3), (16, 64, 8, 2, 3), (32, 128, 4, 4, 3), (64, 128, 2, 4, 3), (64, 64, 1, 4, 3),
-    (16, 256, 8, 8, 3), (32, 256, 2, 8, 3)])
+    (16, 256, 8, 8, 3), (32, 256, 2, 8, 3), (16, 64, 16, 2, 3), (16, 64, 16, 4, 2)])
 EXPAND_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages"), [
     (16, 64, 1, 4, 2), (16, 128, 1, 4, 2), (16, 256, 1, 4, 2), (16, 128, 4, 4, 2), (32, 128, 4, 4, 2),
-    (64, 128, 4, 4, 2), (16, 32, 1, 2, 2), (32, 256, 4, 8, 2), (64, 64, 8, 4, 2), (16, 512, 1, 8, 2)])
+    (64, 128, 4, 4, 2), (16, 32, 1, 2, 2), (32, 256, 4, 8, 2), (64, 64, 8, 4, 2), (16, 512, 1, 8, 2),
+    (16, 64, 1, 2, 1), (16, 128, 1, 8, 1), (16, 256, 1, 8, 1)])
 FUSED_LORA_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), [
     (16, 128, 128, 4, 3), (16, 64, 128, 4, 3), (16, 256, 128, 4, 3), (16, 128, 256, 4, 3), (16, 64, 256, 4, 2),
     (32, 128, 128, 4, 3), (16, 256, 256, 8, 3), (32, 256, 128, 8, 3), (64, 128, 64, 4, 3), (16, 128, 64, 4, 4)])
 MOE_LORA_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M", "num_warps", "num_stages"), [
     (16, 64, 64, 1, 1, 4, 2), (16, 128, 128, 1, 1, 4, 3), (16, 128, 128, 4, 1, 4, 3), (16, 256, 256, 2, 1, 4, 3),
     (16, 64, 256, 4, 1, 4, 3), (32, 128, 128, 2, 4, 4, 3), (16, 128, 64, 8, 1, 4, 3), (32, 64, 128, 1, 4, 4, 3),
-    (64, 128, 128, 1, 4, 8, 3), (16, 256, 128, 2, 1, 8, 3)])
+    (64, 128, 128, 1, 4, 8, 3), (16, 256, 128, 2, 1, 8, 3), (16, 128, 64, 16, 1, 4, 3), (16, 256, 64, 16, 1, 4, 3),
+    (16, 128, 32, 16, 1, 4, 3)])
 
 
 def _routing(m: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,8 +150,10 @@ def moe_cases(s: ModelShapes, m: int, dtype, device, *, int8: bool = False) -> l
                  + act_bytes, default=DEFAULT_CONFIG, space=MOE_SPACE)]
 
 
-def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
-    """qkv projection: 3 slices, K = hidden."""
+def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device, *,
+                     shared_metadata: bool = False) -> list[Case]:
+    """qkv projection: 3 slices, K = hidden. ``shared_metadata``: shrink and expand given the step's
+    ``lora_segments`` (untuned op name, " kernel" label; see ``shared_metadata_cases``)."""
     from loraplex.kernels import lora_expand as ex
     from loraplex.kernels import lora_shrink as sh
     from loraplex.kernels import lora_shrink_expand as fu
@@ -171,6 +175,28 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, d
         ex.lora_expand(got, buf, lora_b, idx, slices)
         ref.lora_expand(want, buf, lora_b, idx, slices)
         return rel_error(got, want)
+
+    if shared_metadata:
+        seg = sh.lora_segments(idx, max_loras)
+
+        def check_expand_shared() -> float:
+            got, want = y.clone(), y.clone()
+            ex.lora_expand(got, buf, lora_b, idx, slices, segments=seg)
+            ref.lora_expand(want, buf, lora_b, idx, slices)
+            return rel_error(got, want)
+
+        return [
+            Case("", "lora_shrink[qkv] kernel", m, sh.shape_of(x, lora_a),
+                 lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg, segments=seg),
+                 lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling, segments=seg), buf),
+                 nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * lora_a.element_size(),
+                 default=sh.DEFAULT_CONFIG),
+            Case("", "lora_expand[qkv] kernel", m, ex.shape_of(y, buf, slices),
+                 lambda cfg: ex.lora_expand(y, buf, lora_b, idx, slices, config=cfg, segments=seg),
+                 check_expand_shared,
+                 nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * lora_b.element_size(),
+                 default=ex.DEFAULT_CONFIG),
+        ]
 
     def check_fused() -> float:
         got, want = y.clone(), y.clone()
@@ -196,10 +222,14 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, d
     ]
 
 
-def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
-    """Expert LoRA on gate_up (K = H, N = 2I, token rows) and down (K = I, N = H, pair rows, weighted)."""
+def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device, *,
+                   shared_metadata: bool = False) -> list[Case]:
+    """Expert LoRA on gate_up (K = H, N = 2I, token rows) and down (K = I, N = H, pair rows, weighted).
+    ``shared_metadata``: given the layer's ``moe_align_lora`` (untuned op name, " kernels" label)."""
     from loraplex.kernels import fused_moe_lora as fl
     from loraplex.kernels import reference_lora as ref
+    from loraplex.kernels import tuning
+    from loraplex.kernels.moe_align import moe_align_lora
 
     e, a = s.num_experts, s.top_k
     weights, ids = _routing(m, e, a, device)
@@ -221,6 +251,26 @@ def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, dev
             ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling, tw)
             return rel_error(got, want)
 
+        if shared_metadata:
+            shape, aligns = fl.shape_of(y, x, lora_a, ids), {}
+
+            def run(cfg, x=x, lora_a=lora_a, lora_b=lora_b, y=y, tw=tw, shape=shape, aligns=aligns):
+                cfg = cfg or tuning.get_config("fused_moe_lora", shape, m, fl.DEFAULT_CONFIG)
+                bm = int(cfg["BLOCK_M"])
+                if bm not in aligns:  # made by the first (untimed) call, reused by the timed replays
+                    aligns[bm] = moe_align_lora(ids, idx, e, max_loras, bm)
+                fl.fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling, tw, config=cfg, align=aligns[bm])
+
+            def check_shared(x=x, lora_a=lora_a, lora_b=lora_b, y=y, tw=tw, run=run) -> float:
+                want = y.clone()
+                ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling, tw)
+                run(None)  # in place on y
+                return rel_error(y, want)
+
+            cases.append(Case("", f"fused_moe_lora[{target}] kernels", m, shape, run, check_shared,
+                              nbytes=pairs * rank * (k + n) * lora_a.element_size() + _nbytes(x) + 2 * _nbytes(y),
+                              default=fl.DEFAULT_CONFIG))
+            continue
         cases.append(Case(
             "fused_moe_lora", f"fused_moe_lora[{target}]", m, fl.shape_of(y, x, lora_a, ids),
             lambda cfg, x=x, lora_a=lora_a, lora_b=lora_b, y=y, tw=tw:
@@ -291,6 +341,22 @@ def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) ->
                                reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw)),
              nbytes=2 * m * context * kvh * d * kc.element_size() + 2 * _nbytes(q)),
     ]
+
+
+def shared_metadata_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
+    """The LoRA ops as a step should run them, metadata computed once and shared (``segments=`` per step for the
+    dense ops, ``align=`` per MoE layer for gate_up and down): kernel time alone, for the benchmark; plus that
+    metadata (``lora_segments``). Op names are empty (the tuner skips them); ``default`` is set so the
+    benchmark still compares the tuned config (``run(None)``) with the default."""
+    from loraplex.kernels.lora_shrink import lora_segments
+
+    idx = _adapters(m, max_loras, device)
+    want = torch.argsort(torch.where(idx < 0, max_loras, idx), stable=True)
+    segments = Case("", "lora_segments", m, {}, lambda cfg: lora_segments(idx, max_loras),
+                    lambda: 0.0 if torch.equal(lora_segments(idx, max_loras)[0][:m].long(), want) else 1.0,
+                    nbytes=_nbytes(idx) * 2)
+    return ([segments] + dense_lora_cases(s, m, max_loras, rank, dtype, device, shared_metadata=True)
+            + moe_lora_cases(s, m, max_loras, rank, dtype, device, shared_metadata=True))
 
 
 def tunable_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:

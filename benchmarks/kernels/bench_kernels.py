@@ -1,5 +1,7 @@
 """Kernel benchmark at a model's decode shapes: time, achieved bandwidth, share of the copy roofline, and the
-tuned config's speed-up over the launcher's default.
+tuned config's speed-up over the launcher's default. Rows "... kernel(s)" time the LoRA ops with their
+metadata computed once and shared (lora_segments per step, moe_align_lora per MoE layer), as a step should;
+the plain rows include that metadata in every call.
 
     python3 benchmarks/kernels/bench_kernels.py --model gpt-oss-20b --m 1,16,64,256 [--roofline-tbs 4.2]
 
@@ -18,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from loraplex.kernels.tuning_cases import (PRESETS, bench_time_ms, misc_cases,  # noqa: E402
-                                           tunable_cases)
+                                           shared_metadata_cases, tunable_cases)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--roofline-tbs", type=float, default=4.2, help="copy roofline in TB/s")
     p.add_argument("--context", type=int, default=2048, help="decode context length per sequence")
+    p.add_argument("--only", default="", help="comma-separated label prefixes: run just those ops")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
@@ -41,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(m)
         cases = tunable_cases(shapes, m, args.max_loras, args.rank, torch.bfloat16, "cuda")
         cases += misc_cases(shapes, m, torch.bfloat16, "cuda", context=args.context)
+        cases += shared_metadata_cases(shapes, m, args.max_loras, args.rank, torch.bfloat16, "cuda")
         for case in cases:
+            if args.only and not case.label.startswith(tuple(args.only.split(","))):
+                continue
             try:
                 ms = bench_time_ms(lambda: case.run(None))
             except Exception as e:  # noqa: BLE001  (report and go on with the other ops)

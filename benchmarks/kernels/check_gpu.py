@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from loraplex.kernels.tuning_cases import PRESETS, misc_cases, tunable_cases  # noqa: E402
+from loraplex.kernels.tuning_cases import PRESETS, misc_cases, shared_metadata_cases, tunable_cases  # noqa: E402
 
 TOLERANCE = 1e-2
 
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="gpt-oss-20b", choices=sorted(PRESETS))
     p.add_argument("--m", default="1,33,256")
+    p.add_argument("--only", default="", help="comma-separated label prefixes: run just those ops")
     args = p.parse_args(argv)
     shapes = PRESETS[args.model]
     worst, failed = 0.0, []
@@ -89,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(100 + m)
         cases = tunable_cases(shapes, m, 8, 32, torch.bfloat16, "cuda")
         cases += misc_cases(shapes, m, torch.bfloat16, "cuda", context=1024)
+        cases += shared_metadata_cases(shapes, m, 8, 32, torch.bfloat16, "cuda")
         for case in cases:
+            if args.only and not case.label.startswith(tuple(args.only.split(","))):
+                continue
             try:
                 err = case.check()
             except Exception as e:  # noqa: BLE001  (a crash is a failure; go on with the other ops)

@@ -29,3 +29,25 @@ def test_cpu_ops_use_references():
                        reference_lora.lora_shrink(x, lora_a, idx, torch.ones(2)))
     ids = torch.tensor([[0, 1], [1, 2], [2, 0]])
     assert all(torch.equal(a, b) for a, b in zip(ops.moe_align(ids, 3, 4), reference_lora.moe_align(ids, 3, 4)))
+
+
+def test_step_segments_pass_through_ops(monkeypatch):
+    """``ops.lora_segments`` once per step, handed to shrink and expand: None (ignored) on the references; the
+    Triton launchers take it (forced here for CPU tensors through the interpreter)."""
+    x, y = torch.randn(7, 16), torch.randn(7, 24)
+    idx = torch.tensor([1, -1, 0, 1, 2, -1, 0], dtype=torch.int32)
+    lora_a, lora_b, scaling = torch.randn(2, 3, 16, 16), torch.randn(3, 24, 16), torch.rand(3) + 0.5
+    want = y.clone()
+    reference_lora.lora_expand(want, reference_lora.lora_shrink(x, lora_a, idx, scaling), lora_b, idx, (12, 12))
+    assert ops.lora_segments(idx, 3) is None
+    got = y.clone()
+    ops.lora_expand(got, ops.lora_shrink(x, lora_a, idx, scaling, segments=None), lora_b, idx, (12, 12))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(ops, "resolve", lambda name, t: dispatch._load_launcher(name))
+    segments = ops.lora_segments(idx, 3)
+    assert segments is not None and segments[2].tolist() == [2, 2, 1]
+    got = y.clone()
+    ops.lora_expand(got, ops.lora_shrink(x, lora_a, idx, scaling, segments=segments), lora_b, idx, (12, 12),
+                    segments=segments)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -90,3 +90,25 @@ def test_fused_shrink_expand_matches_reference(num_tokens, slices):
     lora_shrink_expand(y, x, lora_a, lora_b, idx, scaling, slices, config=cfg)
     ref.lora_shrink_expand(want, x, lora_a, lora_b, idx, scaling, slices)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_flat_token_blocks_cross_slot_boundaries():
+    """Token blocks of all slots in one grid dim: skewed slots (one idle, one spanning many blocks) with small
+    blocks, so programs land in every slot and just past the used blocks."""
+    from loraplex.kernels.lora_shrink_expand import lora_shrink_expand
+
+    idx = torch.tensor([1] * 50 + [3] * 15 + [2] * 5 + [-1] * 6, dtype=torch.int32)[torch.randperm(76)]
+    lora_a, lora_b, scaling = dense_lora(2, 4, 16, 40, 48)
+    x, y = torch.randn(76, 40), torch.randn(76, 48)
+    shrink_cfg = {"BLOCK_M": 4, "BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
+    expand_cfg = {"BLOCK_M": 4, "BLOCK_N": 16, "GROUP_M": 3, "num_warps": 4, "num_stages": 1}
+    want = y.clone()
+    ref.lora_expand(want, ref.lora_shrink(x, lora_a, idx, scaling), lora_b, idx, (24, 24))
+    got = y.clone()
+    lora_expand(got, lora_shrink(x, lora_a, idx, scaling, config=shrink_cfg), lora_b, idx, (24, 24),
+                config=expand_cfg)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    fused = y.clone()
+    lora_shrink_expand(fused, x, lora_a, lora_b, idx, scaling, (24, 24),
+                       config={"BLOCK_M": 4, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1})
+    torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-4)

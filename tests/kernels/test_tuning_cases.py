@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loraplex.kernels import tuning
-from loraplex.kernels.tuning_cases import ModelShapes, misc_cases, tunable_cases
+from loraplex.kernels.tuning_cases import ModelShapes, misc_cases, shared_metadata_cases, tunable_cases
 
 TINY = ModelShapes("tiny", hidden=32, num_experts=4, top_k=2, moe_intermediate=16, num_heads=4, num_kv_heads=2,
                    head_dim=16, activation="swiglu_clamp", expert_bias=True)
@@ -25,6 +25,19 @@ def test_cases_run_and_match_references(m):
         if case.default is not None:
             case.run(case.default)
             assert case.space and all(set(case.default) == set(c) for c in case.space), case.label
+
+
+def test_shared_metadata_cases_run_and_leave_the_tuner_alone():
+    """Benchmark-only rows (metadata shared per step / per layer) match the references; op name empty so
+    ``loraplex tune`` never writes them; default and tuned runs both launch."""
+    cases = {c.label: c for c in shared_metadata_cases(TINY, 7, 3, 16, torch.float32, "cpu")}
+    assert set(cases) == {"lora_segments", "lora_shrink[qkv] kernel", "lora_expand[qkv] kernel",
+                          "fused_moe_lora[gate_up] kernels", "fused_moe_lora[down] kernels"}
+    assert all(c.op == "" and not c.space for c in cases.values())
+    for case in cases.values():
+        assert case.check() < 1e-4, case.label
+        if case.default is not None:
+            case.run(case.default)
 
 
 def test_tune_picks_fastest_and_writes_through_naming_function(tmp_path, monkeypatch):
