@@ -21,6 +21,7 @@ from torch import nn
 from loraplex.engine.config import ConfigError, ModelConfig
 from loraplex.engine.models import get_model_class
 from loraplex.engine.models.transformer import CausalLM
+from loraplex.engine.progress import progress as progress_bar
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -225,11 +226,13 @@ def _load_safetensors(model: CausalLM, cfg: ModelConfig, path: str, progress: bo
     by_file: dict[str, list[str]] = {}
     for name in targets:
         by_file.setdefault(files[name], []).append(name)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    # progress=False: never a bar; True: loraplex's rule (a terminal on stderr, or LORAPLEX_PROGRESS=1)
+    with progress_bar(total=len(targets), desc="Loading weights", unit="tensor",
+                      enabled=None if progress else False) as bar:
+        _copy_tensors(params, targets, by_file, cfg, bar)
 
-        bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor")
+
+def _copy_tensors(params: dict, targets: dict, by_file: dict[str, list[str]], cfg: ModelConfig, bar) -> None:
     for fname, names in sorted(by_file.items()):
         f = _open(fname)
         for name in names:
@@ -250,10 +253,7 @@ def _load_safetensors(model: CausalLM, cfg: ModelConfig, path: str, progress: bo
                 raise WeightLoadError(f"tensor {name!r} in {fname} has shape {tuple(src.shape)} (after layout "
                                       f"conversion), expected {tuple(dest.shape)} for {t.param}")
             dest.copy_(src)
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar.update(1)
 
 
 def _init_dummy(model: CausalLM, seed: int = 0) -> None:

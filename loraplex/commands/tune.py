@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,16 @@ def tune_case(case, deadline: float) -> tuple[dict, float, float]:
     return best, best_ms, default_ms
 
 
+def _emit(bar, line: str) -> None:
+    """A result line printed above the progress bar, flushed (logs of a long tuning run stay live)."""
+    bar.write(line)
+    sys.stdout.flush()
+
+
 def run(args) -> int:
     import torch
 
+    from loraplex.engine.progress import progress
     from loraplex.kernels import tuning
     from loraplex.kernels.tuning_cases import tunable_cases
 
@@ -93,18 +101,20 @@ def run(args) -> int:
     print(f"tuning {shapes.name} on {device_name}: M={ms}, max_loras={args.max_loras}, rank={args.rank}")
     for m in ms:
         torch.manual_seed(m)
-        for case in tunable_cases(shapes, m, args.max_loras, args.rank, dtype, "cuda"):
-            if only and case.op not in only:
-                continue
-            try:
-                best, best_ms, default_ms = tune_case(case, deadline)
-            except Exception as e:  # noqa: BLE001  (the default itself failed: nothing to write for it)
-                print(f"  {case.label:28s} M={m:<4d} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            # gate_up and down of fused_moe_lora differ in shape, so both land in one file under two keys
-            results.setdefault(case.op, {}).setdefault(tuning.shape_key(case.shape), {})[m] = best
-            print(f"  {case.label:28s} M={m:<4d} default {default_ms * 1e3:8.1f} us  tuned {best_ms * 1e3:8.1f} us"
-                  f"  x{default_ms / best_ms:4.2f}  {best}", flush=True)
+        cases = [c for c in tunable_cases(shapes, m, args.max_loras, args.rank, dtype, "cuda")
+                 if not only or c.op in only]
+        with progress(cases, desc=f"Tuning M={m}", unit="case") as bar:   # lines go above the bar
+            for case in bar:
+                try:
+                    best, best_ms, default_ms = tune_case(case, deadline)
+                except Exception as e:  # noqa: BLE001  (the default itself failed: nothing to write for it)
+                    _emit(bar, f"  {case.label:28s} M={m:<4d} FAILED: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                # gate_up and down of fused_moe_lora differ in shape, so both land in one file under two keys
+                results.setdefault(case.op, {}).setdefault(tuning.shape_key(case.shape), {})[m] = best
+                _emit(bar, f"  {case.label:28s} M={m:<4d} default {default_ms * 1e3:8.1f} us  tuned "
+                           f"{best_ms * 1e3:8.1f} us  x{default_ms / best_ms:4.2f}  {best}")
+        del cases, bar
         torch.cuda.empty_cache()
     for op, configs in results.items():
         path = tuning.write_configs(op, configs, device_name=device_name, root=args.out)

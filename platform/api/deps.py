@@ -77,13 +77,18 @@ def current_tenant(session: SessionDep, settings: SettingsDep, credentials: Cred
         raise _unauthorized("API key")
     if key.tenant.disabled:
         raise ApiError(403, "this tenant is disabled; contact the operator", code="tenant_disabled")
+    touch_key(session, key)
+    return key.tenant
+
+
+def touch_key(session: Session, key) -> None:
+    """Record that ``key`` was used (at most once per ``LAST_USED_GRANULARITY``)."""
     now, last = utcnow(), key.last_used_at
     if last is not None and last.tzinfo is None:  # SQLite hands back naive UTC
         last = last.replace(tzinfo=timezone.utc)
     if last is None or now - last > LAST_USED_GRANULARITY:
         key.last_used_at = now
         session.commit()
-    return key.tenant
 
 
 AdminKey = Annotated[None, Depends(require_admin)]

@@ -48,6 +48,29 @@ class Settings(BaseSettings):
     default_max_concurrency: int | None = None
     default_tokens_per_day: int | None = None
 
+    quota_fail_open: bool = False  # Redis unreachable: admit without checks (True) or answer 503 (False)
+    quota_timeout_s: float = Field(default=0.5, gt=0)
+    quota_key_prefix: str = "loraplex:quota"  # Redis keys: <prefix>:{<tenant id>}:rpm|tpm|leases|day
+
+    # gateway: engine replicas (ENGINE_URLS: separate `loraplex engine serve` processes; else ENGINE_MODE)
+    engine_urls: list[str] = []
+    engine_mode: Literal["embedded", "null", "none"] = "embedded"  # embedded: in-process engine on BASE_MODEL_PATH
+    engine_device: str = "auto"
+    engine_dtype: str = "auto"
+    engine_max_loras: int = Field(default=4, ge=1)
+    engine_max_lora_rank: int = Field(default=16, ge=1)
+    engine_max_num_seqs: int = Field(default=64, ge=1)
+    engine_null_tokens: int = Field(default=8, ge=1)
+    max_model_len: int | None = None  # default: the base model's max_position_embeddings, capped at 8192
+    residency_poll_s: float = Field(default=2.0, gt=0)  # how often replicas' resident adapters are polled
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)  # inference request body cap (413 above)
+    auth_cache_s: float = Field(default=1.0, ge=0)  # API key / adapter lookups are cached this long (0: off)
+    adapter_dir: str | None = None  # local blob store: PEFT folders materialised for engines (<DATA_DIR>/peft)
+
+    # usage metering (buffered SQL writer)
+    usage_flush_rows: int = Field(default=500, ge=1)
+    usage_flush_s: float = Field(default=1.0, gt=0)
+
     # secrets
     admin_key: SecretStr = SecretStr(DEFAULT_SECRET)
     secret_key: SecretStr = SecretStr(DEFAULT_SECRET)  # HMAC key for tenant API key hashes
@@ -82,6 +105,10 @@ class Settings(BaseSettings):
     @property
     def blob_path(self) -> str:
         return os.path.abspath(self.blob_dir or os.path.join(self.data_dir, "blobs"))
+
+    @property
+    def adapter_path(self) -> str:
+        return os.path.abspath(self.adapter_dir or os.path.join(self.data_dir, "peft"))
 
     @property
     def served_model_name(self) -> str | None:

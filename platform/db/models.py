@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 import enum
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Integer, String, Text,
-                        UniqueConstraint)
+from sqlalchemy import (JSON, BigInteger, Boolean, Date, DateTime, Enum, Float, ForeignKey, Index, Integer, String,
+                        Text, UniqueConstraint)
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from loraplex.platform.db.base import Base, new_id, utcnow
@@ -123,9 +123,11 @@ class AdapterAlias(Base):
 
 
 class UsageRecord(Base):
-    """Tokens used by one request (written by the gateway)."""
+    """Tokens used by one request (written by the gateway's buffered usage writer, in batches). ``day`` is the
+    UTC day of ``created_at``; ``adapter_name`` survives the version row's deletion (None = the base model)."""
 
     __tablename__ = "usage_records"
+    __table_args__ = (Index("ix_usage_records_tenant_day", "tenant_id", "day"),)
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -135,3 +137,5 @@ class UsageRecord(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = _ts(index=True)
+    day: Mapped[date | None] = mapped_column(Date)
+    adapter_name: Mapped[str | None] = mapped_column(String(64))

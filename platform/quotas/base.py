@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 from loraplex.platform.quotas.decision import DenyReason, QuotaDecision
 from loraplex.platform.quotas.limits import QuotaLimits
 
-# reason codes shared with redis_script.lua (index = code)
+# reason codes shared with lua_scripts.py (index = code)
 REASONS: tuple[DenyReason | None, ...] = (None, "requests", "tokens", "concurrency", "daily_tokens",
                                          "request_too_large")
 CONCURRENCY_RETRY_S = 1.0  # hint for a concurrency denial: leases usually end within seconds

@@ -35,10 +35,10 @@ def format_reset(seconds: float) -> str:
     return f"{s}s"
 
 
-@dataclass(frozen=True)
+@dataclass
 class QuotaDecision:
     """The answer of ``QuotaStore.acquire``. Keep it: ``QuotaStore.finish(decision, used_tokens)`` refunds the
-    unused reservation and releases the lease.
+    unused reservation and releases the lease (idempotent: a second ``finish`` does nothing).
 
     ``status_code`` is 200 when allowed, else 429 (a limit), 400 (``request_too_large``: can never pass) or 503
     (store unreachable and fail-closed). ``*_remaining``/``*_reset_s`` are after this request's reservation;
@@ -61,6 +61,8 @@ class QuotaDecision:
     limits: QuotaLimits | None = None
     budget_day: int | None = None      # UTC day number (epoch days) the daily reservation was counted on
     degraded: bool = False
+    refunded_tokens: int = 0           # given back so far (refund/finish never give back more than reserved)
+    released: bool = False             # finish (or release) ran: the lease is gone, finishing again is a no-op
 
     @property
     def message(self) -> str:

@@ -1,4 +1,4 @@
-"""GCRA arithmetic (the generic cell rate algorithm), in plain Python; ``redis_script.lua`` does the same in Lua.
+"""GCRA arithmetic (the generic cell rate algorithm), in plain Python; ``lua_scripts.py`` does the same in Lua.
 
 A limit of R units per minute with burst B keeps one number per tenant, the theoretical arrival time ``tat``:
 

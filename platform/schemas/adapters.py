@@ -1,11 +1,10 @@
 """Adapters, versions and aliases, as the tenant API sees them."""
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.schemas.types import UtcDatetime
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 ALIAS_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
@@ -30,13 +29,13 @@ class AdapterVersionPublic(BaseModel):
     targets: list[str]
     base_model: str | None
     error: str | None
-    created_at: datetime
-    updated_at: datetime
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
 
 
 class AdapterSummary(BaseModel):
     name: str
-    created_at: datetime
+    created_at: UtcDatetime
     latest_version: int | None = Field(description="the version the `latest` alias names; null if none is ready")
     aliases: dict[str, int]
 
@@ -48,7 +47,7 @@ class AdaptersPublic(BaseModel):
 
 class AdapterPublic(BaseModel):
     name: str
-    created_at: datetime
+    created_at: UtcDatetime
     aliases: dict[str, int] = Field(examples=[{"latest": 3, "prod": 2}])
     versions: list[AdapterVersionPublic]
 

@@ -1,9 +1,9 @@
 """Tenants, their quotas and API keys, as the admin API sees them."""
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.platform.schemas.types import UtcDatetime
 
 
 class Quotas(BaseModel):
@@ -26,7 +26,7 @@ class TenantPublic(BaseModel):
     id: str
     name: str
     disabled: bool
-    created_at: datetime
+    created_at: UtcDatetime
     quotas: Quotas
 
 
@@ -45,9 +45,9 @@ class ApiKeyPublic(BaseModel):
     id: str
     name: str
     prefix: str
-    created_at: datetime
-    last_used_at: datetime | None
-    revoked_at: datetime | None
+    created_at: UtcDatetime
+    last_used_at: UtcDatetime | None
+    revoked_at: UtcDatetime | None
 
 
 class ApiKeyCreated(ApiKeyPublic):

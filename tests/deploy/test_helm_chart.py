@@ -308,11 +308,11 @@ def test_switches_off_render_valid_manifests_without_the_switched_parts():
         kubernetes_validate.validate(m, KUBE_VERSION, strict=True)
 
 
-def test_servicemonitor_scrapes_engines_only_when_asked(rendered):
+def test_servicemonitor_scrapes_engines_unless_turned_off(rendered):
     def components(r):
         (expr,) = r.one("ServiceMonitor", "lpx-loraplex")["spec"]["selector"]["matchExpressions"]
         return expr["values"]
 
-    assert components(rendered["production"]) == ["platform"]
-    asked = render({"metrics": {"serviceMonitor": {"enabled": True, "scrapeEngines": True}}})
-    assert components(asked) == ["platform", "engine"]
+    assert components(rendered["production"]) == ["platform", "engine"]   # engines serve /metrics: on by default
+    off = render({"metrics": {"serviceMonitor": {"enabled": True, "scrapeEngines": False}}})
+    assert components(off) == ["platform"]

@@ -1,12 +1,13 @@
 """Admin API: a tenant's API keys (the key itself is shown once, at issue)."""
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from loraplex.platform.api.deps import SessionDep, SettingsDep
 from loraplex.platform.api.errors import ApiError
 from loraplex.platform.api.routes.tenants import AdminTenant
 from loraplex.platform.crud import tenants as crud
+from loraplex.platform.gateway.auth import forget_cached_keys
 from loraplex.platform.schemas.tenants import ApiKeyCreate, ApiKeyCreated, ApiKeyPublic, ApiKeysPublic
 
 router = APIRouter(prefix="/admin/tenants/{tenant_id}/keys", tags=["admin: keys"])
@@ -27,10 +28,11 @@ def list_keys(session: SessionDep, tenant: AdminTenant) -> ApiKeysPublic:
 
 
 @router.delete("/{key_id}", response_model=ApiKeyPublic)
-def revoke_key(session: SessionDep, tenant: AdminTenant, key_id: str) -> ApiKeyPublic:
+def revoke_key(request: Request, session: SessionDep, tenant: AdminTenant, key_id: str) -> ApiKeyPublic:
     row = crud.get_key(session=session, tenant=tenant, key_id=key_id)
     if row is None:
         raise ApiError(404, f"key {key_id!r} not found for this tenant", code="key_not_found")
     crud.revoke_key(session=session, key=row)
     session.commit()
+    forget_cached_keys(request.app)   # the revoked key stops working at once, inference included
     return ApiKeyPublic.model_validate(row)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform.api.deps import AdminKey, SessionDep
 from loraplex.platform.api.errors import ApiError
 from loraplex.platform.crud import tenants as crud
 from loraplex.platform.db.models import Tenant
+from loraplex.platform.gateway.auth import forget_cached_keys
 from loraplex.platform.schemas.tenants import Quotas, TenantCreate, TenantPublic, TenantsPublic
 
 router = APIRouter(prefix="/admin/tenants", tags=["admin: tenants"])
@@ -55,23 +56,26 @@ def read_tenant(tenant: AdminTenant) -> TenantPublic:
 
 
 @router.post("/{tenant_id}/disable", response_model=TenantPublic)
-def disable_tenant(session: SessionDep, tenant: AdminTenant) -> TenantPublic:
+def disable_tenant(request: Request, session: SessionDep, tenant: AdminTenant) -> TenantPublic:
     """A disabled tenant's keys stop working (403) until it is enabled again."""
     tenant.disabled = True
     session.commit()
+    forget_cached_keys(request.app)
     return tenant_public(tenant)
 
 
 @router.post("/{tenant_id}/enable", response_model=TenantPublic)
-def enable_tenant(session: SessionDep, tenant: AdminTenant) -> TenantPublic:
+def enable_tenant(request: Request, session: SessionDep, tenant: AdminTenant) -> TenantPublic:
     tenant.disabled = False
     session.commit()
+    forget_cached_keys(request.app)
     return tenant_public(tenant)
 
 
 @router.put("/{tenant_id}/quotas", response_model=TenantPublic)
-def set_quotas(session: SessionDep, tenant: AdminTenant, body: Quotas) -> TenantPublic:
+def set_quotas(request: Request, session: SessionDep, tenant: AdminTenant, body: Quotas) -> TenantPublic:
     """Replaces the tenant's quotas; a null field falls back to the deployment default."""
     crud.set_quotas(session=session, tenant=tenant, quotas=body)
     session.commit()
+    forget_cached_keys(request.app)
     return tenant_public(tenant)

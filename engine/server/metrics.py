@@ -1,0 +1,92 @@
+"""``render_metrics(stats, model=...)``: the engine process's own ``GET /metrics`` (Prometheus text 0.0.4), built
+from one ``loraplex.engine.stats.engine_stats`` dict on a fresh ``CollectorRegistry`` per scrape (never the global
+one). prometheus-client is imported here only, and only when a scrape comes.
+
+Names start with ``loraplex_engine_server_`` so that they never collide with the platform's ``loraplex_engine_*``
+gauges (the same numbers, polled by the platform and labelled ``replica``): a Prometheus that scrapes both (Helm
+``metrics.serviceMonitor.scrapeEngines``) does not count an engine twice. Prometheus adds ``instance``/``pod``.
+
+    loraplex_engine_server_info{model}                      1
+    loraplex_engine_server_requests_running / _waiting / _queue_length
+    loraplex_engine_server_kv_blocks_total / _used / _free / _cached, _kv_usage_ratio
+    loraplex_engine_server_prefix_cache_hit_rate, _gpu_slot_hit_rate     (absent before the first lookup/admission)
+    loraplex_engine_server_adapters_resident{tier}          gpu / cpu / disk
+    loraplex_engine_server_adapters_loading / _failed / _pinned
+    loraplex_engine_server_prefix_cache_queries_total / _hits_total, _preemptions_total, _adapter_cold_starts_total
+    loraplex_engine_server_adapter_events_total{event}      the adapter manager's counters (fetches, loads, ...)
+"""
+from __future__ import annotations
+
+PREFIX = "loraplex_engine_server"
+TIERS = ("gpu", "cpu", "disk")
+GAUGES = (  # (stats key, metric suffix, help)
+    ("requests_running", "requests_running", "Requests running (scheduled this step)"),
+    ("requests_waiting", "requests_waiting", "Requests waiting for admission"),
+    ("queue_length", "queue_length", "Requests held by the engine, not running"),
+    ("kv_blocks_total", "kv_blocks_total", "KV cache blocks in the pool"),
+    ("kv_blocks_used", "kv_blocks_used", "KV cache blocks referenced"),
+    ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free (cached or not)"),
+    ("kv_cached_blocks", "kv_blocks_cached", "KV cache blocks findable through the prefix-cache index"),
+    ("kv_usage", "kv_usage_ratio", "Fraction of KV blocks referenced"),
+    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens since start"),
+    ("gpu_slot_hit_rate", "gpu_slot_hit_rate", "Admissions whose adapter was already in a GPU slot, since start"),
+)
+COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    ("num_preemptions", "preemptions", "Sequences preempted"),
+    ("adapter_cold_starts", "adapter_cold_starts", "Adapter loads from disk or the blob store"),
+)
+
+
+class _StatsCollector:
+    """A custom collector over one stats snapshot (values are read as they are: the engine's counters are already
+    cumulative since it started)."""
+
+    def __init__(self, stats: dict, model: str) -> None:
+        self.stats, self.model = stats, model
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.stats
+        info = GaugeMetricFamily(f"{PREFIX}_info", "The engine process (always 1)", labels=["model"])
+        info.add_metric([self.model], 1)
+        yield info
+        for key, name, doc in GAUGES:
+            value = s.get(key)
+            if value is not None:  # a ratio with no denominator yet is absent, not 0
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        tiers = GaugeMetricFamily(f"{PREFIX}_adapters_resident", "Adapters resident per tier", labels=["tier"])
+        for tier in TIERS:
+            tiers.add_metric([tier], float(s.get("adapter_tiers", {}).get(tier, 0)))
+        yield tiers
+        adapters = s.get("adapters", {})
+        for key, doc in (("loading", "Adapters being fetched or loaded"), ("failed", "Adapters whose load failed"),
+                         ("pinned", "Adapters pinned (never evicted)")):
+            value = adapters.get(key, 0)
+            yield GaugeMetricFamily(f"{PREFIX}_adapters_{key}", doc,
+                                    value=float(len(value) if isinstance(value, (list, dict)) else value))
+        for key, name, doc in COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
+        events = CounterMetricFamily(f"{PREFIX}_adapter_events", "Adapter manager counters since start",
+                                     labels=["event"])
+        for event, value in sorted(s.get("adapter_counters", {}).items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                events.add_metric([event], float(value))
+        yield events
+
+
+def render_metrics(stats: dict, *, model: str) -> bytes:
+    """Prometheus text (0.0.4) of one ``engine_stats`` dict; ``model`` goes to the ``_info`` metric."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatsCollector(stats, model))
+    return generate_latest(registry)
+
+
+def content_type() -> str:
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+    return CONTENT_TYPE_PLAIN_0_0_4

@@ -1,0 +1,113 @@
+"""Wire types of the engine's internal API, as plain dataclasses over JSON dicts (no torch, no web stack).
+
+    POST /v1/generate   GenerateRequest.to_dict()  ->  NDJSON lines, one chunk dict each:
+      {"request_id", "token_ids": [new ids], "text": "new text", "finished", "finish_reason",
+       "prompt_tokens", "completion_tokens", "cached_tokens"}
+      an error after the stream started is a last line {"request_id", "finished": true, "error": {"message","type"}}
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ERROR_TYPES = ("invalid_request", "adapter_load_error", "engine_unavailable", "engine_error")
+
+
+class RequestFormatError(ValueError):
+    """A request body that does not fit the protocol; the message names the field and what to send."""
+
+
+def _need(d: dict, key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    value = d.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise RequestFormatError(f"{key!r} must be {_kind_name(kind)}, got {value!r}")
+    if not isinstance(value, kind):
+        raise RequestFormatError(f"{key!r} must be {_kind_name(kind)}, got {value!r}")
+    return value
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The adapter reference the platform sends: ``adapter_id`` ("<tenant>/<adapter>/<version>"), the blob ``uri``
+    (file:// or s3://), the ``sha256`` of its safetensors, and (informational) ``rank`` and ``targets``."""
+
+    adapter_id: str
+    uri: str
+    sha256: str | None = None
+    rank: int | None = None
+    targets: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "AdapterSpec":
+        if not isinstance(d, dict):
+            raise RequestFormatError(f"'adapter' must be an object {{adapter_id, uri, sha256, rank, targets}} or "
+                                     f"null, got {type(d).__name__}")
+        targets = d.get("targets") or []
+        if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+            raise RequestFormatError(f"'adapter.targets' must be a list of module names, got {targets!r}")
+        adapter_id = _need(d, "adapter_id", str)
+        uri = _need(d, "uri", str)
+        if not adapter_id or "://" not in uri:
+            raise RequestFormatError(f"adapter needs a non-empty 'adapter_id' and a 'uri' with a scheme "
+                                     f"(file://, s3://), got {adapter_id!r}, {uri!r}")
+        return cls(adapter_id=adapter_id, uri=uri, sha256=_need(d, "sha256", str, optional=True),
+                   rank=_need(d, "rank", int, optional=True), targets=tuple(targets))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: ``prompt`` is text or token ids; ``sampling`` is ``SamplingParams`` as a dict."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling: dict = field(default_factory=dict)
+    adapter: AdapterSpec | None = None
+    tenant_id: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "GenerateRequest":
+        if not isinstance(d, dict):
+            raise RequestFormatError(f"the request body must be a JSON object, got {type(d).__name__}")
+        request_id = _need(d, "request_id", str)
+        if not request_id:
+            raise RequestFormatError("'request_id' must be a non-empty string")
+        prompt = d.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise RequestFormatError("'prompt' must be a string or a list of token ids (integers)")
+        sampling = d.get("sampling") or {}
+        if not isinstance(sampling, dict):
+            raise RequestFormatError(f"'sampling' must be an object of SamplingParams fields, got {sampling!r}")
+        adapter = d.get("adapter")
+        return cls(request_id=request_id, prompt=prompt, sampling=dict(sampling),
+                   adapter=AdapterSpec.from_dict(adapter) if adapter is not None else None,
+                   tenant_id=_need(d, "tenant_id", str, optional=True))
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "tenant_id": self.tenant_id, "prompt": self.prompt,
+                "sampling": self.sampling, "adapter": self.adapter.to_dict() if self.adapter else None}
+
+
+def chunk_dict(request_id: str, token_ids: list[int], text: str, *, finished: bool, finish_reason: str | None,
+               prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"request_id": request_id, "token_ids": token_ids, "text": text, "finished": finished,
+            "finish_reason": finish_reason, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "cached_tokens": cached_tokens}
+
+
+def error_dict(message: str, type_: str) -> dict:
+    """``{"error": {"message", "type"}}``; ``type_`` is one of ``ERROR_TYPES``."""
+    assert type_ in ERROR_TYPES, type_
+    return {"error": {"message": message, "type": type_}}

@@ -1,0 +1,54 @@
+"""``loraplex engine serve``: run one engine process behind its internal HTTP API (engine/server/app.py).
+
+    loraplex engine serve --model /models/Qwen3-30B-A3B --port 8101 --enable-lora
+    loraplex engine serve --null --port 8101          # no model: streams fixed tokens (gateway benchmarks)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("engine", help="engine processes (internal API for the platform's router)")
+    sub = p.add_subparsers(dest="engine_command", required=True)
+    s = sub.add_parser("serve", help="serve one engine over HTTP (ready on /health once the model is loaded)")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF folder with config.json, safetensors and tokenizer")
+    src.add_argument("--null", action="store_true", help="no model: every request streams fixed tokens")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8100)
+    s.add_argument("--model-name", default=None, help="name reported by /health (default: the folder's name)")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
+    s.add_argument("--max-loras", type=int, default=4)
+    s.add_argument("--max-lora-rank", type=int, default=16)
+    s.add_argument("--max-cpu-loras", type=int, default=16)
+    s.add_argument("--adapter-cache-dir", default=os.environ.get("LORAPLEX_ADAPTER_CACHE_DIR"))
+    s.add_argument("--null-tokens", type=int, default=8, help="--null: tokens per request unless max_tokens says")
+    s.add_argument("--null-delay-ms", type=float, default=0.0, help="--null: delay between tokens")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from loraplex.engine.server.serve import null_service, real_service, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.null:
+        def make():
+            return null_service(model_name=args.model_name or "null", num_tokens=args.null_tokens,
+                                token_delay_s=args.null_delay_ms / 1000)
+    else:
+        kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False)
+        if args.enable_lora:
+            kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                          max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir)
+
+        def make():
+            return real_service(args.model, model_name=args.model_name, **kwargs)
+    serve(make, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,47 @@
+"""``GET /v1/models`` (OpenAI-compatible): the base model and the caller's adapters, each ready version as
+``name:<n>``, each alias as ``name:<alias>``, and ``name`` itself (= ``name:latest``)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.platform.api.routes.inference import gateway_of
+from loraplex.platform.db.models import Adapter, AdapterAlias, AdapterStatus, AdapterVersion
+from loraplex.platform.gateway.pipeline import authenticate
+from loraplex.platform.gateway.state import Gateway
+from loraplex.platform.inference.protocol import ModelCard, ModelList, now_s
+
+router = APIRouter(prefix="/v1", tags=["inference"])
+
+
+def _adapter_cards(gw: Gateway, tenant_id: str, owner: str) -> list[ModelCard]:
+    with gw.sessions() as session:
+        versions = session.execute(
+            select(Adapter.name, AdapterVersion.id, AdapterVersion.number, AdapterVersion.created_at)
+            .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
+            .where(Adapter.tenant_id == tenant_id, AdapterVersion.status == AdapterStatus.ready)
+            .order_by(Adapter.name, AdapterVersion.number)).all()
+        aliases = session.execute(
+            select(Adapter.name, AdapterAlias.name, AdapterAlias.version_id)
+            .join(AdapterAlias, AdapterAlias.adapter_id == Adapter.id)
+            .where(Adapter.tenant_id == tenant_id).order_by(Adapter.name, AdapterAlias.name)).all()
+    created = {vid: int(ts.timestamp()) if ts else now_s() for _, vid, _, ts in versions}
+    cards: list[ModelCard] = []
+    for name, alias, vid in aliases:
+        if vid not in created:
+            continue
+        if alias == "latest":
+            cards.append(ModelCard(id=name, created=created[vid], owned_by=owner))
+        cards.append(ModelCard(id=f"{name}:{alias}", created=created[vid], owned_by=owner))
+    cards += [ModelCard(id=f"{name}:{number}", created=created[vid], owned_by=owner)
+              for name, vid, number, _ in versions]
+    return sorted(cards, key=lambda c: c.id)
+
+
+@router.get("/models", response_model=ModelList, summary="Models this key can use (OpenAI-compatible)")
+async def list_models(request: Request) -> ModelList:
+    gw = gateway_of(request)
+    tenant = await authenticate(gw, request.headers.get("authorization"))
+    base = ModelCard(id=gw.model_name, created=0, owned_by="loraplex")
+    return ModelList(data=[base, *await run_in_threadpool(_adapter_cards, gw, tenant.id, tenant.name)])

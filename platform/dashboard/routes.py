@@ -1,0 +1,130 @@
+"""The admin dashboard's routes (``install_dashboard`` mounts them):
+
+    GET  /admin/dashboard            the page with a session cookie (or an admin bearer token), else the login form
+    GET  /admin/dashboard?key=K      bootstrap link: a valid key sets the cookie and redirects to the bare URL
+    GET  /admin/dashboard?login=T    one-time link: the same, once, for a token from POST /admin/dashboard/links
+    POST /admin/dashboard/links      admin key (bearer) -> 201 {"url", "expires_at"}: a one-time login link
+    POST /admin/dashboard/login      form field ``key`` -> cookie + 303 to the page; a wrong key -> 401 form
+    POST /admin/dashboard/logout     clears the cookie
+    GET  /admin/dashboard/data       the JSON the page polls (cookie or bearer; 401 otherwise)
+    GET  /admin/dashboard/static/*   the page's script, style and Chart.js (no secrets; no auth)
+"""
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+from importlib import resources
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+
+from loraplex.platform.api.deps import Credentials, SettingsDep, require_admin
+from loraplex.platform.dashboard.auth import (DashboardAdmin, LinkRedeemer, clear_session_cookie, has_session,
+                                              login_link_token, set_session_cookie, valid_admin_key)
+from loraplex.platform.dashboard.data import dashboard_data
+
+logger = logging.getLogger(__name__)
+PAGE = "/admin/dashboard"
+MAX_FORM_BYTES = 4096
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+                               "frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+def _static_text(name: str) -> str:
+    return resources.files("loraplex.platform.dashboard").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def _login(error: str | None, status: int) -> HTMLResponse:
+    message = f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""
+    return HTMLResponse(_static_text("login.html").replace("{{error}}", message), status_code=status,
+                        headers=SECURITY_HEADERS)
+
+
+def _page() -> HTMLResponse:
+    return HTMLResponse(_static_text("index.html"), headers=SECURITY_HEADERS)
+
+
+def _signed_in(request: Request, settings) -> RedirectResponse:
+    response = RedirectResponse(PAGE, status_code=303, headers=SECURITY_HEADERS)
+    set_session_cookie(response, request, settings)
+    return response
+
+
+router = APIRouter(prefix=PAGE, tags=["dashboard"], include_in_schema=False)
+
+
+def _redeemer(request: Request) -> LinkRedeemer:
+    state = request.app.state
+    if getattr(state, "dashboard_links", None) is None:
+        state.dashboard_links = LinkRedeemer()
+    return state.dashboard_links
+
+
+@router.get("")
+async def page(request: Request, settings: SettingsDep, credentials: Credentials,
+               key: str | None = Query(default=None, max_length=512),
+               login: str | None = Query(default=None, max_length=512)):
+    if login is not None:
+        if _redeemer(request).redeem(settings, login):
+            return _signed_in(request, settings)
+        return _login("That login link has expired or was already used; sign in with the admin key.", 401)
+    if key is not None:
+        if valid_admin_key(settings, key):
+            return _signed_in(request, settings)
+        return _login("That admin key is not valid; check LORAPLEX_ADMIN_KEY and try again.", 401)
+    bearer_ok = credentials is not None and valid_admin_key(settings, credentials.credentials)
+    if has_session(request, settings) or bearer_ok:
+        return _page()
+    return _login(None, 401)
+
+
+@router.post("/login")
+async def login(request: Request, settings: SettingsDep, credentials: Credentials):
+    body = await request.body()
+    if len(body) > MAX_FORM_BYTES:
+        return _login("The login form is too large.", 413)
+    key = parse_qs(body.decode("utf-8", "replace")).get("key", [""])[0]
+    if not valid_admin_key(settings, key):
+        logger.info("dashboard login refused (wrong admin key)")
+        return _login("That admin key is not valid; check LORAPLEX_ADMIN_KEY and try again.", 401)
+    return _signed_in(request, settings)
+
+
+@router.post("/links", status_code=201, dependencies=[Depends(require_admin)])
+async def new_link(settings: SettingsDep):
+    """A one-time login link (relative URL) for a browser, valid ``LINK_TTL_S`` seconds."""
+    token, expires = login_link_token(settings)
+    return {"url": f"{PAGE}?login={token}", "expires_at": expires}
+
+
+@router.post("/logout")
+async def logout():
+    response = RedirectResponse(PAGE, status_code=303, headers=SECURITY_HEADERS)
+    clear_session_cookie(response)
+    return response
+
+
+@router.get("/data")
+async def data(request: Request, _: DashboardAdmin, bin_s: int = Query(default=5, ge=1, le=60),
+               span_s: int = Query(default=300, ge=10, le=900)):
+    state = request.app.state
+    poller = getattr(state, "engine_stats_poller", None)
+    if poller is not None:
+        await poller.refresh()
+    quotas: dict = {}
+    source = getattr(state, "dashboard_quota_source", None)
+    if source is not None:
+        try:
+            quotas = await asyncio.to_thread(source)
+        except Exception as e:  # noqa: BLE001 - the registry being down must not blank the dashboard
+            logger.warning("dashboard quotas unavailable: %s", type(e).__name__)
+    return JSONResponse(dashboard_data(state.metrics, quotas=quotas, bin_s=bin_s, span_s=min(span_s,
+                        state.metrics.config.window_horizon_s)), headers={"Cache-Control": "no-store"})

@@ -1,0 +1,105 @@
+"""What the platform sends to an engine and gets back (plain dataclasses; the JSON wire form is
+``to_wire``/``from_wire``, the same dicts as ``loraplex.engine.server.protocol``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AdapterReference:
+    """An adapter version as the engine needs it: ``adapter_id`` ("<tenant>/<adapter>/<version>", globally unique),
+    the blob ``uri`` (file:// or s3://), ``sha256`` of its safetensors (verified after fetch), ``rank``, ``targets``."""
+
+    adapter_id: str
+    uri: str
+    sha256: str | None = None
+    rank: int | None = None
+    targets: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.adapter_id or "://" not in self.uri:
+            raise ValueError(f"an adapter reference needs an adapter_id and a uri with a scheme, got "
+                             f"{self.adapter_id!r}, {self.uri!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+    def to_wire(self) -> dict:
+        return {"adapter_id": self.adapter_id, "uri": self.uri, "sha256": self.sha256, "rank": self.rank,
+                "targets": list(self.targets)}
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation: ``prompt`` as token ids (the gateway tokenizes, so quotas count exactly) or text;
+    ``sampling`` holds ``SamplingParams`` fields (max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
+    ignore_eos); ``adapter`` None = the base model."""
+
+    request_id: str
+    tenant_id: str | None
+    prompt: list[int] | str
+    sampling: dict[str, Any] = field(default_factory=dict)
+    adapter: AdapterReference | None = None
+
+    def to_wire(self) -> dict:
+        return {"request_id": self.request_id, "tenant_id": self.tenant_id, "prompt": self.prompt,
+                "sampling": self.sampling, "adapter": self.adapter.to_wire() if self.adapter else None}
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """This step's new tokens of one request; the last chunk has ``finished=True`` and a ``finish_reason``
+    ("stop", "length", "abort"). Token counts are cumulative (usage metering reads the last chunk)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "EngineChunk":
+        return cls(request_id=d["request_id"], token_ids=list(d.get("token_ids", [])), text=d.get("text", ""),
+                   finished=bool(d.get("finished")), finish_reason=d.get("finish_reason"),
+                   prompt_tokens=int(d.get("prompt_tokens", 0)), completion_tokens=int(d.get("completion_tokens", 0)),
+                   cached_tokens=int(d.get("cached_tokens", 0)))
+
+
+@dataclass(frozen=True)
+class Residency:
+    """What an engine holds: ``gpu`` {slot: adapter_id}, ``cpu`` ids, ``loading``, ``failed`` {id: reason},
+    ``pinned``. ``raw`` is the engine's whole report (counters included)."""
+
+    enabled: bool
+    gpu: dict[int, str]
+    cpu: list[str]
+    loading: list[str]
+    failed: dict[str, str]
+    pinned: list[str]
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def resident_ids(self) -> frozenset[str]:
+        """Adapters a request can use without a fetch (GPU slots and CPU tier): what the router prefers."""
+        return frozenset(self.gpu.values()) | frozenset(self.cpu)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Residency":
+        return cls(enabled=bool(d.get("enabled", True)), gpu={int(k): v for k, v in (d.get("gpu") or {}).items()},
+                   cpu=list(d.get("cpu") or []), loading=list(d.get("loading") or []),
+                   failed=dict(d.get("failed") or {}), pinned=list(d.get("pinned") or []), raw=d)
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    ready: bool
+    model: str | None = None
+    detail: str | None = None
+    in_flight: int | None = None
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "EngineHealth":
+        return cls(ready=bool(d.get("ready")), model=d.get("model"), detail=d.get("detail"),
+                   in_flight=d.get("in_flight"))

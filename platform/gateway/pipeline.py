@@ -1,0 +1,209 @@
+"""One inference request, start to end:
+
+    authenticate ─▶ parse body ─▶ parse model ─▶ resolve adapter (tenant-scoped) ─▶ template + tokenize
+        ─▶ max_tokens ─▶ quota acquire (prompt + max_tokens) ─▶ router.stream(adapter) ─▶ chunks
+        ─▶ finally: quota finish (refund unused tokens, release lease) + usage event + request metrics
+
+``Generation.chunks()`` yields engine chunks; its ``finally`` does the accounting exactly once whatever ends the
+stream (last chunk, engine error, client gone: the consumer closes the iterator, which closes the router's
+stream and so aborts the engine request and frees its KV blocks). The accounting is shielded from cancellation.
+Metrics go through a ``RequestMeter`` (``metering.py``): the route reports refusals before admission, ``admit``
+reports quota denials, and ``Generation``'s cleanup reports every admitted request with its final status.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.platform.engines.errors import EngineError
+from loraplex.platform.engines.messages import AdapterReference, EngineChunk, EngineRequest
+from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter
+from loraplex.platform.gateway.auth import TenantInfo
+from loraplex.platform.gateway.metering import CLIENT_CLOSED, RequestMeter
+from loraplex.platform.gateway.state import Gateway
+from loraplex.platform.inference.chat_template import ChatTemplateError
+from loraplex.platform.inference.errors import InferenceError, model_not_found
+from loraplex.platform.inference.model_name import ModelNameError, parse_model
+from loraplex.platform.inference.protocol import (ChatCompletionRequest, CompletionRequest, new_id, parse_request,
+                                                  resolve_max_tokens)
+from loraplex.platform.quotas import QuotaDecision, QuotaLimits
+from loraplex.platform.routing import NoReplicaAvailableError
+from loraplex.platform.usage import UsageEvent
+
+logger = logging.getLogger(__name__)
+
+
+def _unauthorized() -> InferenceError:
+    return InferenceError(401, "Incorrect or missing API key; send it as 'Authorization: Bearer <key>'.",
+                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def authenticate(gw: Gateway, authorization: str | None) -> TenantInfo:
+    """The tenant of the bearer key (401 unknown/revoked key, 403 disabled tenant)."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise _unauthorized()
+    key = key.strip()
+    hit, tenant = gw.auth.cached(key)
+    if not hit:
+        tenant = await run_in_threadpool(gw.auth.lookup, key)
+    if tenant is None:
+        raise _unauthorized()
+    if tenant.disabled:
+        raise InferenceError(403, "This tenant is disabled; contact the operator.", code="tenant_disabled")
+    return tenant
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for admission."""
+
+    kind: str                                  # "chat" | "completion"
+    request_id: str
+    tenant: TenantInfo
+    body: ChatCompletionRequest | CompletionRequest
+    prompt: str | list[int]
+    prompt_tokens: int
+    max_tokens: int
+    sampling: dict[str, Any]
+    adapter: ResolvedAdapter | None
+    reference: AdapterReference | None
+
+
+async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prepared:
+    """Parse, resolve and tokenize; every problem is an ``InferenceError`` (400 / 404)."""
+    body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    try:
+        target = parse_model(body.model, base_names=gw.base_names)
+    except ModelNameError:
+        raise model_not_found(body.model) from None
+    adapter = None
+    if not target.base:
+        adapter = await run_in_threadpool(_resolve, gw, tenant.id, target)
+        if adapter is None:
+            raise model_not_found(body.model)
+    if kind == "chat":
+        try:
+            text = gw.tokenizer.chat_template.render(body.messages)
+        except ChatTemplateError as e:
+            raise InferenceError(400, str(e), param="messages") from None
+        prompt, n_prompt = gw.tokenizer.prompt(text, add_special_tokens=False)
+        requested = body.requested_max_tokens
+    else:
+        raw = body.prompts()[0]
+        if isinstance(raw, list):
+            prompt, n_prompt = raw, len(raw)
+        else:
+            prompt, n_prompt = gw.tokenizer.prompt(raw, add_special_tokens=True)
+        requested = body.max_tokens
+    if n_prompt == 0:
+        raise InferenceError(400, "the prompt is empty; send at least one token", param="prompt")
+    max_tokens = resolve_max_tokens(requested, n_prompt, gw.max_model_len)
+    sampling = body.sampling_params(max_tokens)
+    reference = None
+    if adapter is not None:
+        reference = await run_in_threadpool(gw.references.reference, adapter)
+    return Prepared(kind=kind, request_id=new_id("chatcmpl" if kind == "chat" else "cmpl"), tenant=tenant,
+                    body=body, prompt=prompt, prompt_tokens=n_prompt, max_tokens=max_tokens, sampling=sampling,
+                    adapter=adapter, reference=reference)
+
+
+def _resolve(gw: Gateway, tenant_id: str, target) -> ResolvedAdapter | None:
+    with gw.sessions() as session:
+        return resolve_adapter(session=session, tenant_id=tenant_id, target=target)
+
+
+async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) -> QuotaDecision:
+    """Quota check; a denial is an ``InferenceError`` (429 / 400 / 503) carrying the rate-limit headers (and is
+    counted by ``meter`` as a quota rejection of its kind)."""
+    limits = QuotaLimits.resolve(prep.tenant, gw.settings)
+    decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.prompt_tokens + prep.max_tokens)
+    if not decision.allowed:
+        if meter is not None:
+            meter.quota_rejected(decision.reason or "unknown")
+        code = {"store_unavailable": "quota_store_unavailable", "request_too_large": "request_too_large"}.get(
+            decision.reason or "", "rate_limit_exceeded")
+        raise InferenceError(decision.status_code, decision.message, code=code, headers=decision.headers())
+    return decision
+
+
+class Generation:
+    """The engine side of one admitted request. Iterate ``chunks()`` once; close it to abort. ``meter`` gets the
+    request's final status, tokens and latencies in the cleanup."""
+
+    def __init__(self, gw: Gateway, prep: Prepared, decision: QuotaDecision,
+                 meter: RequestMeter | None = None) -> None:
+        self.gw, self.prep, self.decision = gw, prep, decision
+        self.meter = meter
+        self.prompt_tokens = 0           # as the engine counted (0 until its first chunk)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.started = False
+
+    async def chunks(self) -> AsyncIterator[EngineChunk]:
+        gw, prep = self.gw, self.prep
+        if gw.router is None:
+            await self._finish(503, "engine_unavailable")
+            reason = gw.engine_error or "LORAPLEX_ENGINE_MODE=none"
+            raise InferenceError(503, f"this deployment has no engine replica ({reason}); the operator must fix the "
+                                      "engine settings", code="engine_unavailable")
+        request = EngineRequest(request_id=prep.request_id, tenant_id=prep.tenant.id, prompt=prep.prompt,
+                                sampling=prep.sampling, adapter=prep.reference)
+        stream = gw.router.stream(prep.reference.adapter_id if prep.reference else None,
+                                  lambda replica: replica.client.generate(request))
+        lease_renew_s = (self.decision.limits.lease_ttl_s / 3) if self.decision.lease_id else None
+        renewed = time.monotonic()
+        status, error = 200, None
+        try:
+            async for chunk in stream:
+                self.started = True
+                if chunk.completion_tokens and self.meter is not None:
+                    self.meter.first_token()
+                self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+                self.cached_tokens = chunk.cached_tokens
+                if chunk.finished:
+                    self.finish_reason = chunk.finish_reason
+                yield chunk
+                if lease_renew_s and time.monotonic() - renewed > lease_renew_s:
+                    renewed = time.monotonic()
+                    await gw.quotas.renew(self.decision)
+        except NoReplicaAvailableError as e:
+            status, error = 503, "engine_unavailable"
+            retry = max(1, int(e.retry_after_s or 1))
+            raise InferenceError(503, "No engine replica is available right now; retry shortly.",
+                                 code="engine_unavailable", headers={"retry-after": str(retry)}) from None
+        except EngineError as e:
+            status, error = e.status_code, e.type_
+            raise InferenceError(e.status_code, e.message, code=e.type_) from None
+        except BaseException as e:
+            if self.finish_reason is None:  # the consumer left before the end (GeneratorExit, cancel), or a bug
+                gone = isinstance(e, (GeneratorExit, anyio.get_cancelled_exc_class()))
+                status, error = (CLIENT_CLOSED, "client_closed") if gone else (500, "internal_error")
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()   # aborts the engine request if it is still running
+                await self._finish(status, error)
+
+    async def _finish(self, status: int, error: str | None) -> None:
+        """Refund the unused reservation, release the lease, record usage and metrics (once)."""
+        used = self.prompt_tokens + self.completion_tokens if self.started else 0
+        try:
+            await self.gw.quotas.finish(self.decision, used_tokens=used)
+        except Exception:  # noqa: BLE001 - accounting must not turn a served request into an error
+            logger.exception("quota finish failed for %s", self.prep.request_id)
+        if self.started:
+            a = self.prep.adapter
+            self.gw.usage.record(UsageEvent(
+                tenant_id=self.prep.tenant.id, request_id=self.prep.request_id, model=self.prep.body.model,
+                prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                adapter_name=a.name if a else None, adapter_version_id=a.version_id if a else None))
+        if self.meter is not None:
+            self.meter.finish(status, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                              error=error)

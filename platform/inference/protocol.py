@@ -1,0 +1,282 @@
+"""OpenAI protocol models: chat.completions and completions requests, responses, stream chunks, usage, models.
+
+Requests accept OpenAI's fields plus a few engine extensions the ``openai`` client sends through ``extra_body``
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``); unknown fields are ignored, as
+OpenAI's own API does for fields it does not know. ``sampling_params()`` turns a request into the engine's
+``SamplingParams`` fields, refusing what the gateway cannot honour yet with a message naming the parameter.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from loraplex.platform.inference.errors import InferenceError
+
+FinishReason = Literal["stop", "length"]
+
+
+# ---- requests ---------------------------------------------------------------------------------------------------
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields common to both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None
+    # engine extensions (extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _common_sampling(self, max_tokens: int) -> dict[str, Any]:
+        if self.n != 1:
+            raise InferenceError(400, "n > 1 is not supported; send n=1 (or several requests)", param="n",
+                                 code="unsupported_parameter")
+        d: dict[str, Any] = {"max_tokens": max_tokens}
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 4:
+            raise InferenceError(400, "'stop' takes at most 4 sequences", param="stop")
+        if stop:
+            d["stop"] = stop
+        for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty", "min_tokens", "ignore_eos"):
+            value = getattr(self, name)
+            if value is not None:
+                d[name] = value
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "ChatCompletionRequest":
+        if self.tools:
+            raise ValueError("tools are not supported by this deployment")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than 'text' is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        """Engine ``SamplingParams`` fields, ``max_tokens`` resolved by the caller (``resolve_max_tokens``)."""
+        if self.logprobs:
+            raise InferenceError(400, "logprobs are not supported yet; leave 'logprobs' unset", param="logprobs",
+                                 code="unsupported_parameter")
+        return self._common_sampling(max_tokens)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per entry (text or token ids); a batch of several is refused (one choice per request)."""
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+            return [p]
+        if isinstance(p, list) and len(p) == 1:
+            return [p[0]]
+        raise InferenceError(400, "send exactly one prompt per request (a string or a list of token ids)",
+                             param="prompt")
+
+    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        for name in ("logprobs", "suffix", "best_of"):
+            if getattr(self, name) not in (None, 1 if name == "best_of" else None):
+                raise InferenceError(400, f"'{name}' is not supported yet; leave it unset", param=name,
+                                     code="unsupported_parameter")
+        if self.echo:
+            raise InferenceError(400, "'echo' is not supported yet; leave it false", param="echo",
+                                 code="unsupported_parameter")
+        return self._common_sampling(max_tokens)
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """The completion budget: what was asked, or all the context left; 400 when the prompt leaves no room or the
+    ask does not fit (OpenAI's wording: the context length and both token counts)."""
+    room = max_model_len - prompt_tokens
+    if room < 1 or (requested is not None and requested > room):
+        raise InferenceError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                             f"requested {prompt_tokens + (requested or 1)} tokens ({prompt_tokens} in the prompt, "
+                             f"{requested or 1} for the completion). Reduce the prompt or max_tokens.",
+                             param="max_tokens", code="context_length_exceeded")
+    return requested if requested is not None else room
+
+
+# ---- responses --------------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def openai_finish_reason(engine_reason: str | None) -> FinishReason | None:
+    """Engine reasons to OpenAI's: "length" stays, everything else that ended the stream is "stop"."""
+    if engine_reason is None:
+        return None
+    return "length" if engine_reason == "length" else "stop"
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """Both the whole answer and each stream chunk (OpenAI uses one shape, object "text_completion")."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
+    """Validate a request body; the first problem becomes a 400 naming the parameter (OpenAI's style)."""
+    from pydantic import ValidationError
+
+    if not isinstance(data, dict):
+        raise InferenceError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise InferenceError(400, f"Invalid value for '{param}': {msg}" if param else msg, param=param) from None

@@ -1,0 +1,49 @@
+"""Ready-made engine stats sources for ``EngineStatsPoller``.
+
+    inprocess_source(async_engine)       the embedded engine: ``engine_stats(async_engine.engine)``
+    http_source("http://engine-0:8001")  a ``loraplex engine serve`` process: GET <url>/v1/stats (JSON)
+    client_source(replica.client)        the gateway's engine client: its in-process service's ``stats()``
+                                         (embedded or null engine) or ``http_source(client.base_url)``
+"""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+
+def inprocess_source(engine: Any) -> Callable[[], dict]:
+    """A source for an in-process ``LLMEngine`` or ``AsyncEngine`` (its ``.engine``)."""
+    from loraplex.engine.stats import engine_stats
+
+    llm = getattr(engine, "engine", engine)
+    return lambda: engine_stats(llm)
+
+
+def http_source(base_url: str, *, path: str = "/v1/stats", timeout_s: float = 2.0,
+                client: Any = None) -> Callable[[], Awaitable[dict]]:
+    """A source reading an engine server's stats route. ``client``: an ``httpx.AsyncClient`` to reuse."""
+    import httpx
+
+    url = base_url.rstrip("/") + path
+
+    async def fetch() -> dict:
+        if client is not None:
+            r = await client.get(url, timeout=timeout_s)
+        else:
+            async with httpx.AsyncClient(timeout=timeout_s) as c:
+                r = await c.get(url)
+        r.raise_for_status()
+        return r.json()
+    return fetch
+
+
+def client_source(client: Any) -> Callable[[], Any] | None:
+    """The stats source of one of the gateway's engine clients: an in-process engine service's ``stats()`` (the
+    embedded engine's ``engine_stats``, the null engine's ``empty_stats``), else ``http_source(base_url)`` for an
+    HTTP client; None for a client with neither (a test double), which then has no engine gauges."""
+    service = getattr(client, "service", None)
+    if service is not None and callable(getattr(service, "stats", None)):
+        return service.stats
+    base_url = getattr(client, "base_url", None)
+    if isinstance(base_url, str) and base_url:
+        return http_source(base_url)
+    return None

@@ -1,0 +1,50 @@
+"""One-time dashboard login links: minted with the admin key, opened once (cookie + redirect), then refused; expired,
+tampered or old-admin-key links are refused too."""
+from __future__ import annotations
+
+import time
+
+from fastapi.testclient import TestClient
+
+from loraplex.platform.core.config import Settings
+from loraplex.platform.dashboard.auth import COOKIE, LinkRedeemer, login_link_token
+from tests.platform.dashboard.conftest import ADMIN_KEY
+
+USED = "That login link has expired or was already used"
+
+
+def test_a_link_opens_the_dashboard_once(app):
+    with TestClient(app) as c:
+        r = c.post("/admin/dashboard/links")
+        assert r.status_code == 401 and "admin key" in r.json()["detail"]
+        r = c.post("/admin/dashboard/links", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert r.status_code == 201
+        url = r.json()["url"]
+        assert url.startswith("/admin/dashboard?login=") and ADMIN_KEY not in url
+        assert r.json()["expires_at"] > time.time() + 500
+        r = c.get(url, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/admin/dashboard"
+        assert "HttpOnly" in r.headers["set-cookie"] and COOKIE in c.cookies
+        assert c.get("/admin/dashboard/data").status_code == 200
+        c.cookies.clear()
+        r = c.get(url, follow_redirects=False)
+        assert r.status_code == 401 and USED in r.text and COOKIE not in c.cookies
+        assert c.get("/admin/dashboard/data").status_code == 401
+
+
+def test_expired_tampered_and_other_key_tokens_are_refused():
+    settings = Settings(environment="test", admin_key=ADMIN_KEY, secret_key="secret-" * 4)
+    other = Settings(environment="test", admin_key="another-admin-key-0123456789", secret_key="secret-" * 4)
+    now = 1_000_000.0
+    redeemer = LinkRedeemer()
+    token, expires = login_link_token(settings, now=now, ttl_s=60)
+    assert expires == int(now + 60)
+    assert not redeemer.redeem(settings, token, now=now + 61)                   # expired
+    assert not redeemer.redeem(other, token, now=now)                           # a new admin key kills it
+    head, sig = token.rsplit(".", 1)
+    assert not redeemer.redeem(settings, f"{head}.{'0' * len(sig)}", now=now)    # tampered
+    assert not redeemer.redeem(settings, "not-a-token", now=now)
+    assert redeemer.redeem(settings, token, now=now) and not redeemer.redeem(settings, token, now=now + 1)
+    fresh, _ = login_link_token(settings, now=now + 100, ttl_s=60)
+    assert redeemer.redeem(settings, fresh, now=now + 100)
+    assert list(redeemer._used) == [fresh.split(".")[1]]                        # the expired nonce was forgotten

@@ -1,0 +1,59 @@
+"""Gateway ↔ engine replicas: residency polled into the router (affinity), deleted versions evicted from every
+replica, failover when a replica is unreachable."""
+from __future__ import annotations
+
+import time
+
+from loraplex.platform.engines.errors import EngineUnavailableError
+from loraplex.platform.engines.inprocess import NullEngineClient
+from loraplex.platform.routing import Replica
+from tests.platform.gateway.conftest import settings_for
+
+
+class Dead(NullEngineClient):
+    """A replica whose process is gone: every call is a connection error."""
+
+    async def generate(self, request):
+        raise EngineUnavailableError("connection refused")
+        yield  # pragma: no cover
+
+    async def residency(self):
+        raise EngineUnavailableError("connection refused")
+
+
+def test_residency_affinity_eviction_and_failover(serve, tmp_path, tiny_base, adapters):
+    one, two = NullEngineClient(), NullEngineClient()
+    server = serve(settings_for(tmp_path, tiny_base),
+                   replicas=[Replica("one", one), Replica("two", two), Replica("dead", Dead())])
+    tid, key = server.new_tenant()
+    server.upload(key, "bot", adapters["a"])
+    client = server.openai(key)
+    for _ in range(6):
+        assert client.completions.create(model="bot", prompt=[1], max_tokens=1).choices[0].text == " tok"
+    held = [name for name, c in (("one", one), ("two", two)) if c.service.residency()["cpu"]]
+    assert len(held) == 1  # every request for the adapter went to one replica (affinity); none failed
+    adapter_id = one.service.residency()["cpu"] or two.service.residency()["cpu"]
+    router = server.gateway.router
+    deadline = time.monotonic() + 3
+    while set(adapter_id) - router.replicas[held[0]].resident and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(adapter_id) <= router.replicas[held[0]].resident  # polled residency reached the router
+    assert not router.replicas["dead"].is_up(time.monotonic())   # the poller marked the dead replica down
+    r = server.http.delete("/v1/adapters/bot", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 204, r.text
+    assert one.service.residency()["cpu"] == [] and two.service.residency()["cpu"] == []
+    assert (held[0], adapter_id[0]) in server.gateway.notifier.evicted
+
+
+def test_engine_that_cannot_load_leaves_the_control_plane_up(serve, tmp_path):
+    from tests.utils.tiny_models import tiny_config
+
+    base = tmp_path / "weightless"
+    tiny_config("llama").save_pretrained(base)  # config.json only: the embedded engine cannot load it
+    server = serve(settings_for(tmp_path, str(base), engine_mode="embedded"))
+    _, key = server.new_tenant()
+    r = server.http.post("/v1/completions", json={"model": "weightless", "prompt": "hi", "max_tokens": 1},
+                         headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert "no model.safetensors" in r.json()["error"]["message"]
+    assert server.http.get("/v1/adapters", headers={"Authorization": f"Bearer {key}"}).status_code == 200
