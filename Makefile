@@ -17,3 +17,6 @@ chart-configs:
 	mkdir -p deploy/helm/loraplex/files/tuning_configs
 	cp -R tuning_configs/. deploy/helm/loraplex/files/tuning_configs/
 	find deploy/helm/loraplex/files/tuning_configs -name '__pycache__' -prune -exec rm -rf {} +
+	rm -rf deploy/helm/loraplex/files/dashboards
+	mkdir -p deploy/helm/loraplex/files/dashboards
+	cp deploy/grafana/*.json deploy/helm/loraplex/files/dashboards/

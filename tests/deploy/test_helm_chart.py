@@ -3,6 +3,7 @@ for the default, production and dev values, every manifest validated against the
 (kubernetes-validate, strict: unknown fields fail), and the deployment's invariants asserted."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -316,3 +317,11 @@ def test_servicemonitor_scrapes_engines_unless_turned_off(rendered):
     assert components(rendered["production"]) == ["platform", "engine"]   # engines serve /metrics: on by default
     off = render({"metrics": {"serviceMonitor": {"enabled": True, "scrapeEngines": False}}})
     assert components(off) == ["platform"]
+
+
+def test_grafana_dashboard_configmap_is_the_repository_dashboard(rendered):
+    """The chart ships deploy/grafana/*.json (copied into files/dashboards by `make chart-configs`)."""
+    repo = {os.path.basename(p): json.load(open(p)) for p in glob.glob(os.path.join(REPO, "deploy", "grafana", "*.json"))}
+    cm = rendered["production"].one("ConfigMap", "-dashboards")
+    assert {k: json.loads(v) for k, v in cm["data"].items()} == repo, \
+        "deploy/helm/loraplex/files/dashboards is stale: run `make chart-configs`"
