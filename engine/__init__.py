@@ -10,6 +10,7 @@ _EXPORTS = {
     "EngineConfig": "engine_config",
     "SamplingParams": "sampling_params",
     "RequestOutput": "outputs",
+    "CompletionOutput": "outputs",
     "ModelConfig": "config",
 }
 

@@ -92,6 +92,12 @@ class BeamSearchState:
         """The ``n`` best hypotheses, best first (what the request returns)."""
         return self.hypotheses[:n]
 
+    def step_rows(self, rows: list[torch.Tensor], kv: KVCacheManager,
+                  new_seq_id: Callable[[], int] | None = None) -> BeamStepResult:
+        """``step`` with one next-token log-prob row [V] per running beam, in ``self.running`` order (the rows
+        may come from different engine steps when a recomputed beam finished later than its siblings)."""
+        return self.step(torch.stack([r.float().cpu() for r in rows]), kv, new_seq_id)
+
     def step(self, logprobs: torch.Tensor, kv: KVCacheManager,
              new_seq_id: Callable[[], int] | None = None) -> BeamStepResult:
         """Advance every running beam by one token. ``logprobs`` [W, V]: the next-token log-probs of

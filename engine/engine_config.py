@@ -27,6 +27,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU budget (default: enough for max_num_seqs full sequences, ≤ 1 GiB)
     gpu_memory_utilization: float = 0.90    # CUDA: fraction of total memory the engine may use
     enable_prefix_caching: bool = True
+    # preemption (docs/engine.md, "Forking, copy-on-write and swapping")
+    preemption_mode: str = "auto"           # recompute | swap | auto (swap groups of several or long sequences)
+    num_cpu_blocks: int | None = None       # explicit CPU swap pool size in blocks; else from swap_space_bytes
+    swap_space_bytes: int | None = None     # CPU swap pool budget (default: 1 GiB beside a CUDA cache, 0 on CPU)
     progress: bool = True                   # progress bar while loading weights
     # LoRA adapters (docs/adapters.md)
     enable_lora: bool = False
@@ -49,6 +53,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode {self.preemption_mode!r} is not supported; choose recompute, swap "
+                             "or auto")
+        for name in ("num_cpu_blocks", "swap_space_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 1:

@@ -7,6 +7,10 @@
 With ``enable_lora`` the engine also owns an AdapterManager (GPU slots ← CPU ← disk ← fetcher): the scheduler
 activates each admitted request's adapter into a slot, every step passes ``{seq_id: slot}`` to the runner, and
 a request whose adapter fails to load finishes with ``finish_reason="error"`` and the reason in ``error``.
+
+Each sequence has its own detokenizer and stop-string matcher; a matched stop string ends the sequence through
+``Scheduler.finish_seq``. A request with ``n > 1`` reports ``n`` completions in ``RequestOutput.outputs``
+(``best_of``: the best by cumulative logprob; beam search: the best hypotheses, on the final output only).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,10 +29,12 @@ from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.model_runner import ModelRunner
-from loraplex.engine.outputs import RequestMetrics, RequestOutput
+from loraplex.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
-from loraplex.engine.sequence import Sequence, SequenceGroup
+from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
+from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from loraplex.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +42,39 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 @dataclass
+class _SeqState:
+    """What the engine tracks per sequence: its text (after stop strings), reported tokens, logprobs."""
+
+    detokenizer: IncrementalDetokenizer | None
+    matcher: StopStringMatcher | None
+    num_reported: int = 0   # output tokens already sent in some RequestOutput
+    text: str = ""
+    reported_text: str = ""  # text already sent
+    closed: bool = False     # finished and its text final
+    logprobs: list = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+@dataclass
 class _RequestState:
     group: SequenceGroup
     params: SamplingParams
-    generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer | None
+    generators: list[torch.Generator | None]  # one per sequence index (parent 0, forks 1..); None: unseeded
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    seqs: dict[int, _SeqState] = field(default_factory=dict)
+    prompt_logprobs: list | None = None
+    fork_logprobs: list = field(default_factory=list)  # entries of forks' first tokens, until they exist
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.generators[0]
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """The seed of a request's ``index``-th sequence: the request's own for index 0, a fixed mix otherwise, so a
+    seeded n > 1 request is reproducible however its sequences are scheduled, preempted or swapped."""
+    return seed if index == 0 else (seed * 1_000_003 + index * 0x9E3779B97F4A7C15) % 2**63
 
 
 def load_tokenizer(path: str):
@@ -83,7 +115,8 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.runner.sampler.eos_token_ids = list(eos)  # masked until min_tokens
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       enable_prefix_caching=config.enable_prefix_caching)
+                                       enable_prefix_caching=config.enable_prefix_caching,
+                                       num_cpu_blocks=self.runner.num_cpu_blocks)
         self.adapters: AdapterManager | None = None
         if config.enable_lora:
             slots = self.runner.init_lora(max_loras=config.max_loras, max_rank=config.max_lora_rank)
@@ -94,7 +127,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                            eos_token_ids=eos, max_loras=config.max_loras if config.enable_lora else None),
+                            eos_token_ids=eos, max_loras=config.max_loras if config.enable_lora else None,
+                            preemption_mode=config.preemption_mode),
             self.kv_cache, adapter_slots=self.adapters)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
@@ -121,6 +155,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify(self.model_config.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and the model at {self.config.model!r} has none; use "
+                             "stop_token_ids")
         token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
@@ -128,10 +165,10 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(next(self._seq_ids), request_id, token_ids, extra_key=adapter)
         group = SequenceGroup(request_id, [seq], params, arrival_time=arrival, adapter=adapter)
-        generator = self.runner.make_generator(params.seed) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        generators = [self.runner.make_generator(_child_seed(params.seed, i)) if params.seed is not None else None
+                      for i in range(params.num_sequences)]
         self.scheduler.add(group)  # validates budget fit; raises before anything is recorded here
-        self._requests[request_id] = _RequestState(group, params, generator, detok, RequestMetrics(arrival))
+        self._requests[request_id] = _RequestState(group, params, generators, RequestMetrics(arrival))
         if adapter is not None and self.adapters.slot_of(adapter) is None:
             self.adapters.ensure_loading(adapter)  # off the step loop, from now on
 
@@ -173,7 +210,8 @@ class LLMEngine:
         for request_id in out.preempted:
             if request_id in self._requests:
                 self._requests[request_id].metrics.num_preemptions += 1
-        if not out.scheduled:
+        moves = out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
+        if not out.scheduled and not moves:
             if not failed and self.adapters is not None:
                 self.adapters.wait_for_progress(0.01)  # everyone waits on an adapter load: don't spin
             return failed
@@ -184,23 +222,102 @@ class LLMEngine:
                 state.metrics.first_scheduled_time = now
                 state.num_cached_tokens = s.seq.num_computed_tokens
             if s.sample:
-                sampling[s.seq.seq_id] = (state.params, state.generator)
+                if s.num_samples > 1:  # fork step: one draw per future sequence, each from its own generator
+                    gen = state.generators[:s.num_samples]
+                else:
+                    gen = state.generators[self._seq_index(state, s.seq)]
+                sampling[s.seq.seq_id] = (state.params, gen)
         if self.adapters is None:
-            sampled = self.runner.execute(out, sampling)
+            result = self.runner.execute(out, sampling)
         else:
-            sampled = self.runner.execute(out, sampling, lora_slots=self._lora_slots(out))
-        finished = {g.request_id for g in self.scheduler.update(out, sampled)}
+            result = self.runner.execute(out, sampling, lora_slots=self._lora_slots(out))
+        self._record_logprobs(out, result)
+        finished = {g.request_id for g in self.scheduler.update(out, result.sampled, result.logprobs,
+                                                                result.beam_logprobs)}
         now = time.monotonic()
+        touched = list(dict.fromkeys([s.seq.request_id for s in out.scheduled if s.sample] + sorted(finished)))
         outputs = []
-        for s in out.scheduled:
-            if s.seq.seq_id not in sampled and s.seq.request_id not in finished:
+        for request_id in touched:
+            state = self._requests.get(request_id)
+            if state is None:
                 continue
-            state = self._requests[s.seq.request_id]
-            outputs.append(self._make_output(state, [sampled[s.seq.seq_id]] if s.seq.seq_id in sampled else [],
-                                             s.seq.request_id in finished, now))
+            if self._apply_stop_strings(state):
+                finished.add(request_id)
+            done = request_id in finished
+            if state.params.use_beam_search or (state.params.num_sequences > state.params.n):
+                if not done:
+                    continue  # beams and best_of candidates are reported once ranked, at the end
+            outputs.append(self._make_output(state, done, now))
         for request_id in finished:
             self._requests.pop(request_id, None)
         return failed + outputs
+
+    @staticmethod
+    def _seq_index(state: _RequestState, seq: Sequence) -> int:
+        """The sequence's index in its request (parent 0, forks in fork order); 0 for beams."""
+        if state.params.use_beam_search:
+            return 0
+        return state.group.seqs.index(seq)
+
+    def _record_logprobs(self, out: SchedulerOutput, result: ModelStepOutput) -> None:
+        """Keep the sampled tokens' logprob entries (requests that ask) and the prompt logprobs."""
+        for seq_id, (start, entries) in result.prompt_logprobs.items():
+            seq = next(s.seq for s in out.scheduled if s.seq.seq_id == seq_id)
+            state = self._requests[seq.request_id]
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] * seq.num_prompt_tokens
+            first = 0 if start == 0 else start + 1
+            for pos, entry in enumerate(entries, first):
+                if entry is not None:  # a recomputed chunk repeats positions: same values
+                    state.prompt_logprobs[pos] = entry
+        for s in out.scheduled:
+            state = self._requests.get(s.seq.request_id)
+            entries = result.logprobs.get(s.seq.seq_id)
+            if state is None or not entries or state.params.logprobs is None:
+                continue
+            self._seq_state(state, s.seq).logprobs.append(entries[0])
+            if len(entries) > 1:  # fork step: the children do not exist yet
+                state.fork_logprobs = list(entries[1:])
+
+    def _seq_state(self, state: _RequestState, seq: Sequence) -> _SeqState:
+        st = state.seqs.get(seq.seq_id)
+        if st is None:
+            params = state.params
+            st = _SeqState(IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+                           StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None)
+            parent = state.seqs.get(seq.parent_seq_id) if seq.parent_seq_id is not None else None
+            if parent is not None and state.fork_logprobs:  # a fork's first token was drawn in its parent's row
+                st.logprobs = parent.logprobs[:-1] + [state.fork_logprobs.pop(0)]
+            state.seqs[seq.seq_id] = st
+        return st
+
+    def _apply_stop_strings(self, state: _RequestState) -> bool:
+        """Detokenize the new tokens of every sequence, match stop strings and end sequences that hit one.
+        True when that finished the request."""
+        if state.params.use_beam_search:
+            return False
+        group_done = False
+        for seq in state.group.seqs:
+            st = self._seq_state(state, seq)
+            if st.detokenizer is None or st.closed:
+                continue
+            finished = seq.status.is_finished
+            st.closed = finished
+            delta = st.detokenizer.update(seq.output_token_ids, final=finished)
+            if st.matcher is None:
+                st.text += delta
+                continue
+            match = st.matcher.append(delta)
+            if match.stopped:
+                st.stop_reason, st.closed = match.stop_str, True
+                if finished:
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                elif self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED) is not None:
+                    group_done = True
+            elif finished:
+                st.matcher.flush()
+            st.text = st.matcher.text
+        return group_done
 
     # ---- adapters -------------------------------------------------------------------------------------------
     def _lora_slots(self, out) -> dict[int, int]:
@@ -229,8 +346,10 @@ class LLMEngine:
             err = AdapterLoadError(f"adapter {adapter.adapter_id!r} could not be loaded: {reason}")
             self.scheduler.abort(seq.request_id)
             del self._requests[seq.request_id]
-            out = self._make_output(state, [], True, time.monotonic())
+            out = self._make_output(state, True, time.monotonic())
             out.finish_reason, out.error = "error", str(err)
+            for c in out.outputs:
+                c.finish_reason = "error"
             logger.info("request %s failed: adapter %s did not load", seq.request_id, adapter.adapter_id)
             outputs.append(out)
         return outputs
@@ -274,21 +393,49 @@ class LLMEngine:
         if self.adapters is not None:
             self.adapters.close()
 
-    def _make_output(self, state: _RequestState, new_ids: list[int], finished: bool, now: float) -> RequestOutput:
-        seq = state.group.seqs[0]
-        if new_ids and state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
+    def _make_output(self, state: _RequestState, finished: bool, now: float) -> RequestOutput:
+        group, params = state.group, state.params
         if finished:
             state.metrics.finished_time = now
-        text = new_text = ""
-        if state.detokenizer is not None:
-            new_text = state.detokenizer.update(seq.output_token_ids, final=finished)
-            text = state.detokenizer.text
+        if params.use_beam_search and group.beam_search is not None and group.beam_search.done:
+            completions = [self._beam_completion(i, h) for i, h in enumerate(group.beam_search.best(params.n))]
+        else:
+            if finished and params.num_sequences > params.n:
+                seqs = group.best_seqs(params.n)
+            else:
+                seqs = [s for s in group.seqs][:params.num_sequences]
+            completions = [self._completion(i, state, s) for i, s in enumerate(seqs)]
+        if not completions:  # aborted before it ran
+            seq = group.seqs[0]
+            completions = [CompletionOutput(0, list(seq.output_token_ids), [], "", "",
+                                            seq.finish_reason if finished else None)]
+        if any(c.new_token_ids for c in completions) and state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        first = completions[0]
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=list(seq.output_token_ids), new_token_ids=new_ids, text=text, new_text=new_text,
-            finished=finished, finish_reason=seq.finish_reason if finished else None,
-            num_cached_tokens=state.num_cached_tokens, metrics=state.metrics, adapter=state.group.adapter)
+            request_id=group.request_id, prompt_token_ids=group.seqs[0].prompt_token_ids,
+            output_token_ids=list(first.output_token_ids), new_token_ids=list(first.new_token_ids), text=first.text,
+            new_text=first.new_text, finished=finished, finish_reason=first.finish_reason if finished else None,
+            num_cached_tokens=state.num_cached_tokens, metrics=state.metrics, adapter=group.adapter,
+            outputs=completions, prompt_logprobs=state.prompt_logprobs if finished else None)
+
+    def _completion(self, index: int, state: _RequestState, seq: Sequence) -> CompletionOutput:
+        st = self._seq_state(state, seq)
+        new_ids = seq.output_token_ids[st.num_reported:]
+        st.num_reported = seq.num_output_tokens
+        new_text, st.reported_text = st.text[len(st.reported_text):], st.text
+        return CompletionOutput(
+            index=index, output_token_ids=list(seq.output_token_ids), new_token_ids=list(new_ids), text=st.text,
+            new_text=new_text, finish_reason=seq.finish_reason,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(st.logprobs) if state.params.logprobs is not None else None, stop_reason=st.stop_reason)
+
+    def _beam_completion(self, index: int, h) -> CompletionOutput:
+        text = self.tokenizer.decode(h.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return CompletionOutput(index=index, output_token_ids=list(h.output_token_ids),
+                                new_token_ids=list(h.output_token_ids), text=text, new_text=text,
+                                finish_reason=h.finish_reason, cumulative_logprob=h.cumulative_logprob,
+                                beam_score=h.score)
 
     # ---- convenience ----------------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -1,7 +1,12 @@
-"""The model runner owns the model, the KV cache tensors and every device buffer of a step.
+"""The model runner owns the model, the KV cache tensors (device pool and CPU swap pool) and every device buffer
+of a step.
 
-    SchedulerOutput ──▶ prepare(): input_ids, positions, AttentionMetadata ──▶ model ──▶ logits of sampling rows
-                                                                                   ──▶ Sampler ──▶ {seq_id: token}
+    SchedulerOutput ──▶ swap out (GPU→CPU) ─▶ swap in (CPU→GPU) ─▶ copy_blocks (copy-on-write, one call)
+                    ──▶ prepare(): input_ids, positions, AttentionMetadata ──▶ model ──▶ logits of sampling rows
+                    ──▶ Sampler ──▶ ModelStepOutput {seq_id: tokens, logprobs, beam log-prob rows, prompt logprobs}
+
+At a parallel-sampling fork step the parent's logits row is repeated ``num_samples`` times (one draw per future
+sequence, each from its own generator); a beam's row becomes ``Sampler.beam_logprobs``.
 
 The scheduler never builds a tensor; this module never decides who runs.
 """
@@ -16,9 +21,10 @@ import torch
 from loraplex.engine.attention_metadata import AttentionMetadata
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.engine_config import EngineConfig
+from loraplex.engine.logprobs import prompt_logprobs
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
 from loraplex.kernels import ops
 
 if TYPE_CHECKING:
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_CAP_BYTES = 256 << 20
+CUDA_SWAP_SPACE_BYTES = 1 << 30  # default CPU swap pool beside a CUDA KV cache
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,7 +76,13 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        self.sampler = Sampler()
+        self.num_cpu_blocks = self._size_swap_pool()
+        pin = self.device.type == "cuda"
+        cpu_shape = (self.num_cpu_blocks, *shape[1:])
+        self.cpu_kv_caches = [(torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin),
+                               torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin))
+                              for _ in range(cfg.num_layers)] if self.num_cpu_blocks else []
+        self.sampler = Sampler(eos_token_ids=cfg.eos_token_ids)
         self.lora: "LoRASlots | None" = None  # set by init_lora()
         # Debug/test hook: called with (sequences, logits [N, V] float32) before sampling.
         self.logits_hook: Callable[[list, torch.Tensor], None] | None = None
@@ -106,6 +119,16 @@ class ModelRunner:
             raise ValueError(f"KV cache budget of {budget} bytes holds {num} blocks, fewer than one sequence of "
                              f"max_model_len={max_model_len} needs ({blocks_per_seq}); raise kv_cache_memory_bytes")
         return num
+
+    def _size_swap_pool(self) -> int:
+        """CPU blocks for swap preemption: ``num_cpu_blocks``, else ``swap_space_bytes`` (default: 1 GiB beside a
+        CUDA cache, none on CPU, where recompute is the better trade)."""
+        if self.config.num_cpu_blocks is not None:
+            return self.config.num_cpu_blocks
+        budget = self.config.swap_space_bytes
+        if budget is None:
+            budget = CUDA_SWAP_SPACE_BYTES if self.device.type == "cuda" else 0
+        return budget // self.bytes_per_block
 
     def _activation_headroom_bytes(self) -> int:
         cfg = self.model_config
@@ -186,28 +209,96 @@ class ModelRunner:
         counts = [s.num_new_tokens for s in out.scheduled]
         self.lora.set_token_slots(torch.tensor(idx, dtype=torch.int32).repeat_interleave(torch.tensor(counts)))
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, torch.Generator | None]],
-                lora_slots: dict[int, int] | None = None) -> dict[int, int]:
-        """Run one step. ``sampling`` maps each sampling sequence id to its params and generator; ``lora_slots``
-        maps sequence ids to the LoRA slot of their adapter (absent / None: base model)."""
-        if not out.scheduled:
-            return {}
+    # ---- block moves ----------------------------------------------------------------------------------------
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """The step's block moves, before its forward pass: swap-outs, then swap-ins, then copy-on-write copies
+        (all copies of the step in one ``copy_blocks`` call)."""
+        if out.blocks_to_swap_out:
+            self._copy_between(out.blocks_to_swap_out, self.kv_caches, self.cpu_kv_caches)
+        if out.blocks_to_swap_in:
+            self._copy_between(out.blocks_to_swap_in, self.cpu_kv_caches, self.kv_caches)
         if out.blocks_to_copy:
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
                             torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device))
+
+    @staticmethod
+    def _copy_between(pairs: list[tuple[int, int]], src_caches: list, dst_caches: list) -> None:
+        """Copy block ``a`` of ``src_caches`` into block ``b`` of ``dst_caches`` for each (a, b), every layer."""
+        if not dst_caches:
+            raise RuntimeError("the scheduler moved blocks to a swap pool this runner does not have; set "
+                               "num_cpu_blocks or swap_space_bytes")
+        src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=src_dev)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dst_dev)
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
+            dk[dst] = sk[src].to(dst_dev)  # device -> host blocks: the data is on the host when this returns
+            dv[dst] = sv[src].to(dst_dev)
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],
+                lora_slots: dict[int, int] | None = None) -> ModelStepOutput:
+        """Run one step. ``sampling`` maps each sampling sequence id to its params and generator (None: unseeded;
+        at a fork step a list of ``num_samples`` generators, one per future sequence); ``lora_slots`` maps
+        sequence ids to the LoRA slot of their adapter (absent / None: base model)."""
+        result = ModelStepOutput()
+        self.move_blocks(out)
+        if not out.scheduled:
+            return result
         inputs = self.prepare(out)
         self._set_lora_tokens(out, lora_slots)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        self._prompt_logprobs(out, hidden, result)
         if not inputs.sample_seqs:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         if self.logits_hook is not None:
             self.logits_hook(inputs.sample_seqs, logits)
-        seq_ids = [seq.seq_id for seq in inputs.sample_seqs]
-        tokens = self.sampler.sample(logits, [sampling[i][0] for i in seq_ids], [sampling[i][1] for i in seq_ids],
-                                     seqs=inputs.sample_seqs)
-        return dict(zip(seq_ids, tokens))
+        by_id = {s.seq.seq_id: s for s in out.scheduled if s.sample}
+        draw_rows, beam_rows = [], []
+        for j, seq in enumerate(inputs.sample_seqs):
+            (beam_rows if by_id[seq.seq_id].beam else draw_rows).append(j)
+        if beam_rows:
+            seqs = [inputs.sample_seqs[j] for j in beam_rows]
+            rows = self.sampler.beam_logprobs(logits[beam_rows], [sampling[s.seq_id][0] for s in seqs], seqs)
+            for k, seq in enumerate(seqs):
+                result.beam_logprobs[seq.seq_id] = rows[k]
+        if draw_rows:
+            self._draw(logits, draw_rows, inputs.sample_seqs, by_id, sampling, result)
+        return result
+
+    def _draw(self, logits: torch.Tensor, rows: list[int], seqs: list, by_id: dict, sampling: dict,
+              result: ModelStepOutput) -> None:
+        """Sample the drawing rows; a fork row is repeated ``num_samples`` times, one generator per copy."""
+        index, params, gens, hist, owners = [], [], [], [], []
+        for j in rows:
+            seq = seqs[j]
+            p, g = sampling[seq.seq_id]
+            k = by_id[seq.seq_id].num_samples
+            g_list = list(g) if isinstance(g, (list, tuple)) else [g] * k
+            if len(g_list) != k:
+                raise ValueError(f"sequence {seq.seq_id} draws {k} tokens but got {len(g_list)} generators")
+            index += [j] * k
+            params += [p] * k
+            gens += g_list
+            hist += [seq] * k
+            owners += [seq.seq_id] * k
+        sampled = self.sampler.forward(logits[index], params, gens, hist)
+        for seq_id, token, entry in zip(owners, sampled.token_ids, sampled.logprobs):
+            result.sampled.setdefault(seq_id, []).append(token)
+            result.logprobs.setdefault(seq_id, []).append(entry)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelStepOutput) -> None:
+        """Logprobs of the prompt tokens predicted inside this step's chunks, for sequences that ask."""
+        offset = 0
+        for s in out.scheduled:
+            if s.prompt_logprobs is not None:
+                seq, start = s.seq, s.seq.num_computed_tokens
+                rows = max(0, min(start + s.num_new_tokens, seq.num_prompt_tokens - 1) - start)
+                logits = self.model.compute_logits(hidden[offset:offset + rows])
+                result.prompt_logprobs[seq.seq_id] = (start, prompt_logprobs(logits, seq.prompt_token_ids,
+                                                                             s.prompt_logprobs, start))
+            offset += s.num_new_tokens
 
     def make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
