@@ -116,7 +116,11 @@ def test_lora_delta_unchanged_under_int8(tiny_checkpoint, tmp_path):
     delta_q = out["int8"][1] - out["int8"][0]
     assert delta_f.norm() > 0.1 * out["float"][0].norm()  # the adapter matters
     rel = ((delta_q - delta_f).norm() / delta_f.norm()).item()
-    assert rel < 0.05, f"adapter delta changed by {rel:.3f} under int8"
+    base_rel = ((out["int8"][0] - out["float"][0]).norm() / out["float"][0].norm()).item()
+    # Through the nonlinear layers the delta moves with the base weights' rounding, by the same order as the
+    # base logits do, not more.
+    assert 0 < base_rel < 0.15
+    assert rel < 1.5 * base_rel, f"adapter delta changed by {rel:.3f} under int8 (base logits by {base_rel:.3f})"
 
 
 def test_quantize_twice_is_refused(tiny_checkpoint):
@@ -124,3 +128,25 @@ def test_quantize_twice_is_refused(tiny_checkpoint):
     quantize_experts_int8(engine.runner.model)
     with pytest.raises(ValueError, match="found no FusedExperts to quantise"):
         quantize_experts_int8(engine.runner.model)
+
+
+def test_quantize_before_lora_attaches(tiny_checkpoint, tmp_path, monkeypatch):
+    """Where the engine hook would run it: after load, before the KV pool is sized and LoRA wraps the experts."""
+    import loraplex.engine.model_runner as model_runner
+
+    path = tiny_checkpoint("gpt_oss")
+    size_pool = model_runner.ModelRunner._size_kv_pool
+
+    def quantize_then_size(self, *args):
+        quantize_experts_int8(self.model)
+        return size_pool(self, *args)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_size_kv_pool", quantize_then_size)
+    engine = LLMEngine.from_pretrained(path, enable_lora=True, max_loras=2, max_lora_rank=8,
+                                       adapter_cache_dir=str(tmp_path / "cache"), **ENGINE_KW)
+    wrappers = [m for m in engine.runner.model.modules() if isinstance(m, LoRAFusedExperts)]
+    assert len(wrappers) == 3 and all(isinstance(w.base, Int8FusedExperts) for w in wrappers)
+    adapter = _adapter(tmp_path, path)
+    prompts = _prompts(engine.model_config.vocab_size, 3, 11, seed=2)
+    base, lora = _last_logits(engine, prompts, None), _last_logits(engine, prompts, adapter)
+    assert torch.isfinite(lora).all() and (lora - base).norm() > 0.1 * base.norm()

@@ -1,0 +1,100 @@
+"""``loraplex bench serve``: the issue-6 serving benchmark against the in-process engine.
+
+    loraplex bench serve                                   # GPT-OSS-20B shape, 8 adapters r32, C=16, 64 requests
+    loraplex bench serve --scale tiny --out /tmp/bench     # CPU smoke run (tiny model, short prompts)
+    loraplex bench serve --num-requests 16 --output-len 256 --int8 --hf-baseline --out $OUT
+
+Reports per-request output tokens/s, TTFT p50/p99, TPOT, total throughput and peak memory for the base model
+alone and with the adapters (same engine, same run), optionally with INT8 experts and HF transformers + PEFT.
+Writes bench_serve.json and bench_serve.md into --out (rewritten after every scenario).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+# --scale tiny shrinks the workload too unless a flag says otherwise.
+TINY_DEFAULTS = dict(num_adapters=2, rank=4, concurrency=3, num_requests=5, input_len=24, output_len=6,
+                     max_num_batched_tokens=64, block_size=4)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks of the engine", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    s = sub.add_parser("serve", help="closed-loop serving benchmark (issue 6 workload)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--scale", choices=("full", "tiny"), default="full",
+                   help="full: GPT-OSS-20B shape; tiny: toy model and workload for a CPU smoke run")
+    s.add_argument("--num-adapters", type=int, default=None, help="adapters (default 8; tiny 2)")
+    s.add_argument("--rank", type=int, default=None, help="adapter rank (default 32; tiny 4)")
+    s.add_argument("--concurrency", type=int, default=None, help="clients in the closed loop (default 16)")
+    s.add_argument("--num-requests", type=int, default=None, help="requests per scenario (default 64)")
+    s.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1600)")
+    s.add_argument("--output-len", type=int, default=None, help="output tokens, EOS ignored (default 600)")
+    s.add_argument("--mix", choices=("even", "zipf", "uniform"), default="even", help="adapter mix")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine step token budget (2048)")
+    s.add_argument("--block-size", type=int, default=None, help="KV block size (16)")
+    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    s.add_argument("--no-base-only", action="store_true", help="skip the base-only scenario")
+    s.add_argument("--no-warmup", action="store_true", help="skip the per-scenario warm-up")
+    s.add_argument("--int8", action="store_true", help="then quantise experts to INT8 and run the scenarios again")
+    s.add_argument("--hf-baseline", action="store_true",
+                   help="also time HF transformers (and + PEFT with one adapter) at batch = concurrency")
+    s.add_argument("--hf-output-len", type=int, default=None, help="HF output tokens (default: --output-len)")
+    s.add_argument("--stagger", type=float, default=0.0,
+                   help="client k sends its first request k * STAGGER s in (0: all at once, so every wave's "
+                        "prompts arrive together)")
+    s.add_argument("--scenario-time", type=float, default=None,
+                   help="seconds after which a scenario starts no new request")
+    s.add_argument("--total-time", type=float, default=None,
+                   help="hard limit in seconds for the whole run (running requests are aborted, later skipped)")
+    s.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many decode steps per scenario (torch profiler; profile_*.txt in --out)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default=None, help="folder for bench_serve.json / bench_serve.md")
+    s.add_argument("--work-dir", default=None, help="where config.json and adapters go (default: temp)")
+    s.set_defaults(func=run_serve)
+
+
+def config_from_args(args):
+    from loraplex.bench.serve import ServeBenchConfig
+
+    kw = dict(TINY_DEFAULTS) if args.scale == "tiny" else {}
+    for name in ("num_adapters", "rank", "concurrency", "num_requests", "input_len", "output_len",
+                 "max_num_batched_tokens", "block_size"):
+        value = getattr(args, name)
+        if value is not None:
+            kw[name] = value
+    return ServeBenchConfig(scale=args.scale, mix=args.mix, device=args.device, dtype=args.dtype,
+                            base_only=not args.no_base_only, warmup=not args.no_warmup, int8=args.int8,
+                            hf_baseline=args.hf_baseline, hf_output_len=args.hf_output_len,
+                            scenario_time_s=args.scenario_time, stagger_s=args.stagger,
+                            profile_steps=args.profile_steps, total_time_s=args.total_time, seed=args.seed,
+                            out_dir=args.out, work_dir=args.work_dir,
+                            command=command_line(args), **kw)
+
+
+def command_line(args) -> str:
+    """The invocation, rebuilt from the parsed flags (works when called in-process, not only from a shell)."""
+    parts = ["loraplex", "bench", "serve"]
+    for key, value in vars(args).items():
+        if key in ("func", "command", "bench_command") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def run_serve(args) -> int:
+    from loraplex.bench.report import to_markdown
+    from loraplex.bench.serve import run_serve_bench
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"loraplex bench serve: {e}") from None
+    report = run_serve_bench(cfg)
+    print(to_markdown(report))
+    return 0
