@@ -38,6 +38,8 @@ class EngineConfig:
     max_lora_rank: int = 16                 # slot buffers are padded to this rank; higher ranks are refused
     max_cpu_loras: int = 16                 # CPU LRU of loaded adapters (>= max_loras)
     adapter_cache_dir: str | None = None    # disk cache, content-addressed by sha256 (default: a temp folder)
+    # tensor parallelism (docs/engine.md, "Tensor parallelism"): ranks on this host, GPUs 0..N-1 or CPU processes
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +70,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
                              "adapter in a GPU slot passes through the CPU tier; raise max_cpu_loras")

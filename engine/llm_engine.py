@@ -108,7 +108,12 @@ class LLMEngine:
         model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings,
                                                          DEFAULT_MAX_MODEL_LEN_CAP)
-        self.runner = ModelRunner(config, self.max_model_len, config.max_num_seqs)
+        if config.tensor_parallel_size > 1:
+            from loraplex.engine.distributed.executor import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(config, self.max_model_len)  # rank 0; workers replay its steps
+        else:
+            self.runner = ModelRunner(config, self.max_model_len, config.max_num_seqs)
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         eos = list(dict.fromkeys(self.model_config.eos_token_ids + _generation_eos_ids(config.model)))
@@ -392,6 +397,9 @@ class LLMEngine:
         """Stop background adapter loads (the engine's other resources go with the object)."""
         if self.adapters is not None:
             self.adapters.close()
+        shutdown = getattr(self.runner, "shutdown", None)  # tensor parallel: stop the workers
+        if shutdown is not None:
+            shutdown()
 
     def _make_output(self, state: _RequestState, finished: bool, now: float) -> RequestOutput:
         group, params = state.group, state.params

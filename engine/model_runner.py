@@ -62,18 +62,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int, max_num_seqs: int):
-        from loraplex.engine.loader import load_model
-
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = load_model(config.model, device=self.device, dtype=self.dtype,
-                                                   load_format=config.load_format, progress=config.progress)
+        self.model, self.model_config = self._load_model()
         self.model.eval()
         self.block_size = config.block_size
         self.num_blocks = self._size_kv_pool(max_model_len, max_num_seqs)
         cfg = self.model_config
-        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.num_cpu_blocks = self._size_swap_pool()
@@ -90,12 +87,25 @@ class ModelRunner:
                     self.block_size, self.num_blocks * self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**20, self.dtype, self.device)
 
+    def _load_model(self):
+        """(model on this runner's device and dtype, its ModelConfig); a tensor-parallel runner loads its shard."""
+        from loraplex.engine.loader import load_model
+
+        c = self.config
+        return load_model(c.model, device=self.device, dtype=self.dtype, load_format=c.load_format,
+                          progress=c.progress)
+
     # ---- KV pool sizing -------------------------------------------------------------------------------------
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held by this runner's cache: all of the model's (a tensor-parallel rank holds its share)."""
+        return self.model_config.num_kv_heads
+
     @property
     def bytes_per_block(self) -> int:
         cfg: ModelConfig = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def _size_kv_pool(self, max_model_len: int, max_num_seqs: int) -> int:
         if self.config.num_kv_blocks is not None:

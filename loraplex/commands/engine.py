@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto")
     s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many GPUs of the host (gloo processes on CPU)")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
     s.add_argument("--max-loras", type=int, default=4)
     s.add_argument("--max-lora-rank", type=int, default=16)
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
             return null_service(model_name=args.model_name or "null", num_tokens=args.null_tokens,
                                 token_delay_s=args.null_delay_ms / 1000)
     else:
-        kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False)
+        kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False,
+                      tensor_parallel_size=args.tensor_parallel_size)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir)
