@@ -164,7 +164,7 @@ class AsyncEngine:
                     continue
                 for out in self.engine.step():
                     if out.finish_reason == "error":  # e.g. its adapter failed to load: the consumer gets it raised
-                        self._deliver(out.request_id, AdapterLoadError(out.error))
+                        self._deliver(out.request_id, AdapterLoadError(out.error, retryable=out.error_retryable))
                     else:
                         self._deliver(out.request_id, out)
                     if out.finished:

@@ -26,7 +26,7 @@ import torch
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.engine_config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager
+from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager, is_transient_failure
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -348,11 +348,12 @@ class LLMEngine:
             if adapter is None or self.adapters.state(adapter) != "failed":
                 continue
             reason = self.adapters.error(adapter)
-            err = AdapterLoadError(f"adapter {adapter.adapter_id!r} could not be loaded: {reason}")
+            err = AdapterLoadError(f"adapter {adapter.adapter_id!r} could not be loaded: {reason}",
+                                   retryable=is_transient_failure(reason))
             self.scheduler.abort(seq.request_id)
             del self._requests[seq.request_id]
             out = self._make_output(state, True, time.monotonic())
-            out.finish_reason, out.error = "error", str(err)
+            out.finish_reason, out.error, out.error_retryable = "error", str(err), err.retryable
             for c in out.outputs:
                 c.finish_reason = "error"
             logger.info("request %s failed: adapter %s did not load", seq.request_id, adapter.adapter_id)

@@ -63,5 +63,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     adapter: object | None = field(default=None, repr=False)
     error: str | None = None  # why the request failed (finish_reason "error"), e.g. its adapter did not load
+    error_retryable: bool = False  # the failure was transient (blob store down): the same request may succeed later
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list["TokenLogprob | None"] | None = None

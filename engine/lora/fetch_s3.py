@@ -15,7 +15,7 @@ import json
 import os
 from urllib.parse import unquote, urlparse
 
-from loraplex.engine.lora.fetch import AdapterFetchError
+from loraplex.engine.lora.fetch import AdapterFetchError, AdapterFetchUnavailableError
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -79,8 +79,14 @@ class S3Fetcher:
             raise AdapterFetchError(f"fetching s3:// adapters needs boto3 ({e}); pip install boto3") from None
         try:
             self._s3().download_file(bucket, key, os.path.join(dest_dir, WEIGHTS_FILE))
-        except (BotoCoreError, ClientError) as e:
-            raise AdapterFetchError(f"could not download s3://{bucket}/{key}: {e}") from None
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if code in ("404", "NoSuchKey", "NoSuchBucket", "403", "AccessDenied") or 400 <= status < 500:
+                raise AdapterFetchError(f"could not download s3://{bucket}/{key}: {e}") from None
+            raise AdapterFetchUnavailableError(f"the blob store failed serving s3://{bucket}/{key}: {e}") from None
+        except BotoCoreError as e:  # connection refused, timeouts, ... : transient
+            raise AdapterFetchUnavailableError(f"the blob store is unreachable for s3://{bucket}/{key}: {e}") from None
         with open(os.path.join(dest_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f)
         return dest_dir

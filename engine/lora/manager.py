@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Literal
 
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.lora.fetch import ADAPTER_FILES, AdapterFetchError, Fetcher, default_fetchers
+from loraplex.engine.lora.fetch import (ADAPTER_FILES, AdapterFetchError, AdapterFetchUnavailableError, Fetcher,
+                                        default_fetchers)
 from loraplex.engine.lora.ref import AdapterRef
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,19 @@ class AdapterChecksumError(ValueError):
 
 
 class AdapterLoadError(RuntimeError):
-    """What a request for an adapter that could not be loaded finishes with; ``__cause__`` is the reason."""
+    """What a request for an adapter that could not be loaded finishes with. ``retryable``: the failure was in
+    fetching the bytes (blob store down or slow), so the same request may succeed later; otherwise the adapter
+    itself is bad (format, checksum) and retrying cannot help."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def is_transient_failure(err: BaseException | None) -> bool:
+    """Blob store outages are transient (the next request retries); a missing blob, a bad adapter or a checksum
+    mismatch is not."""
+    return isinstance(err, AdapterFetchUnavailableError)
 
 
 @dataclass
@@ -154,11 +167,12 @@ class AdapterManager:
     # ---- background loads -------------------------------------------------------------------------------------
     def ensure_loading(self, ref: AdapterRef, *, retry: bool = False) -> AdapterState:
         """Start loading ``ref`` unless it is loaded or loading (one load however often it is asked).
-        A failed ref stays failed unless ``retry``. Returns the state after the call."""
+        A ref whose fetch failed (transient: blob store down) is tried again; one that failed validation stays
+        failed unless ``retry``. Returns the state after the call."""
         if not isinstance(ref, AdapterRef):
             raise TypeError(f"adapter must be an AdapterRef, got {type(ref).__name__}")
         with self._lock:
-            if retry:
+            if retry or is_transient_failure(self._failed.get(ref)):
                 self._failed.pop(ref, None)
             if ref in self._failed:
                 return "failed"

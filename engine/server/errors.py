@@ -23,6 +23,12 @@ class AdapterUnavailableError(EngineServiceError):
     type_, status_code = "adapter_load_error", 422
 
 
+class AdapterFetchUnavailableError(EngineServiceError):
+    """The blob store holding the adapter is down or failing; the same request may succeed shortly."""
+
+    type_, status_code = "adapter_fetch_unavailable", 503
+
+
 class AdapterInUseError(EngineServiceError):
     """An eviction of an adapter that running requests use."""
 
@@ -41,5 +47,6 @@ def from_wire(error: dict, status_code: int | None = None) -> EngineServiceError
     if status_code == 409:
         return AdapterInUseError(message)
     cls = {"invalid_request": InvalidRequestError, "adapter_load_error": AdapterUnavailableError,
+           "adapter_fetch_unavailable": AdapterFetchUnavailableError,
            "engine_unavailable": EngineUnavailableError}.get(type_, EngineServiceError)
     return cls(message)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ERROR_TYPES = ("invalid_request", "adapter_load_error", "engine_unavailable", "engine_error")
+ERROR_TYPES = ("invalid_request", "adapter_load_error", "adapter_fetch_unavailable", "engine_unavailable",
+               "engine_error")
 
 
 class RequestFormatError(ValueError):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from loraplex.engine.server.errors import (AdapterInUseError, AdapterUnavailableError, EngineUnavailableError,
-                                           InvalidRequestError)
+from loraplex.engine.server.errors import (AdapterFetchUnavailableError, AdapterInUseError, AdapterUnavailableError,
+                                           EngineUnavailableError, InvalidRequestError)
 from loraplex.engine.server.protocol import AdapterSpec, GenerateRequest, chunk_dict
 
 
@@ -65,7 +65,7 @@ class EngineService:
                                  finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
                                  completion_tokens=len(out.output_token_ids), cached_tokens=out.num_cached_tokens)
         except AdapterLoadError as e:
-            raise AdapterUnavailableError(str(e)) from None
+            raise (AdapterFetchUnavailableError if e.retryable else AdapterUnavailableError)(str(e)) from None
         except EngineDeadError as e:
             raise EngineUnavailableError(str(e)) from None
         except (ValueError, TypeError) as e:

@@ -30,6 +30,14 @@ class AdapterLoadFailedError(EngineError):
     status_code, type_ = 422, "adapter_load_error"
 
 
+class AdapterFetchUnavailableError(EngineError):
+    """The blob store holding the adapter is down; the same request may succeed shortly (503 + Retry-After).
+    Not a ConnectionError: the replica itself is fine, so the router does not mark it down."""
+
+    status_code, type_ = 503, "adapter_fetch_unavailable"
+    retry_after_s = 2
+
+
 class EngineUnavailableError(EngineError, ConnectionError):
     """The engine cannot be reached, is not ready, or died; another replica may serve the request."""
 
@@ -43,5 +51,6 @@ def error_from_wire(error: dict, status_code: int | None = None) -> EngineError:
     if status_code == 409:
         return AdapterInUseError(message)
     cls = {"invalid_request": EngineRequestError, "adapter_load_error": AdapterLoadFailedError,
+           "adapter_fetch_unavailable": AdapterFetchUnavailableError,
            "engine_unavailable": EngineUnavailableError}.get(type_, EngineError)
     return cls(message)

@@ -180,7 +180,9 @@ class Generation:
                                  code="engine_unavailable", headers={"retry-after": str(retry)}) from None
         except EngineError as e:
             status, error = e.status_code, e.type_
-            raise InferenceError(e.status_code, e.message, code=e.type_) from None
+            retry = getattr(e, "retry_after_s", None)
+            raise InferenceError(e.status_code, e.message, code=e.type_,
+                                 headers={"retry-after": str(retry)} if retry else None) from None
         except BaseException as e:
             if self.finish_reason is None:  # the consumer left before the end (GeneratorExit, cancel), or a bug
                 gone = isinstance(e, (GeneratorExit, anyio.get_cancelled_exc_class()))

@@ -2,6 +2,7 @@
 refusing path traversal, links and archives that expand past the size cap (decompression bombs)."""
 from __future__ import annotations
 
+import lzma
 import os
 import posixpath
 import stat
@@ -45,7 +46,8 @@ def extract_peft_files(archive: str, filename: str, dest_dir: str, *, max_bytes:
     if filename.lower().endswith(".zip"):
         try:
             zf = zipfile.ZipFile(archive)
-        except (zipfile.BadZipFile, OSError):
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
+            # ValueError: a member name flagged UTF-8 that is not; NotImplementedError: an unknown zip version
             raise UploadError(400, f"{filename!r} is not a valid zip archive; upload a .zip or .tar.gz of the "
                                    "PEFT folder, or the two files", code="bad_archive") from None
         with zf:
@@ -67,13 +69,14 @@ def extract_peft_files(archive: str, filename: str, dest_dir: str, *, max_bytes:
                     try:
                         with zf.open(info) as src:
                             _copy_capped(src, dest, budget, max_bytes)
-                    except (zipfile.BadZipFile, EOFError, OSError) as e:
+                    except (zipfile.BadZipFile, EOFError, OSError, zlib.error, lzma.LZMAError, ValueError,
+                            NotImplementedError, RuntimeError) as e:  # corrupt data, unknown compression method, encrypted member
                         raise UploadError(400, f"archive member {info.filename!r} is corrupt ({e}); pack it again",
                                           code="bad_archive") from None
         return found
     try:
         tf = tarfile.open(archive, mode="r:*")
-    except (tarfile.TarError, OSError):
+    except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError):
         raise UploadError(400, f"{filename!r} is not a valid tar/tar.gz archive; upload a .tar.gz or .zip of the "
                                "PEFT folder, or the two files", code="bad_archive") from None
     with tf:
@@ -97,7 +100,7 @@ def extract_peft_files(archive: str, filename: str, dest_dir: str, *, max_bytes:
                 base = posixpath.basename(member.name)
                 if member.isfile() and base in WANTED:
                     _copy_capped(tf.extractfile(member), _claim(found, base, dest_dir), budget, max_bytes)
-        except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
             raise UploadError(400, f"archive {filename!r} is corrupt or truncated ({e}); pack it again",
                               code="bad_archive") from None
     return found

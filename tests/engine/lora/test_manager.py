@@ -230,3 +230,35 @@ def test_an_adapter_the_slots_refuse_fails_alone(make_manager, refs):
     assert m.state(refs[0]) == "failed" and str(m.error(refs[0])) == "rank 4 does not fit"
     assert m.residency()["gpu"] == {} and refs[0].adapter_id not in m.residency()["cpu"]
     assert m.state(refs[1]) == "ready"
+
+
+def test_blob_store_outage_is_retried_by_the_next_request_but_a_bad_blob_is_not(make_manager, refs):
+    """A fetch that failed because the blob store was down is tried again on the next ensure_loading; a fetch that
+    failed for good (missing blob) stays failed until an explicit retry."""
+    from loraplex.engine.lora.fetch import AdapterFetchError, AdapterFetchUnavailableError
+    from loraplex.engine.lora.manager import is_transient_failure
+
+    class Flaky(FileFetcher):
+        def __init__(self, error):
+            self.error, self.calls = error, 0
+
+        def fetch(self, uri, dest_dir):
+            self.calls += 1
+            if self.calls == 1:
+                raise self.error
+            return super().fetch(uri, dest_dir)
+
+    outage = Flaky(AdapterFetchUnavailableError("blob store unreachable"))
+    m = make_manager(fetcher=outage)
+    m.ensure_loading(refs[0])
+    assert m.wait(refs[0], timeout=30) == "failed" and is_transient_failure(m.error(refs[0]))
+    assert m.ensure_loading(refs[0]) == "loading"          # the next request retries at once
+    assert m.wait(refs[0], timeout=30) == "ready" and outage.calls == 2
+
+    missing = Flaky(AdapterFetchError("no such blob"))
+    m2 = make_manager(fetcher=missing, cache_dir=None)
+    m2.ensure_loading(refs[1])
+    assert m2.wait(refs[1], timeout=30) == "failed" and not is_transient_failure(m2.error(refs[1]))
+    assert m2.ensure_loading(refs[1]) == "failed" and missing.calls == 1   # not hammered by every request
+    assert m2.ensure_loading(refs[1], retry=True) == "loading"
+    assert m2.wait(refs[1], timeout=30) == "ready"

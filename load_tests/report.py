@@ -1,0 +1,102 @@
+"""Run reports: ``summarize(records, duration_s, engines_before, engines_after, invariants)`` → a JSON-ready dict;
+``write_reports(summary, out_dir)`` writes ``report.json`` and ``report.md``.
+
+Per scenario: requests, throughput (answered requests/s), latency percentiles of answered requests (ms), time to
+first token and inter-token gaps (streams), errors by kind (expected or not). Adapter hit rates come from the
+engines' counters (GPU slot hits vs activations, cold starts) over the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, defaultdict
+
+from load_tests.records import Record
+
+
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in ps} | {"max": None}
+    v = sorted(values)
+    out = {f"p{p}": round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 2) for p in ps}
+    return out | {"max": round(v[-1], 2)}
+
+
+def adapter_hit_rates(before: dict[str, dict], after: dict[str, dict]) -> dict:
+    """Per engine and overall: slot hits / (slot hits + activations) and cold starts during the run."""
+    per, tot = {}, Counter()
+    for url, a in after.items():
+        b = before.get(url, {})
+        ca, cb = a.get("adapter_counters", {}), b.get("adapter_counters", {})
+        d = {k: ca.get(k, 0) - cb.get(k, 0) for k in ("slot_hits", "activations", "fetches", "disk_hits", "loads")}
+        admitted = d["slot_hits"] + d["activations"]
+        per[url] = {**d, "gpu_slot_hit_rate": round(d["slot_hits"] / admitted, 4) if admitted else None,
+                    "cold_starts": d["fetches"] + d["disk_hits"]}
+        tot.update(d)
+    admitted = tot["slot_hits"] + tot["activations"]
+    return {"engines": per, "gpu_slot_hit_rate": round(tot["slot_hits"] / admitted, 4) if admitted else None,
+            "admissions": admitted, "cold_starts": tot["fetches"] + tot["disk_hits"],
+            "fetches_from_blob_store": tot["fetches"]}
+
+
+def summarize(records: list[Record], duration_s: float, *, engines_before: dict | None = None,
+              engines_after: dict | None = None, invariants: dict | None = None, config: dict | None = None) -> dict:
+    by = defaultdict(list)
+    for r in records:
+        by[r.scenario].append(r)
+    scenarios = {}
+    for name, rs in sorted(by.items()):
+        ok = [r for r in rs if r.kind == "ok"]
+        s = {"requests": len(rs), "answered": len(ok), "throughput_rps": round(len(ok) / duration_s, 2),
+             "latency_ms": percentiles([r.latency_ms for r in ok]),
+             "errors_by_kind": dict(Counter(r.kind for r in rs if r.kind != "ok")),
+             "unexpected_by_kind": dict(Counter(r.kind for r in rs if not r.expected)),
+             "completion_tokens": sum(r.completion_tokens for r in ok)}
+        ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+        if ttft:
+            s["ttft_ms"] = percentiles(ttft)
+            s["itl_ms"] = percentiles([g for r in ok for g in (r.itl_ms or [])])
+            s["tokens_per_s"] = round(s["completion_tokens"] / duration_s, 1)
+        scenarios[name] = s
+    models = Counter(r.model for r in records if r.scenario == "zipf")
+    top = models.most_common(10)
+    return {"duration_s": round(duration_s, 1), "requests": len(records), "scenarios": scenarios,
+            "zipf_top10_share": round(sum(n for _, n in top) / max(1, sum(models.values())), 3),
+            "zipf_distinct_adapters": len(models),
+            "adapter_hit_rates": adapter_hit_rates(engines_before or {}, engines_after or {}),
+            "invariants": invariants or {}, "config": config or {}}
+
+
+def _fmt(p: dict) -> str:
+    return " / ".join("–" if v is None else f"{v:.0f}" for v in (p["p50"], p["p90"], p["p99"], p["max"]))
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# Load run ({summary['duration_s']} s, {summary['requests']} requests)", "",
+             "| scenario | requests | answered | req/s | latency p50/p90/p99/max ms | TTFT p50/p90/p99/max ms "
+             "| ITL p50/p90/p99/max ms | errors by kind | unexpected |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in summary["scenarios"].items():
+        lines.append(f"| {name} | {s['requests']} | {s['answered']} | {s['throughput_rps']} | {_fmt(s['latency_ms'])} "
+                     f"| {_fmt(s['ttft_ms']) if 'ttft_ms' in s else '–'} "
+                     f"| {_fmt(s['itl_ms']) if 'itl_ms' in s else '–'} "
+                     f"| {s['errors_by_kind'] or '–'} | {s['unexpected_by_kind'] or '–'} |")
+    h = summary["adapter_hit_rates"]
+    lines += ["", f"Zipf: {summary['zipf_distinct_adapters']} distinct adapters requested, top 10 took "
+                  f"{summary['zipf_top10_share']:.0%} of the requests.",
+              f"Adapter hit rate (GPU slot hits / admissions): {h['gpu_slot_hit_rate']} over {h['admissions']} "
+              f"admissions; cold starts {h['cold_starts']} (blob-store fetches {h['fetches_from_blob_store']}).", "",
+              "| invariant | ok | detail |", "|---|---|---|"]
+    for name, v in summary["invariants"].items():
+        detail = {k: x for k, x in v.items() if k != "ok"}
+        lines.append(f"| {name} | {'yes' if v['ok'] else '**NO**'} | {json.dumps(detail)[:300]} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(summary: dict, out_dir: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    pj, pm = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
+    with open(pj, "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(pm, "w") as f:
+        f.write(markdown(summary))
+    return pj, pm
