@@ -69,6 +69,12 @@ def resolve_adapter(*, session: Session, tenant_id: str, target: ModelTarget) ->
                            config=dict(v.adapter_config or {}))
 
 
+def version_is_ready(*, session: Session, version_id: str) -> bool:
+    """Whether the version is still ``ready`` (a request that resolved it may race its deletion)."""
+    status = session.execute(select(AdapterVersion.status).where(AdapterVersion.id == version_id)).scalar()
+    return status == AdapterStatus.ready
+
+
 class AdapterReferences:
     """Builds the engine reference of a resolved version (materialising local PEFT folders once)."""
 

@@ -20,9 +20,9 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.platform.engines.errors import EngineError
+from loraplex.platform.engines.errors import AdapterLoadFailedError, EngineError
 from loraplex.platform.engines.messages import AdapterReference, EngineChunk, EngineRequest
-from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter
+from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter, version_is_ready
 from loraplex.platform.gateway.auth import TenantInfo
 from loraplex.platform.gateway.metering import CLIENT_CLOSED, RequestMeter
 from loraplex.platform.gateway.state import Gateway
@@ -178,6 +178,13 @@ class Generation:
             retry = max(1, int(e.retry_after_s or 1))
             raise InferenceError(503, "No engine replica is available right now; retry shortly.",
                                  code="engine_unavailable", headers={"retry-after": str(retry)}) from None
+        except AdapterLoadFailedError as e:
+            if self.prep.adapter is not None and not await run_in_threadpool(self._still_ready):
+                # resolved, then deleted before the engine fetched it: the model is gone, not broken
+                status, error = 404, "model_not_found"
+                raise model_not_found(self.prep.body.model) from None
+            status, error = e.status_code, e.type_
+            raise InferenceError(e.status_code, e.message, code=e.type_) from None
         except EngineError as e:
             status, error = e.status_code, e.type_
             retry = getattr(e, "retry_after_s", None)
@@ -192,6 +199,10 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()   # aborts the engine request if it is still running
                 await self._finish(status, error)
+
+    def _still_ready(self) -> bool:
+        with self.gw.sessions() as session:
+            return version_is_ready(session=session, version_id=self.prep.adapter.version_id)
 
     async def _finish(self, status: int, error: str | None) -> None:
         """Refund the unused reservation, release the lease, record usage and metrics (once)."""

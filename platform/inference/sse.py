@@ -23,8 +23,10 @@ def sse_event(payload: BaseModel | dict) -> bytes:
 def parse_sse(raw: bytes) -> list[dict | str]:
     """Decode a whole SSE body (tests and clients of the benchmark): each event's JSON, or the string "[DONE]"."""
     events: list[dict | str] = []
-    for block in raw.decode().split("\n\n"):
-        lines = [line[5:].lstrip() for line in block.splitlines() if line.startswith("data:")]
+    text = raw.decode().replace("\r\n", "\n").replace("\r", "\n")
+    for block in text.split("\n\n"):
+        # SSE lines end only at CR/LF: str.splitlines() would also split inside JSON strings at U+2028 / U+0085
+        lines = [line[5:].lstrip() for line in block.split("\n") if line.startswith("data:")]
         if not lines:
             continue
         data = "\n".join(lines)

@@ -57,3 +57,44 @@ def test_engine_that_cannot_load_leaves_the_control_plane_up(serve, tmp_path):
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     assert "no model.safetensors" in r.json()["error"]["message"]
     assert server.http.get("/v1/adapters", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+class CannotLoad(NullEngineClient):
+    """A replica whose adapter fetch fails (e.g. the blob is gone); ``delete_first`` marks the version deleted in
+    the registry just before failing, as a DELETE racing the request would."""
+
+    def __init__(self, sessions=None) -> None:
+        super().__init__()
+        self.sessions = sessions
+
+    async def generate(self, request):
+        from sqlalchemy import update
+
+        from loraplex.platform.db.models import AdapterStatus, AdapterVersion
+        from loraplex.platform.engines.errors import AdapterLoadFailedError
+
+        if request.adapter is not None:
+            if self.sessions is not None:
+                version_id = request.adapter.adapter_id.rsplit("/", 1)[-1]
+                with self.sessions() as session:
+                    session.execute(update(AdapterVersion).where(AdapterVersion.id == version_id)
+                                    .values(status=AdapterStatus.deleted))
+                    session.commit()
+            raise AdapterLoadFailedError("could not download s3://bucket/key: NoSuchKey")
+        async for chunk in super().generate(request):
+            yield chunk
+
+
+def test_adapter_deleted_while_its_request_was_in_flight_is_a_404_not_a_load_error(serve, tmp_path, tiny_base,
+                                                                                   adapters):
+    failing = CannotLoad()
+    server = serve(settings_for(tmp_path, tiny_base), replicas=[Replica("one", failing)])
+    _, key = server.new_tenant()
+    server.upload(key, "bot", adapters["a"])
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": "bot", "prompt": "hi", "max_tokens": 1}
+    r = server.http.post("/v1/completions", json=body, headers=headers)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_load_error"   # version still exists
+    failing.sessions = server.gateway.sessions
+    r = server.http.post("/v1/completions", json=body, headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
