@@ -61,6 +61,9 @@ class EngineProcess:
     def stats(self) -> dict:
         return httpx.get(self.url + "/v1/stats", timeout=5).json()
 
+    def residency(self) -> dict:
+        return httpx.get(self.url + "/v1/adapters", timeout=5).json()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)

@@ -4,22 +4,16 @@ in a thread so tests can read the router) pointed at all of them. Missing servic
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 import uuid
 
-import httpx
 import pytest
 
+from load_tests.stack import EngineProcess
 from tests.platform.gateway.conftest import ADMIN_KEY, LiveServer
 from tests.utils.services import MotoServer, create_database, drop_database, free_port
 
 REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS", "redis://127.0.0.1:6379/0")
 FAMILY = "qwen3_moe"
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.fixture(scope="session")
@@ -77,49 +71,6 @@ def s3():
     server.stop()
 
 
-class EngineProcess:
-    """One ``loraplex engine serve --enable-lora`` process (S3 credentials of the moto server in its env)."""
-
-    def __init__(self, model: str, s3: MotoServer, cache_dir: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, LORAPLEX_S3_ENDPOINT_URL=s3.endpoint, LORAPLEX_S3_ACCESS_KEY_ID="testing",
-                   LORAPLEX_S3_SECRET_ACCESS_KEY="testing", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.cli", "engine", "serve", "--model", model, "--port", str(self.port),
-             "--device", "cpu", "--dtype", "float32", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-             "--adapter-cache-dir", cache_dir, "--log-level", "warning"], env=env, cwd=ROOT)
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine on {self.port} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"engine on {self.port} not ready after {timeout} s")
-
-    def residency(self) -> dict:
-        return httpx.get(self.url + "/v1/adapters", timeout=5).json()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 class Fleet:
     """Two engines and the platform in front of them."""
 
@@ -134,7 +85,10 @@ def start_fleet(tmp_path, model: str, pg: str, redis_url: str, s3: MotoServer) -
     from loraplex.platform.core.config import Settings
     from loraplex.platform.main import create_app
 
-    engines = [EngineProcess(model, s3, str(tmp_path / f"cache-{i}")) for i in range(2)]
+    engines = [EngineProcess(model, s3.endpoint, str(tmp_path / f"cache-{i}"), port=free_port(), max_loras=2)
+               for i in range(2)]
+    for engine in engines:
+        engine.start()
     for e in engines:
         e.wait_ready()
     bucket = f"e2e-{uuid.uuid4().hex[:10]}"
