@@ -128,6 +128,9 @@ def test_running_requests_keep_decoding_while_a_cold_adapter_loads(base, refs, w
     base_rid, _, base_prompt = workload[-1]
     cold_rid, cold_ref, cold_prompt = workload[1]
     cold = AdapterRef(cold_ref.adapter_id, "slow://" + cold_ref.uri.split("://", 1)[1], cold_ref.sha256)
+    # the warm adapter is on CPU before anything runs, so the token counts below do not depend on when the
+    # background load happens to finish
+    assert engine.load_adapter(warm_ref, wait=True, timeout=60) == "ready"
     engine.add_request(warm_rid, warm_prompt, PARAMS, warm_ref)
     engine.add_request(base_rid, base_prompt, PARAMS)
     tokens, final = {}, {}
@@ -146,6 +149,7 @@ def test_running_requests_keep_decoding_while_a_cold_adapter_loads(base, refs, w
         step()
         assert engine.adapters.state(cold) == "loading"
     # four decode steps of the others happened while the cold adapter's fetch was still blocked
+    assert before[warm_rid] + 4 <= MAX_TOKENS and before[base_rid] + 4 <= MAX_TOKENS, before
     assert tokens == {warm_rid: before[warm_rid] + 4, base_rid: before[base_rid] + 4}
     fetcher.gate.set()
     for _ in range(200):
