@@ -29,18 +29,12 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
     @classmethod
-    def contiguous(cls, seq_lens: list[int], query_lens: list[int], block_size: int,
-                   device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Metadata for sequences stored in consecutive blocks (sequence b owns a contiguous run of blocks).
-        For tests and warm-up; the model runner builds real metadata from the block manager's tables."""
-        tables, slots, next_block = [], [], 0
-        for ctx, n_new in zip(seq_lens, query_lens):
-            n_blocks = (ctx + block_size - 1) // block_size
-            table = list(range(next_block, next_block + n_blocks))
-            next_block += n_blocks
-            tables.append(table)
-            for pos in range(ctx - n_new, ctx):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+    def from_block_tables(cls, tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int,
+                          device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for sequences stored in the given block tables, whose new tokens are each one's last
+        ``query_lens[b]`` positions. For tests and warm-up; the model runner builds its own from the scheduler."""
+        slots = [table[pos // block_size] * block_size + pos % block_size
+                 for table, ctx, n_new in zip(tables, seq_lens, query_lens) for pos in range(ctx - n_new, ctx)]
         width = max(len(t) for t in tables)
         bt = torch.zeros(len(tables), width, dtype=torch.int32)
         for i, t in enumerate(tables):
@@ -56,6 +50,17 @@ class AttentionMetadata:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+
+    @classmethod
+    def contiguous(cls, seq_lens: list[int], query_lens: list[int], block_size: int,
+                   device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for sequences stored in consecutive blocks (sequence b owns a contiguous run of blocks)."""
+        tables, next_block = [], 0
+        for ctx in seq_lens:
+            n_blocks = (ctx + block_size - 1) // block_size
+            tables.append(list(range(next_block, next_block + n_blocks)))
+            next_block += n_blocks
+        return cls.from_block_tables(tables, seq_lens, query_lens, block_size, device)
 
     @staticmethod
     def blocks_needed(seq_lens: list[int], block_size: int) -> int:

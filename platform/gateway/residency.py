@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from loraplex.platform.core.tasks import cancel_and_wait
 from loraplex.platform.engines.errors import EngineError
 from loraplex.platform.routing import Router
 
@@ -61,10 +62,5 @@ class ResidencyPoller:
             self._task = asyncio.create_task(self._run(), name="loraplex-residency-poller")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Mapping, Union
 
+from loraplex.platform.core.tasks import cancel_and_wait
 from loraplex.platform.metrics.platform_metrics import PlatformMetrics
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,5 @@ class EngineStatsPoller:
         return self._task
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

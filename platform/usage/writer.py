@@ -18,6 +18,7 @@ from collections import deque
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.platform.core.tasks import cancel_and_wait
 from loraplex.platform.db.models import AdapterVersion, UsageRecord
 from loraplex.platform.usage.events import UsageEvent
 
@@ -95,13 +96,8 @@ class UsageWriter:
 
     async def stop(self) -> None:
         """Stop the background task and write what is left."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.flush()
         if self._buffer:
             logger.error("%d usage records could not be written at shutdown", len(self._buffer))

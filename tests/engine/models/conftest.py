@@ -42,21 +42,7 @@ def shuffled_block_tables(max_lens: list[int], block_size: int = BLOCK_SIZE,
 def paged_metadata(tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
                    block_size: int = BLOCK_SIZE) -> AttentionMetadata:
     """Metadata for sequences stored in the given block tables; the new tokens are each sequence's last ones."""
-    slots = []
-    for table, ctx, n_new in zip(tables, seq_lens, query_lens):
-        for pos in range(ctx - n_new, ctx):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    width = max(len(t) for t in tables)
-    bt = torch.zeros(len(tables), width, dtype=torch.int32)
-    for b, t in enumerate(tables):
-        bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    return AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=bt,
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                             max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    return AttentionMetadata.from_block_tables(tables, seq_lens, query_lens, block_size)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
