@@ -36,6 +36,7 @@ TRITON_LAUNCHERS: dict[str, str] = {
     "moe_align": "moe_align:moe_align",
     "moe_align_lora": "moe_align:moe_align_lora",
     "fused_moe_lora": "fused_moe_lora:fused_moe_lora",
+    "moe_experts_lora": "moe_experts_lora:moe_experts_lora",
 }
 
 

@@ -3,6 +3,9 @@
     moe_align ──> gate_up GEMM + bias + act(gate) * up ──> down GEMM + bias, * routing weight ──> sum over A
                   inter [T*A, I]                            out [T*A, H]                         [T, H]
 
+The gate_up kernel can also store the pre-activation [gate | up] [T*A, 2I] (ACT_NONE) so that a LoRA delta is
+added before the activation (``moe_experts_lora``); ``gate_up`` / ``down`` launch one GEMM each for that op.
+
 Both GEMMs walk BLOCK_M-row blocks of pairs sorted by expert (one expert per block, so one weight tile per
 program). Programs are ordered in groups of GROUP_M blocks per column block for L2 reuse; blocks past the
 padded pair count leave at once. INT8 weights are widened in registers and the per-output-channel scale is
@@ -19,6 +22,8 @@ from loraplex.kernels.dot import dot
 from loraplex.kernels.moe_align import moe_align
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+ACT_CODES = {"silu": 0, "swiglu_clamp": 1}
+ACT_NONE = 2  # gate_up stores the pre-activation [gate | up] (out [T*A, 2N])
 
 
 @triton.jit
@@ -32,7 +37,7 @@ def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N]; alignment tables
+    # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N] ([T*A, 2N] if ACT_NONE); tables
     num_pairs, num_m, N, K, alpha, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_be, stride_ot,
     TOP_K: tl.constexpr, ACT: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -76,14 +81,19 @@ def _moe_gate_up_kernel(
     if HAS_BIAS:
         acc_g += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + expert * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if ACT == 2:  # pre-activation: gate to columns [0, N), up to [N, 2N)
+        tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + N, acc_u.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :], h.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        if ACT == 0:
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
+        else:
+            g = tl.minimum(acc_g, limit)
+            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
@@ -135,15 +145,13 @@ def shape_of(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> dict
     return {"E": w13.shape[0], "A": topk_ids.shape[1], "H": x.shape[1], "I": w13.shape[1] // 2}
 
 
-def run_moe(x, w13, w2, topk_weights, topk_ids, *, activation, b13, b2, alpha, limit, w13_scale=None,
-            w2_scale=None, config: dict | None = None, op: str = "fused_moe") -> torch.Tensor:
-    """Both fused MoE launchers end here (``w*_scale`` given: INT8 weights)."""
-    if activation not in ("silu", "swiglu_clamp"):
+def check_moe(x, w13, w2, topk_weights, topk_ids, activation: str) -> None:
+    """Shape, layout and activation checks shared by the fused MoE launchers."""
+    if activation not in ACT_CODES:
         raise ValueError(f"unknown activation {activation!r}; expected 'silu' or 'swiglu_clamp'")
     num_tokens, hidden = x.shape
     num_experts, two_i, h13 = w13.shape
-    inter = two_i // 2
-    if h13 != hidden or w2.shape != (num_experts, hidden, inter):
+    if h13 != hidden or w2.shape != (num_experts, hidden, two_i // 2):
         raise ValueError(f"expert weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match x "
                          f"[T, {hidden}]: expected w13 [E, 2I, H] and w2 [E, H, I]")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
@@ -152,37 +160,79 @@ def run_moe(x, w13, w2, topk_weights, topk_ids, *, activation, b13, b2, alpha, l
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
-        return torch.zeros_like(x)
-    cfg = config or tuning.get_config(op, shape_of(x, w13, topk_ids), num_tokens, DEFAULT_CONFIG)
+
+
+def moe_config(op: str, x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
+               config: dict | None = None) -> dict:
+    """``config``, else the tuned config of ``op`` ("fused_moe" / "fused_moe_int8") at this shape and M."""
+    return dict(config) if config else tuning.get_config(op, shape_of(x, w13, topk_ids), x.shape[0],
+                                                         DEFAULT_CONFIG)
+
+
+def _launch_args(cfg: dict) -> tuple[int, int, int, int, dict]:
     bm, bn, bk, gm = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
-    launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
-    sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, bm)
+    return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+
+
+def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, w13_scale=None,
+            alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """The gate_up grouped GEMM over ``align`` = moe_align(topk_ids, E, cfg BLOCK_M): x [T, H] ->
+    act(gate) * up [T*A, I], or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None."""
+    bm, bn, bk, gm, launch = _launch_args(cfg)
+    sorted_ids, expert_ids, num_post = align
+    num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
+    inter = w13.shape[1] // 2
     num_m = expert_ids.shape[0]
+    if sorted_ids.shape[0] != num_m * bm:
+        raise ValueError(f"align tables were made with block size {sorted_ids.shape[0] // max(num_m, 1)} but the "
+                         f"config's BLOCK_M is {bm}")
     int8 = w13_scale is not None
-    dummy = x
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    num_n1 = triton.cdiv(inter, bn)
-    _moe_gate_up_kernel[(num_m * num_n1,)](
-        x, w13, w13_scale if int8 else dummy, b13 if b13 is not None else dummy, h, sorted_ids, expert_ids,
+    out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
+    num_n = triton.cdiv(inter, bn)
+    _moe_gate_up_kernel[(num_m * num_n,)](
+        x, w13, w13_scale if int8 else x, b13 if b13 is not None else x, out, sorted_ids, expert_ids,
         num_post, num_pairs, num_m, inter, hidden, float(alpha), float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if int8 else 0,
-        b13.stride(0) if b13 is not None else 0, h.stride(0),
-        TOP_K=top_k, ACT=0 if activation == "silu" else 1, W_INT8=int8, HAS_BIAS=b13 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n1, EVEN_K=hidden % bk == 0, **launch)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    num_n2 = triton.cdiv(hidden, bn)
+        b13.stride(0) if b13 is not None else 0, out.stride(0),
+        TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, W_INT8=int8, HAS_BIAS=b13 is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0, **launch)
+    return out
+
+
+def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None) -> torch.Tensor:
+    """The down grouped GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]."""
+    bm, bn, bk, gm, launch = _launch_args(cfg)
+    sorted_ids, expert_ids, num_post = align
+    num_pairs, inter = h.shape
+    hidden = w2.shape[1]
+    num_m = expert_ids.shape[0]
+    int8 = w2_scale is not None
+    out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
+    num_n = triton.cdiv(hidden, bn)
     weights = topk_weights.reshape(-1).contiguous()
-    _moe_down_kernel[(num_m * num_n2,)](
-        h, w2, w2_scale if int8 else dummy, b2 if b2 is not None else dummy, weights, out, sorted_ids,
+    _moe_down_kernel[(num_m * num_n,)](
+        h, w2, w2_scale if int8 else h, b2 if b2 is not None else h, weights, out, sorted_ids,
         expert_ids, num_post, num_pairs, num_m, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if int8 else 0,
         b2.stride(0) if b2 is not None else 0, out.stride(0),
         W_INT8=int8, HAS_BIAS=b2 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n2, EVEN_K=inter % bk == 0, **launch)
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=inter % bk == 0, **launch)
+    return out
+
+
+def run_moe(x, w13, w2, topk_weights, topk_ids, *, activation, b13, b2, alpha, limit, w13_scale=None,
+            w2_scale=None, config: dict | None = None, op: str = "fused_moe") -> torch.Tensor:
+    """Both fused MoE launchers end here (``w*_scale`` given: INT8 weights)."""
+    check_moe(x, w13, w2, topk_weights, topk_ids, activation)
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(x)
+    cfg = moe_config(op, x, w13, topk_ids, config)
+    align = moe_align(topk_ids, w13.shape[0], int(cfg["BLOCK_M"]))
+    h = gate_up(x, w13, align, cfg, top_k=top_k, activation=activation, b13=b13, w13_scale=w13_scale, alpha=alpha,
+                limit=limit)
+    out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0,

@@ -2,6 +2,9 @@
 
     moe_align_lora ─> shrink: buf[p] = scaling[l] * A[l, e] @ x_row(p)      grid (flat blocks, SPLIT_K)
                    └> expand: y[p] += w(p) * B[l, e] @ buf[p]  (fused add)   grid (flat blocks x column blocks)
+    FUSED=1 (small M): one kernel, grid (flat blocks x column blocks); each program recomputes its rows'
+                   rank-R h = scaling * A[l, e] @ x_row in registers (A re-read from L2 per column block),
+                   then adds w(p) * B-tile @ h into y: one launch instead of two, no buffer.
 
 A slot's table holds only pairs of tokens using it; the grid's block dimension runs over the blocks all slots
 use together (``slot_blocks``: each program finds its slot and block from num_tokens_post_pad), so tokens
@@ -10,6 +13,12 @@ Split-K shrink writes one partial buffer per split that expand sums (decode: sav
 many pairs, adds into one zeroed buffer with relaxed atomics. Each pair has exactly one slot, so expand's
 read-add-write of y needs no atomics. gate_up reads the token's row (x [T, K], pair p -> token p // A); down
 reads the pair's own row (x [T*A, K]).
+
+PDL=1 (sm_90+, see ``slot_blocks.pdl_enabled``): shrink and expand (or the fused kernel) are launched with
+programmatic dependent launch. Expand starts while shrink runs and loads its B tile (weights) and alignment
+rows (written by moe_align_lora, at least two kernels back) before ``pdl_wait``; it reads buf, y and the
+routing weights only after it. Shrink and the fused kernel wait first, then trigger. Config keys "FUSED" and
+"PDL" are chosen per M by ``loraplex tune``; the default is two plain launches.
 """
 from __future__ import annotations
 
@@ -21,40 +30,40 @@ from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid
 from loraplex.kernels.moe_align import moe_align_lora
-from loraplex.kernels.slot_blocks import flat_blocks, slot_block
+from loraplex.kernels.slot_blocks import flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, slot_block
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4,
-                  "num_stages": 2}
+                  "num_stages": 2, "FUSED": 0, "PDL": 0}
+
+
+def default_config(k: int) -> dict:
+    """DEFAULT_CONFIG with split-K sized for K and a wider N tile (used when the tuning file has no entry for the
+    shape): the shrink has few programs per (slot, expert) block, so it needs split-K the way lora_shrink does."""
+    from loraplex.kernels.lora_shrink import split_k_for
+
+    cfg = dict(DEFAULT_CONFIG)
+    cfg["SPLIT_K"] = split_k_for(k, cfg["BLOCK_K"])
+    if cfg["SPLIT_K"] > 1:
+        cfg.update(BLOCK_N=128, num_stages=3)
+    return cfg
+
+
 # Split-K partial sums go to SPLIT_K separate buffers that expand adds up (no zeroing launch, no atomics) while
 # they stay this small (pairs x SPLIT_K rows, 128 B each at R = 32); past it, relaxed atomics into one zeroed
 # buffer, so a long prefill does not read SPLIT_K times the rows in expand.
 PARTIALS_MAX_ROWS = 16384
 
 
-@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
-def _moe_lora_shrink_kernel(
-    x_ptr, a_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # x [T or T*A, K]; lora_a [L, E, R, K]; buf [SPLIT_K or 1, T*A, R] fp32; scaling [L]; tables [L, *]
-    num_pairs, capacity, num_blocks, K, R, L,
-    stride_xt, stride_al, stride_ae, stride_ar, stride_split,
-    ROW_DIV: tl.constexpr,  # A for gate_up (token rows), 1 for down (pair rows)
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr, PARTIALS: tl.constexpr,
-):
-    lora, pid_m, past = slot_block(tl.program_id(0), num_post_ptr, L, BLOCK_M, BLOCK_L, True)
-    pid_k = tl.program_id(1)
-    if past:  # past the blocks the slots use
-        return
-    lora64 = lora.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    rows = (pairs // ROW_DIV).to(tl.int64)
+@triton.jit
+def _shrink_rows(x_ptr, a_ptr, rows, row_ok, pid_k, K, R, stride_xt, stride_ar,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] fp32: rows x[rows] @ A.T over split pid_k's share of K (a_ptr: this (slot, expert)'s A)."""
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xt + k[None, :]
-    a_ptrs = a_ptr + lora64 * stride_al + expert * stride_ae + r[None, :] * stride_ar + k[:, None]
+    a_ptrs = a_ptr + r[None, :] * stride_ar + k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         if EVEN_K:
@@ -67,9 +76,48 @@ def _moe_lora_shrink_kernel(
         acc += dot(xt, at.to(xt.dtype))
         x_ptrs += BLOCK_K * SPLIT_K
         a_ptrs += BLOCK_K * SPLIT_K
+    return acc
+
+
+@triton.jit
+def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS: tl.constexpr):
+    """y[pairs, cols] += w(pair) * h @ b  (h [BLOCK_M, BLOCK_R] fp32, b [BLOCK_R, BLOCK_N])."""
+    delta = dot(h.to(b.dtype), b)
+    if HAS_WEIGHTS:
+        delta *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + pairs64[:, None] * stride_yt + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+def _moe_lora_shrink_kernel(
+    x_ptr, a_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # x [T or T*A, K]; lora_a [L, E, R, K]; buf [SPLIT_K or 1, T*A, R] fp32; scaling [L]; tables [L, *]
+    num_pairs, capacity, num_blocks, K, R, L,
+    stride_xt, stride_al, stride_ae, stride_ar, stride_split,
+    ROW_DIV: tl.constexpr,  # A for gate_up (token rows), 1 for down (pair rows)
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr, PARTIALS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
+    pdl_trigger(USE_PDL)  # expand may start: it waits for this grid before reading buf
+    lora, pid_m, past = slot_block(tl.program_id(0), num_post_ptr, L, BLOCK_M, BLOCK_L, True)
+    pid_k = tl.program_id(1)
+    if past:  # past the blocks the slots use
+        return
+    lora64 = lora.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    rows = (pairs // ROW_DIV).to(tl.int64)
+    acc = _shrink_rows(x_ptr, a_ptr + lora64 * stride_al + expert * stride_ae, rows, row_ok, pid_k, K, R,
+                       stride_xt, stride_ar, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
     acc *= tl.load(scaling_ptr + lora).to(tl.float32)
+    r = tl.arange(0, BLOCK_R)
     out_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * R + r[None, :]
-    mask = row_ok[:, None] & r_ok[None, :]
+    mask = row_ok[:, None] & (r < R)[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc, mask=mask)
     elif PARTIALS:  # this split's own buffer (written even when its K range is empty)
@@ -86,7 +134,9 @@ def _moe_lora_expand_kernel(
     stride_yt, stride_bl, stride_be, stride_bn, stride_split,
     HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, NUM_PARTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # ---- before pdl_wait: only the alignment tables (made before shrink) and the weights
     flat, pid_n = _grouped_pid(tl.program_id(0), num_flat, NUM_N, GROUP_M)
     lora, pid_m, past = slot_block(flat, num_post_ptr, L, BLOCK_M, BLOCK_L, True)
     if past:
@@ -100,25 +150,63 @@ def _moe_lora_expand_kernel(
     r_ok = r < R
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    b = tl.load(b_ptr + lora64 * stride_bl + expert * stride_be + cols[None, :] * stride_bn + r[:, None],
+                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    # ---- after: shrink's buf, the base output y, the routing weights
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     h_ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
     h = tl.load(h_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     for part in range(1, NUM_PARTS):  # split-K partial sums
         h += tl.load(h_ptrs + part * stride_split, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
+def _moe_lora_fused_kernel(
+    y_ptr, x_ptr, a_ptr, b_ptr, scaling_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # y [T*A, N]; x [T or T*A, K]; lora_a [L, E, R, K]; lora_b [L, E, N, R]; scaling [L]; topk_weights [T*A]
+    num_pairs, capacity, num_blocks, num_flat, K, N, R, L,
+    stride_xt, stride_al, stride_ae, stride_ar, stride_yt, stride_bl, stride_be, stride_bn,
+    ROW_DIV: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
+    # GROUP_M = 1 runs a row block's column blocks back to back (its A stays hot in L2)
+    flat, pid_n = _grouped_pid(tl.program_id(0), num_flat, NUM_N, GROUP_M)
+    lora, pid_m, past = slot_block(flat, num_post_ptr, L, BLOCK_M, BLOCK_L, True)
+    if past:
+        return
+    lora64 = lora.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    pairs64 = pairs.to(tl.int64)
+    # ---- shrink of this row block, whole K, in registers
+    h = _shrink_rows(x_ptr, a_ptr + lora64 * stride_al + expert * stride_ae, (pairs // ROW_DIV).to(tl.int64),
+                     row_ok, 0, K, R, stride_xt, stride_ar, BLOCK_M, BLOCK_R, BLOCK_K, 1, EVEN_K)
+    h *= tl.load(scaling_ptr + lora).to(tl.float32)
+    # ---- expand of one column block
+    r = tl.arange(0, BLOCK_R)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     b = tl.load(b_ptr + lora64 * stride_bl + expert * stride_be + cols[None, :] * stride_bn + r[:, None],
-                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    delta = dot(h.to(b.dtype), b)
-    if HAS_WEIGHTS:
-        delta *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + pairs64[:, None] * stride_yt + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+                mask=(r < R)[:, None] & col_ok[None, :], other=0.0)
+    _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
 
 
 def shape_of(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, topk_ids: torch.Tensor) -> dict[str, int]:
     """Tuning-file shape key dims."""
     num_loras, num_experts, rank, k = lora_a.shape
     return {"L": num_loras, "E": num_experts, "A": topk_ids.shape[1], "R": rank, "K": k, "N": y.shape[1]}
+
+
+def variant(cfg: dict, device: torch.device) -> tuple[bool, bool]:
+    """(fused one-kernel path, PDL launches) for a config on ``device``: config keys "FUSED" and "PDL" (0/1);
+    PDL only where ``pdl_enabled``."""
+    return bool(int(cfg.get("FUSED", 0))), bool(int(cfg.get("PDL", 0))) and pdl_enabled(device)
 
 
 def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -142,8 +230,9 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
     if num_pairs == 0:
         return
     cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, lora_a, topk_ids), num_tokens,
-                                      DEFAULT_CONFIG)
+                                      default_config(k))
     bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+    fused, pdl = variant(cfg, y.device)
     launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     sorted_ids, expert_ids, num_post = align or moe_align_lora(topk_ids, token_lora_idx, num_experts, num_loras, bm)
     capacity, num_blocks = sorted_ids.shape[1], expert_ids.shape[1]
@@ -151,23 +240,37 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError(f"align tables were made with block size {capacity // max(num_blocks, 1)} but the config's "
                          f"BLOCK_M is {bm}; call moe_align_lora with block_size={bm}")
     per_token = x.shape[0] == num_tokens and top_k > 1
-    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
-    parts = split_k if partials else 1
-    alloc = torch.zeros if split_k > 1 and not partials else torch.empty  # every partial row is written
-    buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=y.device)
     block_r = max(16, triton.next_power_of_2(rank))
     # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
     num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
     block_l = triton.next_power_of_2(num_loras)
+    num_n = triton.cdiv(n, bn)
+    # [T*A] routing weights made before any launch here (a copy must not sit between shrink and expand)
+    weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else scaling
+    if fused:  # one kernel: no buffer, SPLIT_K unused
+        _moe_lora_fused_kernel[(num_flat * num_n,)](
+            y, x, lora_a, lora_b, scaling, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity,
+            num_blocks, num_flat, k, n, rank, num_loras, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+            lora_a.stride(2), y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+            ROW_DIV=top_k if per_token else 1, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_R=block_r, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
+            BLOCK_L=block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
+        return
+    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
+    parts = split_k if partials else 1
+    zeroed = split_k > 1 and not partials
+    alloc = torch.zeros if zeroed else torch.empty  # every partial row is written
+    buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=y.device)
+    shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
     _moe_lora_shrink_kernel[(num_flat, split_k)](
         x, lora_a, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
         num_loras, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0),
         ROW_DIV=top_k if per_token else 1, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=bk, SPLIT_K=split_k,
-        EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, **launch)
-    num_n = triton.cdiv(n, bn)
-    weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else buf
+        EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl, **launch,
+        **pdl_launch(shrink_pdl))
     _moe_lora_expand_kernel[(num_flat * num_n,)](
         y, buf, lora_b, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
         rank, num_loras, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), buf.stride(0),
         HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r,
-        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=block_l, NUM_PARTS=parts, **launch)
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl, **launch,
+        **pdl_launch(pdl))

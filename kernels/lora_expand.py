@@ -5,6 +5,9 @@ segment lengths (``slot_blocks``), so idle slots launch nothing. Programs are or
 token blocks per column block so a B tile stays in L2 while its token blocks pass. Each token has one
 adapter, so the read-add-write of y needs no atomics; programs past the used blocks or their slice's width
 leave at once. Up to three output slices (q/k/v or gate/up) are passed as scalars, so no per-call host tensors.
+Config "PDL": 1 (sm_90+) launches it with programmatic dependent launch: the programs start while the kernel
+before (the grouping, or shrink) finishes and wait for it before their first read (``slot_blocks.pdl_wait``),
+which hides the launch gap at decode.
 """
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid
 from loraplex.kernels.lora_shrink import lora_segments
 from loraplex.kernels.reference_lora import check_slices
-from loraplex.kernels.slot_blocks import flat_blocks, slot_block
+from loraplex.kernels.slot_blocks import flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, slot_block
 
-DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2, "PDL": 0}
 MAX_SLICES = 3
 
 
@@ -30,8 +33,10 @@ def _lora_expand_kernel(
     num_flat, R, L, OFF1, OFF2, W0, W1, W2,
     stride_yt, stride_bs, stride_bt, stride_bl, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # the segments may come from the kernel just before
+    pdl_trigger(USE_PDL)
     # ---- grouped program order over (token block, column block); token blocks of all slots together
     flat, pid_n = _grouped_pid(tl.program_id(0), num_flat, NUM_N, GROUP_M)
     sl = tl.program_id(1)
@@ -87,11 +92,11 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_
     block_m, block_n = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
     num_n = triton.cdiv(max(output_slices), block_n)
     num_flat = flat_blocks(num_tokens, max_loras, block_m)
+    pdl = bool(int(cfg.get("PDL", 0))) and pdl_enabled(y.device)
     _lora_expand_kernel[(num_flat * num_n, len(output_slices))](
         y, buf, lora_b, order, seg_start, seg_len, num_flat, rank, max_loras, offsets[1], offsets[2], *widths,
         y.stride(0), buf.stride(0), buf.stride(1), lora_b.stride(0), lora_b.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=triton.next_power_of_2(max_loras),
-        num_warps=int(cfg["num_warps"]),
-        num_stages=int(cfg["num_stages"]),
+        USE_PDL=pdl, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **pdl_launch(pdl),
     )

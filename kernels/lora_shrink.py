@@ -19,6 +19,22 @@ from loraplex.kernels.slot_blocks import flat_blocks, slot_block
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 
 
+def split_k_for(k: int, block_k: int) -> int:
+    """Split-K for a shape without a tuned entry: a rank-R shrink has few (token block, slot) programs, so the
+    K loop is split until each split walks about 4 BLOCK_K tiles (at most 16 splits). K = 2880 on the H200:
+    32.7 us with SPLIT_K = 1, 5.2 us tuned with SPLIT_K = 16 (docs/performance.md)."""
+    return max(1, min(16, -(-k // (4 * block_k))))
+
+
+def default_config(k: int) -> dict:
+    """DEFAULT_CONFIG with split-K sized for K (used when the tuning file has no entry for the shape)."""
+    cfg = dict(DEFAULT_CONFIG)
+    cfg["SPLIT_K"] = split_k_for(k, cfg["BLOCK_K"])
+    if cfg["SPLIT_K"] > 1:
+        cfg.update(num_warps=2, num_stages=3)
+    return cfg
+
+
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
@@ -101,7 +117,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_idx: torch.Ten
         x = x.contiguous()
     if not lora_a.is_contiguous():
         raise ValueError("lora_a must be contiguous [S, L, R, K]")
-    cfg = config or tuning.get_config("lora_shrink", shape_of(x, lora_a), num_tokens, DEFAULT_CONFIG)
+    cfg = config or tuning.get_config("lora_shrink", shape_of(x, lora_a), num_tokens,
+                                      default_config(in_features))
     split_k = int(cfg["SPLIT_K"])
     alloc = torch.zeros if split_k > 1 else torch.empty
     buf = alloc(num_slices, num_tokens, rank, dtype=torch.float32, device=x.device)

@@ -163,6 +163,64 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
             y[p] = (y[p].float() + delta).to(y.dtype)
 
 
+def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, token_lora_idx: torch.Tensor | None, scaling: torch.Tensor, *,
+                     w13_lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     w2_lora: tuple[torch.Tensor, torch.Tensor] | None = None, activation: str = "silu",
+                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, alpha: float = 1.702,
+                     limit: float = 7.0, w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe with expert LoRA on each token's routed experts. Per routed pair (t, a) of expert e, with
+    l = token_lora_idx[t] (-1 or a None map: no delta) and w = topk_weights[t, a]:
+
+        g = w13[e] x_t + b13[e] + scaling[l] B13[l, e] A13[l, e] x_t          (delta before the activation)
+        d = w2[e] act(g) + b2[e] + scaling[l] B2[l, e] A2[l, e] act(g)
+        out[t] = sum_a w * d
+
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; b13 [E, 2I]; b2 [E, H]; topk_* [T, A]; scaling [L];
+    w13_lora = (lora_a [L, E, R, H], lora_b [L, E, 2I, R]); w2_lora = (lora_a [L, E, R, I], lora_b [L, E, H, R]);
+    either may be None. ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] given: w13 / w2 are int8 and each expert's
+    weight is ``(q * scale).to(x.dtype)`` (INT8 weight-only). -> [T, H].
+
+    Per-expert GEMMs over the pairs sorted by expert, in the model dtype; each delta is added in float32 to the
+    GEMM's output and rounded back, then the routing weight multiplies the pair's output.
+    """
+    if activation not in ("silu", "swiglu_clamp"):
+        raise ValueError(f"unknown activation {activation!r}; expected 'silu' or 'swiglu_clamp'")
+    if w13_scale is not None or w2_scale is not None:
+        check_int8_weights(w13, w13_scale, w2, w2_scale)
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs p = t*A + a sorted by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    inter = _grouped_linear(x, order // top_k, order, counts, w13, b13, w13_scale)  # [T*A, 2I] by pair
+    lora = token_lora_idx is not None
+    if lora and w13_lora is not None:
+        fused_moe_lora(inter, x, w13_lora[0], w13_lora[1], topk_ids, token_lora_idx, scaling)
+    h = act_and_mul(inter, activation, alpha, limit)  # [T*A, I]
+    out = _grouped_linear(h, order, order, counts, w2, b2, w2_scale)  # [T*A, H]
+    if lora and w2_lora is not None:
+        fused_moe_lora(out, h, w2_lora[0], w2_lora[1], topk_ids, token_lora_idx, scaling)
+    out = out.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)
+    return out.sum(dim=1)
+
+
+def _grouped_linear(x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, counts: list[int], w: torch.Tensor,
+                    b: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """out[pairs[j]] = w[e] @ x[rows[j]] + b[e] for the j-th sorted pair of expert e (w dequantised per expert
+    when ``scale`` is given). x [M, K]; rows, pairs [P] (sorted by expert); w [E, N, K]; b [E, N] -> [P, N]."""
+    out = torch.empty(pairs.numel(), w.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = slice(start, start + n)
+        we = w[e] if scale is None else (w[e].float() * scale[e, :, None].float()).to(x.dtype)
+        out[pairs[sel]] = F.linear(x[rows[sel]], we, None if b is None else b[e])
+        start += n
+    return out
+
+
 # --------------------------------------------------------------------------------------------- INT8 MoE
 
 
@@ -171,6 +229,18 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale = w.float().abs().amax(dim=-1).clamp(min=1e-8) / 127.0
     q = torch.round(w.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+def check_int8_weights(w13_q: torch.Tensor, w13_scale: torch.Tensor | None, w2_q: torch.Tensor,
+                       w2_scale: torch.Tensor | None) -> None:
+    """INT8 expert weights: int8 tensors and per-output-channel scales, both or neither scale given."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("pass both w13_scale and w2_scale (INT8 experts) or neither (float experts)")
+    if w13_q.dtype != torch.int8 or w2_q.dtype != torch.int8:
+        raise ValueError(f"INT8 experts need int8 weights, got {w13_q.dtype} and {w2_q.dtype}")
+    if w13_scale.shape != w13_q.shape[:2] or w2_scale.shape != w2_q.shape[:2]:
+        raise ValueError(f"scales must be per output channel: w13_scale {tuple(w13_q.shape[:2])}, w2_scale "
+                         f"{tuple(w2_q.shape[:2])}; got {tuple(w13_scale.shape)} and {tuple(w2_scale.shape)}")
 
 
 def fused_moe_int8(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor,

@@ -4,11 +4,27 @@ At decode most slots own a block or two, so a grid dim of L slots times a per-sl
 programs that leave at once (12k of them for GPT-OSS gate_up at M=16). Instead the grid runs over a static
 bound of the blocks all slots use together, and program f finds its (slot, block) from the per-slot block
 counts on the device: a cumsum over L values, no host sync, and the token count stays out of the binary.
+
+Also shared by the LoRA launchers: programmatic dependent launch (PDL, sm_90+). A kernel launched with
+``launch_pdl=True`` may start while the kernel before it in the stream is still running; ``pdl_wait`` (PTX
+``griddepcontrol.wait``) blocks until that kernel finished and its writes are visible, ``pdl_trigger`` lets the
+next PDL-launched kernel start. Rule kept by every LoRA kernel here: trigger only after its own wait, so a
+trigger implies everything earlier in the stream is done; before its wait a kernel reads only weights and
+tables written at least two kernels earlier. Off (a plain launch, the constexpr branches compiled out) under
+TRITON_INTERPRET, on CPUs, before sm_90 and on a Triton without ``tl.extra.cuda.gdc_wait``.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.3 on NVIDIA
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:  # pragma: no cover  (older Triton: PDL stays off, see pdl_enabled)
+    _gdc_wait = None
 
 
 @triton.jit
@@ -35,3 +51,37 @@ def flat_blocks(num_rows: int, num_slots: int, block_m: int, per_slot_groups: in
     (groups = min(rows, slots x per_slot_groups)), each wasting at most block_m - 1 rows."""
     groups = min(num_rows, num_slots * per_slot_groups)
     return max(1, triton.cdiv(num_rows + groups * (block_m - 1), block_m))
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel of the stream (and its writes) when launched with PDL; nothing otherwise."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next PDL-launched kernel start (call after ``pdl_wait``); nothing without PDL."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_enabled(device) -> bool:
+    """Whether a launch on ``device`` (torch.device) may use PDL: a CUDA device of compute capability >= 9, not
+    the interpreter, and a Triton with the grid-dependency intrinsics."""
+    if _gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or device.type != "cuda":
+        return False
+    return _sm90_or_later(device.index)
+
+
+@functools.cache
+def _sm90_or_later(index: int | None) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_launch(use_pdl: bool) -> dict:
+    """Launch options of a kernel launched with PDL (``{}`` otherwise, so the interpreter never sees them)."""
+    return {"launch_pdl": True} if use_pdl else {}

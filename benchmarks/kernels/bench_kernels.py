@@ -1,17 +1,30 @@
 """Kernel benchmark at a model's decode shapes: time, achieved bandwidth, share of the copy roofline, and the
-tuned config's speed-up over the launcher's default. Rows "... kernel(s)" time the LoRA ops with their
-metadata computed once and shared (lora_segments per step, moe_align_lora per MoE layer), as a step should;
-the plain rows include that metadata in every call.
+tuned config's speed-up over the launcher's default, per op (fused_moe_lora per target: gate_up, down).
 
-    python3 benchmarks/kernels/bench_kernels.py --model gpt-oss-20b --m 1,16,64,256 [--roofline-tbs 4.2]
+    python3 benchmarks/kernels/bench_kernels.py --model gpt-oss-20b --m 1,16,64,256 [--json out.json]
 
-Bandwidth counts the bytes an op must move at least (activated expert weights, active adapters' A/B, the
-activations read and written, the KV of every context token) over CUDA-graph replay time. "tuned" reads
-tuning_configs/<device>/ (or LORAPLEX_TUNING_DIR); ops without tuned configs print "-".
+Timing (``tuning_cases.bench_time_ms``): CUDA-graph replay, as the engine replays decode steps, so host launch
+overhead is not counted. "cold" (the headline): every call follows a read of 4x the L2 size, subtracted, so
+weights come from HBM as in the engine (between two calls of one layer's op, the other layers' weights pass
+through L2); "warm": back-to-back calls, where an op's few MB of adapter weights stay in L2 (faster than HBM
+allows, not what a step pays).
+
+Rows: plain rows include the op's own metadata in every call (moe_align_lora, lora_segments, buffer zeroing);
+"... kernel(s)" rows take it precomputed as a step runs them (lora_segments once per step, moe_align_lora once
+per MoE layer, shared by gate_up and down). Rows "... (variant)" run a named config next to the tuned one:
+"two kernels+PDL" (shrink and expand with programmatic dependent launch), "fused" / "fused+PDL" (one kernel),
+and "PDL" for lora_expand; their speed-up column is against the default too.
+
+Bytes (``tuning_cases`` byte model): the least an op must move: activated expert weights; A and B of the
+adapters used (dense) or of the distinct (adapter, expert) pairs routed to (expert LoRA: R x (K + N) per pair);
+activations read, y read and written by the fused adds; KV of every context token. L2 re-reads and metadata
+are not counted. Roofline: the 4.2 TB/s device-to-device copy. "tuned" reads tuning_configs/<device>/ (or
+LORAPLEX_TUNING_DIR); ops without tuned configs print "-".
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -21,6 +34,55 @@ import torch  # noqa: E402
 
 from loraplex.kernels.tuning_cases import (PRESETS, bench_time_ms, misc_cases,  # noqa: E402
                                            shared_metadata_cases, tunable_cases)
+
+HEADER = ("| op | M | cold us | GB/s | % roofline | warm us | default cold us | tuned/default | config |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---|")
+
+
+def _flags(cfg: dict | None) -> str:
+    if not cfg:
+        return ""
+    names = [k for k in ("FUSED", "PDL") if int(cfg.get(k, 0))]
+    return "+".join(names) or "plain"
+
+
+def bench_case(case, roofline_tbs: float, with_warm: bool = True) -> list[dict]:
+    """Rows (dicts) of one case: the tuned run, then each variant."""
+    from loraplex.kernels import tuning
+
+    rows = []
+    tuned_cfg = None
+    op = case.op or case.label.split("[")[0]  # "... kernel(s)" rows use their op's tuned configs
+    if case.default is not None and op in ("lora_shrink", "lora_expand", "fused_moe_lora") or case.op:
+        tuned_cfg = tuning.get_config(op, case.shape, case.m, case.default)
+    default_ms = bench_time_ms(lambda: case.run(case.default)) if case.default is not None else None
+    runs = [("", None)] + list(case.variants.items())
+    for name, cfg in runs:
+        try:
+            ms, timing = bench_time_ms(lambda: case.run(cfg), strict=True), "graph"
+        except Exception:  # noqa: BLE001  (not capturable: plain launches, launch overhead included)
+            torch.cuda.synchronize()
+            ms, timing = bench_time_ms(lambda: case.run(cfg)), "events"
+        warm = bench_time_ms(lambda: case.run(cfg), cold=False) if with_warm and not name else None
+        gbs = case.nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
+        rows.append({
+            "op": case.label + (f" ({name})" if name else ""), "m": case.m, "cold_us": ms * 1e3, "gbs": gbs,
+            "roofline_pct": 100 * gbs / (roofline_tbs * 1e3), "warm_us": warm * 1e3 if warm is not None else None,
+            "default_cold_us": default_ms * 1e3 if default_ms is not None else None,
+            "speedup_vs_default": default_ms / ms if default_ms is not None and ms > 0 else None,
+            "nbytes": case.nbytes, "config": cfg if cfg is not None else tuned_cfg, "timing": timing,
+        })
+    return rows
+
+
+def markdown_row(r: dict) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    return (f"| {r['op']} | {r['m']} | {r['cold_us']:.1f} | {r['gbs']:.0f} | {r['roofline_pct']:.1f}% | "
+            f"{num(r['warm_us'], '.1f')} | {num(r['default_cold_us'], '.1f')} | "
+            f"{num(r['speedup_vs_default'], '.2f')}{'x' if r['speedup_vs_default'] is not None else ''} | "
+            f"{_flags(r['config'])}{'' if r['timing'] == 'graph' else ' (NOT graph-captured: events)'} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,14 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roofline-tbs", type=float, default=4.2, help="copy roofline in TB/s")
     p.add_argument("--context", type=int, default=2048, help="decode context length per sequence")
     p.add_argument("--only", default="", help="comma-separated label prefixes: run just those ops")
+    p.add_argument("--no-warm", action="store_true", help="skip the warm-L2 column")
+    p.add_argument("--json", default="", help="also write the rows here (rewritten after every row)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     shapes = PRESETS[args.model]
     print(f"# {shapes.name} decode shapes on {torch.cuda.get_device_name()}, bf16, {args.max_loras} adapters "
-          f"of rank {args.rank}, roofline {args.roofline_tbs} TB/s")
-    print("| op | M | tuned us | GB/s | % roofline | default us | tuned/default speed-up |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"of rank {args.rank}, roofline {args.roofline_tbs} TB/s; CUDA-graph replay, cold L2 (warm: L2-hot)")
+    print(HEADER, flush=True)
+    out = {"model": shapes.name, "device": torch.cuda.get_device_name(), "max_loras": args.max_loras,
+           "rank": args.rank, "roofline_tbs": args.roofline_tbs, "tuning_dir": os.environ.get("LORAPLEX_TUNING_DIR"),
+           "rows": []}
     for m in (int(v) for v in args.m.split(",")):
         torch.manual_seed(m)
         cases = tunable_cases(shapes, m, args.max_loras, args.rank, torch.bfloat16, "cuda")
@@ -49,18 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and not case.label.startswith(tuple(args.only.split(","))):
                 continue
             try:
-                ms = bench_time_ms(lambda: case.run(None))
+                rows = bench_case(case, args.roofline_tbs, with_warm=not args.no_warm)
             except Exception as e:  # noqa: BLE001  (report and go on with the other ops)
-                print(f"| {case.label} | {m} | error: {type(e).__name__}: {str(e)[:120]} | | | | |", flush=True)
+                print(f"| {case.label} | {m} | error: {type(e).__name__}: {str(e)[:120]} | | | | | | |", flush=True)
+                out["rows"].append({"op": case.label, "m": m, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 continue
-            gbs = case.nbytes / (ms * 1e-3) / 1e9
-            share = 100 * gbs / (args.roofline_tbs * 1e3)
-            if case.default is not None:
-                dms = bench_time_ms(lambda: case.run(case.default))
-                extra = f"{dms * 1e3:.1f} | {dms / ms:.2f}x"
-            else:
-                extra = "- | -"
-            print(f"| {case.label} | {m} | {ms * 1e3:.1f} | {gbs:.0f} | {share:.1f}% | {extra} |", flush=True)
+            for r in rows:
+                print(markdown_row(r), flush=True)
+            out["rows"] += rows
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump(out, f, indent=1)
         del cases
         torch.cuda.empty_cache()
     return 0

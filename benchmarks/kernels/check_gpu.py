@@ -1,4 +1,5 @@
 """GPU correctness at real shapes: every Triton op against its torch reference in bf16 (rel. error <= 1e-2),
+each LoRA op also in its named variants (fused_moe_lora's one kernel and PDL launches, lora_expand with PDL),
 plus the compile-once check (changing the token count reuses the compiled kernel).
 
     python3 benchmarks/kernels/check_gpu.py --model gpt-oss-20b --m 1,33,256
@@ -38,12 +39,15 @@ def compile_once_check() -> list[str]:
     s = PRESETS["gpt-oss-20b"]
     kernels = {"lora_shrink": sh._lora_shrink_kernel, "lora_expand": ex._lora_expand_kernel,
                "moe_lora_shrink": fl._moe_lora_shrink_kernel, "moe_lora_expand": fl._moe_lora_expand_kernel,
+               "moe_lora_fused": fl._moe_lora_fused_kernel,
                "paged_attention": pa._paged_attention_kernel}
     before = {k: compiled_variants(v) for k, v in kernels.items()}
     for m in (3, 17, 45, 100):  # same tile choice for paged attention (decode), fixed configs elsewhere
         for case in dense_lora_cases(s, m, 8, 32, torch.bfloat16, "cuda") + moe_lora_cases(s, m, 8, 32,
                                                                                             torch.bfloat16, "cuda"):
             case.run(case.default)
+            if "fused" in case.variants:  # the one-kernel path, one fixed config
+                case.run(case.variants["fused"])
         [c for c in mc(s, m, torch.bfloat16, "cuda", context=64) if c.label.startswith("paged")][0].run(None)
     torch.cuda.synchronize()
     lines = []
@@ -94,17 +98,22 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             if args.only and not case.label.startswith(tuple(args.only.split(","))):
                 continue
-            try:
-                err = case.check()
-            except Exception as e:  # noqa: BLE001  (a crash is a failure; go on with the other ops)
-                print(f"FAIL {case.label} M={m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                failed.append(f"{case.label} M={m}")
-                continue
-            worst = max(worst, err)
-            ok = err <= TOLERANCE
-            if not ok:
-                failed.append(f"{case.label} M={m}")
-            print(f"{'ok  ' if ok else 'FAIL'} {case.label:32s} M={m:<4d} rel_err={err:.2e}", flush=True)
+            runs = [("", None, False)] + [(name, cfg, False) for name, cfg in case.variants.items()]
+            if case.op == "fused_moe_lora":  # PDL and the fused kernel inside a CUDA graph, as the engine runs them
+                runs += [(f"{name}, graph", cfg, True) for name, cfg in case.variants.items()]
+            for name, cfg, graph in runs:
+                label = case.label + (f" ({name})" if name else "")
+                try:
+                    err = case.check(cfg, graph=True) if graph else case.check(cfg) if name else case.check()
+                except Exception as e:  # noqa: BLE001  (a crash is a failure; go on with the other ops)
+                    print(f"FAIL {label} M={m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    failed.append(f"{label} M={m}")
+                    continue
+                worst = max(worst, err)
+                ok = err <= TOLERANCE
+                if not ok:
+                    failed.append(f"{label} M={m}")
+                print(f"{'ok  ' if ok else 'FAIL'} {label:48s} M={m:<4d} rel_err={err:.2e}", flush=True)
         del cases
         torch.cuda.empty_cache()
     try:

@@ -1,53 +1,83 @@
 #!/usr/bin/env bash
-# One GPU session (at most ~520 s): float32 engine exactness, kernel correctness at real shapes, LoRA tuning at
-# decode sizes, the decode benchmark. Writes under $OUT (at most 8 files come back, so the tuning folder, kept
-# outside $OUT, is copied in as a tar after tuning): env.txt fp32.txt check.txt tune.txt bench.txt tuning.tar
-# PHASES picks what runs (fp32,check,tune,tunedcheck,bench,probe; default: fp32,check,tune,bench); ONLY limits
-# check and bench to label prefixes; TUNE_OPS / TUNE_M / TUNE_BUDGET shape the tuning step.
+# One GPU session on one H200, at most TOTAL_S (default 345 s) wall: kernel correctness at real shapes (every op
+# and the LoRA variants: fused_moe_lora one-kernel / PDL, lora_expand PDL), the decode benchmark with the
+# committed configs, LoRA tuning, the benchmark again with the tuned configs, and the tuned configs' check.
+# Every stage runs under its own timeout, capped by what is left of TOTAL_S; a failed stage is logged and the
+# next one runs. Writes under $OUT (8 files, the most that come back):
+#   env.txt  check.txt (check + tuned check)  bench.md bench.json (committed configs)  tune.txt
+#   tuning.tar (the tuned tuning_configs folder: committed files merged with the new entries)
+#   bench_tuned.md bench_tuned.json (LoRA ops, tuned configs)
+# Expected (H200, wall): check ~50 s: every row "ok", worst rel. error < 1e-2, compile-once OK for each kernel
+#   incl. moe_lora_fused, "(.., graph)" rows ok (PDL inside a CUDA graph). bench ~70 s: fused_moe M=16 ~95%
+#   (cold = warm, its weights exceed L2); LoRA rows slower cold than warm at M <= 16 (their 2-35 MB stay in the
+#   50 MB L2 when warm); "(two kernels+PDL)" 1-3 us under the plain row at M <= 16, "(fused)" best at M=1 if
+#   anywhere. tune ~100 s: lines "x<speed-up>" per (op, M), PDL/FUSED keys in the chosen configs where they
+#   win. bench_tuned ~40 s: the tuned/default column for lora_shrink/lora_expand/fused_moe_lora at M=1,16,64.
+# PHASES picks what runs (check,bench,tune,benchtuned,tunedcheck; extra: fp32, probe, which add a file each);
+# ONLY limits check and the first bench to label prefixes; TUNE_OPS / TUNE_M / TUNE_BUDGET shape the tuning.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/loraplex_out}
-PHASES=${PHASES:-fp32,check,tune,bench}
+PHASES=${PHASES:-check,bench,tune,benchtuned,tunedcheck}
 TUNE_OPS=${TUNE_OPS:-lora_shrink,lora_expand,fused_moe_lora}
 TUNE_M=${TUNE_M:-1,16,64}
-TUNE_BUDGET=${TUNE_BUDGET:-80}
+TUNE_BUDGET=${TUNE_BUDGET:-75}
+TOTAL_S=${TOTAL_S:-345}
 ONLY=${ONLY:-}
+LORA_ONLY="lora_,fused_moe_lora"
 TUNING=${TUNING:-/tmp/loraplex_tuning}
-export PYTHONUNBUFFERED=1 LORAPLEX_TUNING_DIR="$TUNING"
-dev=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
-mkdir -p "$TUNING/$dev" "$OUT"
-cp tuning_configs/"$dev"/*.json "$TUNING/$dev/" 2>/dev/null  # tuning merges into the committed files
+export PYTHONUNBUFFERED=1
+unset LORAPLEX_TUNING_DIR  # check and bench read the committed tuning_configs/
 start=$(date +%s)
-stamp() { echo "[$1 done at $(( $(date +%s) - start ))s]"; }
+mkdir -p "$OUT"
+dev=$(timeout 60 python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
+mkdir -p "$TUNING/$dev"
+cp tuning_configs/"$dev"/*.json "$TUNING/$dev/" 2>/dev/null  # tuning merges into the committed files
+stamp() { echo "[$1 rc=$2 done at $(( $(date +%s) - start ))s]"; }
+# timeout for a stage: its own limit, capped by what is left of TOTAL_S (at least 5 s)
+limit() { local left=$(( TOTAL_S - ($(date +%s) - start) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.sm,temperature.gpu,power.draw --format=csv
-  python3 -c "import torch, triton, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__,
-  'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-  date -u; } > "$OUT/env.txt" 2>&1
+  timeout 60 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__,
+  'triton', triton.__version__, torch.cuda.get_device_name(), 'L2', torch.cuda.get_device_properties().L2_cache_size)"
+  date -u; git log -1 --format=%H 2>/dev/null; git status --short 2>/dev/null | head -40; } > "$OUT/env.txt" 2>&1
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 if has fp32; then
-  timeout 150 python3 benchmarks/kernels/check_engine_fp32.py > "$OUT/fp32.txt" 2>&1; stamp fp32 >> "$OUT/fp32.txt"
+  timeout "$(limit 150)" python3 benchmarks/kernels/check_engine_fp32.py > "$OUT/fp32.txt" 2>&1
+  stamp fp32 $? >> "$OUT/fp32.txt"
 fi
-if has check; then
-  timeout 110 python3 benchmarks/kernels/check_gpu.py --model gpt-oss-20b --m 1,33,256 ${ONLY:+--only "$ONLY"} > "$OUT/check.txt" 2>&1
-  stamp check >> "$OUT/check.txt"
+if has check; then  # ~50 s: every op at M=1,33,256 plus the LoRA variants, compile-once
+  timeout "$(limit 70)" python3 benchmarks/kernels/check_gpu.py --model gpt-oss-20b --m 1,33,256 \
+    ${ONLY:+--only "$ONLY"} > "$OUT/check.txt" 2>&1
+  stamp check $? >> "$OUT/check.txt"
 fi
-if has tune; then
-  timeout $((TUNE_BUDGET + 40)) python3 -m loraplex.cli tune --model gpt-oss-20b --m "$TUNE_M" --ops "$TUNE_OPS" \
-    --time-budget "$TUNE_BUDGET" > "$OUT/tune.txt" 2>&1; stamp tune >> "$OUT/tune.txt"
+if has bench; then  # ~70 s: all ops, M=1,16,64,256, cold and warm L2, LoRA variants
+  timeout "$(limit 90)" python3 benchmarks/kernels/bench_kernels.py --model gpt-oss-20b --m 1,16,64,256 \
+    ${ONLY:+--only "$ONLY"} --json "$OUT/bench.json" > "$OUT/bench.md" 2>&1
+  stamp bench $? >> "$OUT/bench.md"
+fi
+if has tune; then  # TUNE_BUDGET + compiles of the last candidates
+  timeout "$(limit $((TUNE_BUDGET + 30)))" python3 -m loraplex.cli tune --model gpt-oss-20b --m "$TUNE_M" \
+    --ops "$TUNE_OPS" --time-budget "$TUNE_BUDGET" --out "$TUNING" > "$OUT/tune.txt" 2>&1
+  stamp tune $? >> "$OUT/tune.txt"
   tar -cf "$OUT/tuning.tar" -C "$TUNING" .
 fi
-if has tunedcheck; then
-  timeout 90 python3 benchmarks/kernels/check_gpu.py --model gpt-oss-20b --m 16,64 ${ONLY:+--only "$ONLY"} >> "$OUT/check.txt" 2>&1
-  stamp tunedcheck >> "$OUT/check.txt"
+if has benchtuned; then  # ~40 s: LoRA ops with the tuned configs (M=256 uses the M=64 entry)
+  LORAPLEX_TUNING_DIR="$TUNING" timeout "$(limit 55)" python3 benchmarks/kernels/bench_kernels.py \
+    --model gpt-oss-20b --m 1,16,64 --only "$LORA_ONLY" --no-warm --json "$OUT/bench_tuned.json" \
+    > "$OUT/bench_tuned.md" 2>&1
+  stamp benchtuned $? >> "$OUT/bench_tuned.md"
 fi
-if has bench; then
-  timeout 140 python3 benchmarks/kernels/bench_kernels.py --model gpt-oss-20b --m 1,16,64,256 ${ONLY:+--only "$ONLY"} \
-    > "$OUT/bench.txt" 2>&1
-  stamp bench >> "$OUT/bench.txt"
+if has tunedcheck; then  # the tuned configs (and variants) against the references
+  LORAPLEX_TUNING_DIR="$TUNING" timeout "$(limit 30)" python3 benchmarks/kernels/check_gpu.py \
+    --model gpt-oss-20b --m 1,16,64 --only "$LORA_ONLY" >> "$OUT/check.txt" 2>&1
+  stamp tunedcheck $? >> "$OUT/check.txt"
 fi
 if has probe; then
-  timeout 90 python3 benchmarks/kernels/probe_lora.py --model gpt-oss-20b --m 1,16,64 > "$OUT/probe.txt" 2>&1
-  stamp probe >> "$OUT/probe.txt"
+  timeout "$(limit 90)" python3 benchmarks/kernels/probe_lora.py --model gpt-oss-20b --m 1,16,64 > "$OUT/probe.txt" 2>&1
+  stamp probe $? >> "$OUT/probe.txt"
 fi
-tail -n 12 "$OUT/fp32.txt" 2>/dev/null; grep -E "FAIL|worst|compile" "$OUT/check.txt" 2>/dev/null
-grep -E "x[0-9]" "$OUT/tune.txt" 2>/dev/null | cut -c1-100; cat "$OUT/bench.txt" "$OUT/probe.txt" 2>/dev/null
+echo "total $(( $(date +%s) - start ))s"
+tail -n 12 "$OUT/fp32.txt" 2>/dev/null; grep -E "FAIL|worst|compile|rc=" "$OUT/check.txt" 2>/dev/null
+grep -E "x[0-9]|rc=" "$OUT/tune.txt" 2>/dev/null | cut -c1-160
+grep -E "fused_moe_lora|lora_expand|lora_shrink\[|^\| fused_moe \||rc=" "$OUT/bench.md" 2>/dev/null
+cat "$OUT/bench_tuned.md" "$OUT/probe.txt" 2>/dev/null

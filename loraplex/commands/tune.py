@@ -5,9 +5,13 @@
     loraplex tune --model /path/to/checkpoint --out /tmp/tuning      # any MoE config.json the engine reads
 
 For every tunable op (fused_moe, fused_moe_int8, lora_shrink, lora_expand, lora_shrink_expand,
-fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group size) is timed by CUDA-graph
-replay and the fastest wins (a candidate that fails to launch is skipped; benchmarks/kernels/check_gpu.py then
-checks the tuned configs against the references). Compiles are shared across M (M is not a constexpr).
+fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group size; for the LoRA ops also
+programmatic dependent launch, "PDL", and fused_moe_lora's one-kernel path, "FUSED") is timed by CUDA-graph
+replay with a cold L2 (``tuning_cases.bench_time_ms``) and the fastest wins. A candidate that fails to launch
+or to be captured in a graph is skipped; benchmarks/kernels/check_gpu.py then checks the tuned configs against
+the references. Compiles are shared across M (M is not a constexpr). ``--time-budget`` is shared out over the
+(op, M) cases in order, each getting its share plus what earlier cases left; a case past its share keeps the
+best so far (candidates are ordered best bets first).
 """
 from __future__ import annotations
 
@@ -55,18 +59,18 @@ def parse_ms(text: str) -> list[int]:
 
 
 def tune_case(case, deadline: float) -> tuple[dict, float, float]:
-    """(best config, its time ms, default time ms). Candidates whose output differs from the default's fail."""
+    """(best config, its time ms, default time ms); candidates after ``deadline`` (time.monotonic) are skipped."""
     import torch
 
-    from loraplex.kernels.tuning_cases import bench_time_ms
+    from loraplex.kernels import tuning_cases
 
-    default_ms = bench_time_ms(lambda: case.run(case.default))
+    default_ms = tuning_cases.bench_time_ms(lambda: case.run(case.default), strict=True)
     best, best_ms = dict(case.default), default_ms
     for cfg in case.space:
         if time.monotonic() > deadline:
             break
         try:
-            ms = bench_time_ms(lambda: case.run(cfg))
+            ms = tuning_cases.bench_time_ms(lambda: case.run(cfg), strict=True)
         except Exception as e:  # noqa: BLE001  (out of resources etc.: skip the candidate)
             logger.info("%s M=%d: %s failed (%s)", case.label, case.m, cfg, type(e).__name__)
             torch.cuda.synchronize()
@@ -74,6 +78,12 @@ def tune_case(case, deadline: float) -> tuple[dict, float, float]:
         if ms < best_ms:
             best, best_ms = dict(cfg), ms
     return best, best_ms, default_ms
+
+
+def case_deadline(start: float, budget: float, done: int, total: int) -> float:
+    """End of case ``done`` (1-based) of ``total`` when ``budget`` seconds from ``start`` are shared out evenly,
+    time left by earlier cases carried forward; no budget: never."""
+    return start + budget * done / max(total, 1) if budget > 0 else float("inf")
 
 
 def _emit(bar, line: str) -> None:
@@ -96,15 +106,19 @@ def run(args) -> int:
     only = {o for o in args.ops.split(",") if o}
     dtype = getattr(torch, args.dtype)
     device_name = torch.cuda.get_device_name()
-    deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else float("inf")
+    start = time.monotonic()
     results: dict[str, dict[str, dict[int, dict]]] = {}
     print(f"tuning {shapes.name} on {device_name}: M={ms}, max_loras={args.max_loras}, rank={args.rank}")
+    done, total = 0, None
     for m in ms:
         torch.manual_seed(m)
         cases = [c for c in tunable_cases(shapes, m, args.max_loras, args.rank, dtype, "cuda")
                  if not only or c.op in only]
+        total = total or len(cases) * len(ms)  # same ops at every M
         with progress(cases, desc=f"Tuning M={m}", unit="case") as bar:   # lines go above the bar
             for case in bar:
+                done += 1
+                deadline = case_deadline(start, args.time_budget, done, total)
                 try:
                     best, best_ms, default_ms = tune_case(case, deadline)
                 except Exception as e:  # noqa: BLE001  (the default itself failed: nothing to write for it)

@@ -9,6 +9,11 @@ L, E, A, R = 3, 6, 2, 32
 CONFIGS = [
     {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 1, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2, "GROUP_M": 1, "num_warps": 4, "num_stages": 1},
+    # one kernel (shrink recomputed per column block); PDL asked for but off under the interpreter
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4, "num_stages": 1,
+     "FUSED": 1, "PDL": 1},
+    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "GROUP_M": 3, "num_warps": 4, "num_stages": 1,
+     "FUSED": 1},  # SPLIT_K ignored by the fused kernel; grouped column order
 ]
 
 
@@ -28,7 +33,7 @@ def _routing(num_tokens):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])
 @pytest.mark.parametrize("target", ["gate_up", "down"])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["plain", "split_k"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["plain", "split_k", "fused_pdl", "fused_grouped"])
 def test_fused_moe_lora_matches_reference(num_tokens, target, cfg):
     k, n = (40, 48) if target == "gate_up" else (24, 40)  # K not a multiple of BLOCK_K
     lora_a, lora_b, scaling = _expert_lora(k, n)
@@ -86,3 +91,74 @@ def test_fused_moe_lora_reuses_alignment_and_rejects_mismatched_block():
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="made with block size 32 but the config's BLOCK_M is 16"):
         fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling, config=cfg, align=moe_align_lora(ids, idx, E, L, 32))
+
+
+def test_fused_variant_reuses_alignment_and_gives_the_two_kernel_result():
+    """FUSED=1 with a shared alignment (gate_up then down, as the engine runs them) equals the reference, and
+    the two-kernel path on the same inputs (same fp32 h rounded to the weights' dtype before expand)."""
+    from loraplex.kernels.moe_align import moe_align_lora
+
+    weights, ids = _routing(9)
+    idx = token_adapters(9, L)
+    align = moe_align_lora(ids, idx, E, L, 16)
+    for k, n, rows, tw in ((40, 48, 9, None), (24, 40, 9 * A, weights)):
+        lora_a, lora_b, scaling = _expert_lora(k, n)
+        x, y = torch.randn(rows, k), torch.randn(9 * A, n)
+        want, two = y.clone(), y.clone()
+        fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling, tw, config={**CONFIGS[2], "PDL": 0}, align=align)
+        fused_moe_lora(two, x, lora_a, lora_b, ids, idx, scaling, tw, config=CONFIGS[0], align=align)
+        ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling, tw)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y, two, rtol=1e-5, atol=1e-5)
+
+
+def test_variant_follows_config_and_pdl_is_off_without_a_hopper_gpu():
+    from loraplex.kernels.fused_moe_lora import DEFAULT_CONFIG, variant
+
+    cpu = torch.device("cpu")
+    assert variant(DEFAULT_CONFIG, cpu) == (False, False)  # default: two plain launches
+    assert variant({"FUSED": 1, "PDL": 1}, cpu) == (True, False)  # PDL needs sm_90 and no interpreter
+    assert variant({"BLOCK_M": 16}, cpu) == (False, False)  # older tuning files lack the keys
+
+
+def test_tuned_file_picks_the_fused_kernel_per_m(tmp_path, monkeypatch):
+    """A tuning file with FUSED=1 at M=1 and 0 at M=64 launches the one-kernel path for M=1..32 and the
+    shrink + expand pair above (nearest M), without a config argument."""
+    from loraplex.kernels import fused_moe_lora as fl
+    from loraplex.kernels import tuning
+
+    k, n = 40, 48
+    lora_a, lora_b, scaling = _expert_lora(k, n)
+    base = {key: v for key, v in CONFIGS[0].items() if key not in ("FUSED", "PDL")}
+    monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path))
+    tuning.clear_cache()
+    launched = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_moe_lora_fused_kernel", "_moe_lora_shrink_kernel", "_moe_lora_expand_kernel"):
+        monkeypatch.setattr(fl, name, Spy(name, getattr(fl, name)))
+    try:
+        for m in (1, 7, 33):
+            weights, ids = _routing(m)
+            x, y = torch.randn(m, k), torch.randn(m * A, n)
+            shape = fl.shape_of(y, x, lora_a, ids)
+            tuning.write_configs("fused_moe_lora", {tuning.shape_key(shape): {1: {**base, "FUSED": 1},
+                                                                              64: {**base, "FUSED": 0}}},
+                                 device_name=tuning.current_device_name())
+            idx = token_adapters(m, L)
+            want = y.clone()
+            launched.clear()
+            fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling)
+            ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling)
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+            expect = ["_moe_lora_fused_kernel"] if m <= 32 else ["_moe_lora_shrink_kernel", "_moe_lora_expand_kernel"]
+            assert launched == expect, (m, launched)
+    finally:
+        tuning.clear_cache()

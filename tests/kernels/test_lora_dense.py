@@ -27,14 +27,15 @@ def test_lora_shrink_matches_reference(num_tokens, k, cfg):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])
 @pytest.mark.parametrize("slices", [(40,), (48, 16, 16), (24, 24)], ids=["one", "qkv", "gate_up"])
-def test_lora_expand_adds_into_base_output(num_tokens, slices):
+@pytest.mark.parametrize("pdl", [0, 1])  # PDL asked for: a plain launch under the interpreter, same result
+def test_lora_expand_adds_into_base_output(num_tokens, slices, pdl):
     n = sum(slices)
     _, lora_b, _ = dense_lora(len(slices), 4, 32, 8, n)
     buf = torch.randn(len(slices), num_tokens, 32)
     idx = token_adapters(num_tokens, 4)
     y = torch.randn(num_tokens, n)
     want = y.clone()
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1, "PDL": pdl}
     lora_expand(y, buf, lora_b, idx, slices, config=cfg)
     ref.lora_expand(want, buf, lora_b, idx, slices)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)

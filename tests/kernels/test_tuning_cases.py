@@ -25,6 +25,47 @@ def test_cases_run_and_match_references(m):
         if case.default is not None:
             case.run(case.default)
             assert case.space and all(set(case.default) == set(c) for c in case.space), case.label
+        for name, cfg in case.variants.items():  # the one-kernel / PDL paths the benchmark and GPU check run
+            assert case.check(cfg) < 1e-4, (case.label, name)
+    assert {c.label for c in cases if c.variants} == {"lora_expand[qkv]", "fused_moe_lora[gate_up]",
+                                                      "fused_moe_lora[down]"}
+
+
+def test_fused_candidates_only_at_small_m():
+    from loraplex.kernels.tuning_cases import FUSED_MAX_M, moe_lora_space
+
+    small, large = moe_lora_space(1), moe_lora_space(FUSED_MAX_M + 1)
+    assert any(c["FUSED"] for c in small) and not any(c["FUSED"] for c in large)
+    assert any(c["PDL"] and not c["FUSED"] for c in large)  # PDL two-kernel candidates at every M
+    assert len({tuple(sorted(c.items())) for c in small}) == len(small)  # no duplicate candidates
+
+
+def test_time_budget_is_shared_out_over_cases_with_carry_over():
+    from loraplex.commands.tune import case_deadline
+
+    assert [case_deadline(100.0, 60.0, i, 6) for i in (1, 2, 6)] == [110.0, 120.0, 160.0]
+    assert case_deadline(100.0, 0.0, 1, 6) == float("inf")
+
+
+def test_tune_skips_candidates_that_fail_and_times_strictly(monkeypatch):
+    """A candidate whose timing raises (launch error, or a graph capture the engine could not do either) is
+    skipped; every timing asks for strict capture."""
+    from loraplex.commands import tune
+
+    case = [c for c in tunable_cases(TINY, 7, 3, 16, torch.float32, "cpu") if c.op == "lora_expand"][0]
+    calls = []
+
+    def fake(fn, **kw):
+        calls.append(kw)
+        if len(calls) == 2:
+            raise RuntimeError("capture failed")
+        return 2.0 if len(calls) == 3 else 4.0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr("loraplex.kernels.tuning_cases.bench_time_ms", fake)
+    best, best_ms, default_ms = tune.tune_case(case, deadline=float("inf"))
+    assert (best, best_ms, default_ms) == (case.space[1], 2.0, 4.0)
+    assert all(kw.get("strict") for kw in calls)
 
 
 def test_shared_metadata_cases_run_and_leave_the_tuner_alone():
@@ -38,6 +79,10 @@ def test_shared_metadata_cases_run_and_leave_the_tuner_alone():
         assert case.check() < 1e-4, case.label
         if case.default is not None:
             case.run(case.default)
+        for name, cfg in case.variants.items():
+            assert case.check(cfg) < 1e-4, (case.label, name)
+    assert {label for label, c in cases.items() if c.variants} == {
+        "lora_expand[qkv] kernel", "fused_moe_lora[gate_up] kernels", "fused_moe_lora[down] kernels"}
 
 
 def test_tune_picks_fastest_and_writes_through_naming_function(tmp_path, monkeypatch):
@@ -48,7 +93,7 @@ def test_tune_picks_fastest_and_writes_through_naming_function(tmp_path, monkeyp
     case = [c for c in tunable_cases(TINY, 7, 3, 16, torch.float32, "cpu") if c.op == "lora_shrink"][0]
     fastest = case.space[3]
     timings = iter([5.0] + [1.0 if c is fastest else 3.0 for c in case.space])
-    monkeypatch.setattr("loraplex.kernels.tuning_cases.bench_time_ms", lambda fn: next(timings))
+    monkeypatch.setattr("loraplex.kernels.tuning_cases.bench_time_ms", lambda fn, **kw: next(timings))
     best, best_ms, default_ms = tune.tune_case(case, deadline=float("inf"))
     assert (best, best_ms, default_ms) == (fastest, 1.0, 5.0)
     path = tuning.write_configs(case.op, {tuning.shape_key(case.shape): {7: best}}, device_name="Fake GPU")

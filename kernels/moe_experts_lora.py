@@ -1,0 +1,83 @@
+"""The fused expert path with multi-LoRA in Triton: no per-expert loop, no host sync, allocations that depend
+on shapes only, so a CUDA graph can capture it (same contract as ``reference_lora.moe_experts_lora``).
+
+    moe_align (base BLOCK_M), moe_align_lora (LoRA BLOCK_M, shared by both LoRA calls)
+                                 gate_up GEMM + bias (+ INT8 scale) ─> pre [T*A, 2I]  (pre-activation)
+                                 fused_moe_lora(pre, x, A13, B13)                   (delta added in place)
+                                 act(gate) * up ─> h [T*A, I]
+                                 down GEMM + bias (+ INT8 scale), * routing weight ─> out [T*A, H]
+                                 fused_moe_lora(out, h, A2, B2, topk_weights)       (routing-weighted delta)
+                                 sum over A ─> [T, H]
+
+Tokens without an adapter (token_lora_idx -1) are in no LoRA table and cost nothing in the LoRA kernels; with
+``token_lora_idx`` None the op is fused_moe with the activation launched separately. The LoRA alignment is
+made once, before the gate_up GEMM, with the gate_up LoRA config's BLOCK_M (the down one's if gate_up has no
+LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept).
+"""
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels import tuning
+from loraplex.kernels import fused_moe_lora as fml
+from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
+from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
+from loraplex.kernels.moe_align import moe_align, moe_align_lora
+from loraplex.kernels.reference_lora import check_int8_weights
+
+
+class _Shape:
+    """Stands for a tensor whose shape alone a config lookup reads (looked up before the tensor exists)."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = torch.Size(shape)
+
+
+def lora_config(y, x, lora_a: torch.Tensor, topk_ids: torch.Tensor) -> dict:
+    """The config ``fused_moe_lora`` would look up itself for this call (tuned file, nearest M, or default);
+    ``y`` / ``x`` need only a ``shape``."""
+    return tuning.get_config("fused_moe_lora", fml.shape_of(y, x, lora_a, topk_ids), topk_ids.shape[0],
+                             fml.default_config(lora_a.shape[-1]))
+
+
+def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
+                     activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None,
+                     config: dict | None = None, lora_config_override: dict | None = None) -> torch.Tensor:
+    """Same contract as ``reference_lora.moe_experts_lora``. ``config`` overrides the base GEMMs' tuned config,
+    ``lora_config_override`` both LoRA calls' (tests and the tuner)."""
+    check_moe(x, w13, w2, topk_weights, topk_ids, activation)
+    int8 = w13_scale is not None or w2_scale is not None
+    if int8:
+        check_int8_weights(w13, w13_scale, w2, w2_scale)
+        w13_scale, w2_scale = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(x)
+    num_experts, two_i, hidden = w13.shape
+    num_pairs = num_tokens * top_k
+    cfg = moe_config("fused_moe_int8" if int8 else "fused_moe", x, w13, topk_ids, config)
+    align = moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
+    cfgs = {}  # LoRA config of each target with LoRA this call
+    if token_lora_idx is not None:
+        calls = {"gate_up": (w13_lora, _Shape(num_pairs, two_i), x),
+                 "down": (w2_lora, _Shape(num_pairs, hidden), _Shape(num_pairs, two_i // 2))}
+        for target, (pair, y, inp) in calls.items():
+            if pair is not None:
+                cfgs[target] = dict(lora_config_override or lora_config(y, inp, pair[0], topk_ids))
+    if cfgs:  # one alignment for both LoRA calls, made early (PDL kernels may read it before they wait)
+        block_m = int(next(iter(cfgs.values()))["BLOCK_M"])
+        for c in cfgs.values():
+            c["BLOCK_M"] = block_m
+        max_loras = (w13_lora or w2_lora)[0].shape[0]
+        lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
+    pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)  # [T*A, 2I]
+    if "gate_up" in cfgs:
+        fml.fused_moe_lora(pre, x, *w13_lora, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
+                           align=lora_align)
+    h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
+    out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)  # [T*A, H], routing-weighted
+    if "down" in cfgs:
+        fml.fused_moe_lora(out, h, *w2_lora, topk_ids, token_lora_idx, scaling, topk_weights, config=cfgs["down"],
+                           align=lora_align)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
+

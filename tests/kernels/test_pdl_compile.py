@@ -1,0 +1,64 @@
+"""The PDL variants compile for sm_90 and carry the grid-dependency instructions; without PDL the same kernels
+carry none. No GPU needed: Triton's NVIDIA backend builds PTX on the CPU (in a child process, since this
+session's kernels are interpreted). On the CPU and under the interpreter the launchers never ask for PDL
+(``pdl_enabled``), so this is where its code is built before a GPU run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from loraplex.kernels.slot_blocks import pdl_enabled
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BUILD = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from loraplex.kernels import fused_moe_lora as fl, lora_expand as ex
+
+FP32, BF16 = {"buf_ptr", "weights_ptr", "scaling_ptr"}, {"x_ptr", "y_ptr", "a_ptr", "b_ptr"}
+CASES = {
+    "moe_lora_shrink": (fl._moe_lora_shrink_kernel, dict(ROW_DIV=4, BLOCK_M=16, BLOCK_R=32, BLOCK_K=64, SPLIT_K=2,
+                                                       EVEN_K=True, BLOCK_L=8, PARTIALS=True)),
+    "moe_lora_expand": (fl._moe_lora_expand_kernel, dict(HAS_WEIGHTS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32,
+                                                       GROUP_M=1, NUM_N=4, BLOCK_L=8, NUM_PARTS=2)),
+    "moe_lora_fused": (fl._moe_lora_fused_kernel, dict(ROW_DIV=4, HAS_WEIGHTS=False, BLOCK_M=16, BLOCK_N=64,
+                                                     BLOCK_R=32, BLOCK_K=64, EVEN_K=False, GROUP_M=1, NUM_N=4,
+                                                     BLOCK_L=8)),
+    "lora_expand": (ex._lora_expand_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=32, GROUP_M=1, NUM_N=4, BLOCK_L=8)),
+}
+
+def ptx(kernel, consts):
+    sig = {n: "constexpr" if n in consts else ("*fp32" if n in FP32 else "*bf16" if n in BF16 else "*i32")
+           if n.endswith("_ptr") or n in consts else "i32" for n in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+out = {}
+for name, (kernel, consts) in CASES.items():
+    on, off = ptx(kernel, {**consts, "USE_PDL": True}), ptx(kernel, {**consts, "USE_PDL": False})
+    out[name] = [on.count("griddepcontrol.wait"), on.count("griddepcontrol.launch_dependents"),
+                 off.count("griddepcontrol")]
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_pdl_kernels_build_for_sm90_with_grid_dependency_control():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    counts = json.loads(lines[0][len("RESULT "):])
+    assert set(counts) == {"moe_lora_shrink", "moe_lora_expand", "moe_lora_fused", "lora_expand"}
+    for name, (waits, triggers, without) in counts.items():
+        assert waits >= 1 and triggers >= 1, (name, counts[name])
+        assert without == 0, (name, counts[name])
+
+
+def test_pdl_is_off_on_cpu_and_under_the_interpreter():
+    assert not pdl_enabled(torch.device("cpu"))
