@@ -15,6 +15,7 @@ class EngineConfig:
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                    # auto: cuda when available
     load_format: str = "auto"               # auto | safetensors | dummy
+    quantization: str | None = None         # None | "int8" (INT8 weight-only MoE experts, applied at load)
     seed: int = 0
     # scheduler
     max_model_len: int | None = None        # defaults to the model's max_position_embeddings (capped at 8192)
@@ -38,8 +39,12 @@ class EngineConfig:
     max_lora_rank: int = 16                 # slot buffers are padded to this rank; higher ranks are refused
     max_cpu_loras: int = 16                 # CPU LRU of loaded adapters (>= max_loras)
     adapter_cache_dir: str | None = None    # disk cache, content-addressed by sha256 (default: a temp folder)
+    adapter_cache_max_bytes: int | None = 20 * 1024 ** 3  # disk cache LRU cap (None: unbounded; 0: no caching)
     # tensor parallelism (docs/engine.md, "Tensor parallelism"): ranks on this host, GPUs 0..N-1 or CPU processes
     tensor_parallel_size: int = 1
+    # CUDA graphs for decode steps (docs/engine.md, "CUDA graphs"): CUDA and tensor_parallel_size 1 only
+    enforce_eager: bool = False             # never capture graphs: every step runs eagerly
+    cuda_graph_max_batch_size: int = 64     # largest decode batch replayed from a graph (capped at max_num_seqs)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not supported; choose one of {', '.join(DEVICES)}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format {self.load_format!r}: expected auto, safetensors or dummy")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization {self.quantization!r} is not supported; choose None or 'int8'")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -73,9 +80,15 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        cg = self.cuda_graph_max_batch_size
+        if isinstance(cg, bool) or not isinstance(cg, int) or cg < 1:
+            raise ValueError(f"cuda_graph_max_batch_size must be an integer >= 1, got {cg!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
                              "adapter in a GPU slot passes through the CPU tier; raise max_cpu_loras")
         if self.adapter_cache_dir is not None and os.path.exists(self.adapter_cache_dir) \
                 and not os.path.isdir(self.adapter_cache_dir):
             raise ValueError(f"adapter_cache_dir {self.adapter_cache_dir!r} exists and is not a folder")
+        cap = self.adapter_cache_max_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"adapter_cache_max_bytes must be None (unbounded) or an integer >= 0, got {cap!r}")

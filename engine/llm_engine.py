@@ -128,7 +128,8 @@ class LLMEngine:
             self.adapters = AdapterManager(
                 slots, self.model_config, max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
                 max_rank=config.max_lora_rank, cache_dir=config.adapter_cache_dir, dtype=self.runner.dtype,
-                pin_memory=self.runner.device.type == "cuda")
+                pin_memory=self.runner.device.type == "cuda", cache_max_bytes=config.adapter_cache_max_bytes)
+        self.runner.init_decode_graphs()  # after init_lora: the graphs capture the LoRA kernels (CUDA only)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,

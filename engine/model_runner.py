@@ -5,6 +5,9 @@ of a step.
                     ──▶ prepare(): input_ids, positions, AttentionMetadata ──▶ model ──▶ logits of sampling rows
                     ──▶ Sampler ──▶ ModelStepOutput {seq_id: tokens, logprobs, beam log-prob rows, prompt logprobs}
 
+A pure decode step (one new token per sequence) instead goes through ``DecodeGraphs`` (cuda_graphs.py) once
+``init_decode_graphs`` ran: padded to a batch-size bucket in static buffers, a CUDA graph replay on CUDA.
+
 At a parallel-sampling fork step the parent's logits row is repeated ``num_samples`` times (one draw per future
 sequence, each from its own generator); a beam's row becomes ``Sampler.beam_logprobs``.
 
@@ -28,6 +31,7 @@ from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
 from loraplex.kernels import ops
 
 if TYPE_CHECKING:
+    from loraplex.engine.cuda_graphs import DecodeGraphs
     from loraplex.engine.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
@@ -66,8 +70,17 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = self._load_model()
+        if getattr(config, "quantization", None):
+            from loraplex.engine.quantization import apply_quantization
+
+            converted = apply_quantization(self.model, config.quantization)
+            logger.info("quantization %s: %s layers converted", config.quantization, converted)
         self.model.eval()
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.decode_graphs: "DecodeGraphs | None" = None  # set by init_decode_graphs()
+        self.lora_reserved_bytes = self._lora_reserve_bytes()
+        self.graph_reserved_bytes = self._graph_reserve_bytes(max_num_seqs)
         self.num_blocks = self._size_kv_pool(max_model_len, max_num_seqs)
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
@@ -83,9 +96,10 @@ class ModelRunner:
         self.lora: "LoRASlots | None" = None  # set by init_lora()
         # Debug/test hook: called with (sequences, logits [N, V] float32) before sampling.
         self.logits_hook: Callable[[list, torch.Tensor], None] | None = None
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %s on %s", self.num_blocks,
-                    self.block_size, self.num_blocks * self.block_size,
-                    self.num_blocks * self.bytes_per_block / 2**20, self.dtype, self.device)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB, %s on %s (reserved beside it: LoRA "
+                    "slots %.0f MiB, CUDA graphs %.0f MiB)", self.num_blocks, self.block_size, self.kv_cache_tokens,
+                    self.kv_cache_bytes / 2**30, self.dtype, self.device, self.lora_reserved_bytes / 2**20,
+                    self.graph_reserved_bytes / 2**20)
 
     def _load_model(self):
         """(model on this runner's device and dtype, its ModelConfig); a tensor-parallel runner loads its shard."""
@@ -102,6 +116,14 @@ class ModelRunner:
         return self.model_config.num_kv_heads
 
     @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
     def bytes_per_block(self) -> int:
         cfg: ModelConfig = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -115,7 +137,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-            budget -= self._activation_headroom_bytes()
+            budget -= self._activation_headroom_bytes() + self.lora_reserved_bytes + self.graph_reserved_bytes
             if budget < per_block * blocks_per_seq:
                 raise RuntimeError(
                     f"not enough GPU memory for one sequence of {max_model_len} tokens: {budget / 2**30:.2f} GiB left "
@@ -140,13 +162,78 @@ class ModelRunner:
             budget = CUDA_SWAP_SPACE_BYTES if self.device.type == "cuda" else 0
         return budget // self.bytes_per_block
 
-    def _activation_headroom_bytes(self) -> int:
+    def _activation_bytes_per_token(self) -> int:
         cfg = self.model_config
-        tokens = self.config.max_num_batched_tokens
         elem = torch.empty((), dtype=self.dtype).element_size()
         widest = max(cfg.q_size + 2 * cfg.kv_size, 2 * max(cfg.intermediate_size, cfg.moe_intermediate_size)
                      * max(1, cfg.num_experts_per_tok))
-        return tokens * (widest * elem * 4 + cfg.vocab_size * 4) + (1 << 30)
+        return widest * elem * 4 + cfg.vocab_size * 4
+
+    def _activation_headroom_bytes(self) -> int:
+        return self.config.max_num_batched_tokens * self._activation_bytes_per_token() + (1 << 30)
+
+    def _lora_reserve_bytes(self) -> int:
+        """Bytes the LoRA slot buffers will take (``init_lora`` comes after the pool is sized): kept out of the KV
+        pool's budget. 0 unless ``enable_lora``."""
+        c = self.config
+        if not c.enable_lora:
+            return 0
+        from loraplex.engine.lora.slots import LoRASlots
+
+        return LoRASlots.estimate_nbytes(self.model, max_loras=c.max_loras, max_rank=c.max_lora_rank,
+                                         dtype=self.dtype)
+
+    def graphs_enabled(self) -> bool:
+        """Decode steps replay CUDA graphs: CUDA, one rank (tensor-parallel workers receive each step in a forward
+        pre-hook, which a graph replay would skip), and ``enforce_eager`` off."""
+        c = self.config
+        return (self.device.type == "cuda" and not getattr(c, "enforce_eager", False)
+                and c.tensor_parallel_size == 1)
+
+    def _graph_max_batch_size(self, max_num_seqs: int) -> int:
+        return max(1, min(max_num_seqs, getattr(self.config, "cuda_graph_max_batch_size", 64)))
+
+    def _graph_reserve_bytes(self, max_num_seqs: int) -> int:
+        """Headroom for the graphs' private memory pool (the largest bucket's activations plus slack)."""
+        if not self.graphs_enabled():
+            return 0
+        return self._graph_max_batch_size(max_num_seqs) * self._activation_bytes_per_token() + (256 << 20)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------------------
+    def init_decode_graphs(self, capture: bool | None = None) -> "DecodeGraphs | None":
+        """Set up the padded decode path (call after ``init_lora``: graphs capture the LoRA kernels).
+
+        ``capture=None``: graphs when ``graphs_enabled()``, else nothing (the plain eager path). ``capture=False``
+        runs the padded static-buffer path eagerly (tests; any device). A failed capture logs a warning and leaves
+        the eager path."""
+        from loraplex.engine.cuda_graphs import DecodeGraphs
+
+        if capture is None:
+            if not self.graphs_enabled():
+                if self.device.type == "cuda":
+                    logger.info("CUDA graphs off (%s): decode steps run eagerly", "enforce_eager"
+                                if getattr(self.config, "enforce_eager", False) else
+                                f"tensor_parallel_size={self.config.tensor_parallel_size}")
+                self.decode_graphs = None
+                return None
+            capture = True
+        max_batch = self._graph_max_batch_size(self.config.max_num_seqs)
+        graphs = DecodeGraphs(self, max_batch, self.max_model_len, capture=capture)
+        if capture and not graphs.capture_all():
+            self.decode_graphs = None
+            return None
+        self.decode_graphs = graphs
+        return graphs
+
+    @property
+    def num_cuda_graphs(self) -> int:
+        g = self.decode_graphs
+        return g.num_graphs if g is not None else 0
+
+    @property
+    def cuda_graph_buckets(self) -> list[int]:
+        g = self.decode_graphs
+        return list(g.buckets) if g is not None and g.num_graphs else []
 
     # ---- one step -------------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
@@ -202,15 +289,20 @@ class ModelRunner:
 
         self.lora = LoRASlots(self.model, self.model_config, max_loras=max_loras, max_rank=max_rank,
                               device=self.device, dtype=self.dtype)
+        self._recapture_after_lora()
         return self.lora
+
+    def _recapture_after_lora(self) -> None:
+        """Graphs captured before LoRA was attached lack its kernels: capture (or rebuild) them again."""
+        if self.decode_graphs is not None:
+            logger.info("LoRA attached after the decode path was set up: rebuilding it")
+            self.init_decode_graphs(capture=self.decode_graphs.capture)
 
     def _set_lora_tokens(self, out: SchedulerOutput, lora_slots: dict[int, int] | None) -> None:
         """token_lora_idx [T] (-1 = base) in the step's token order, built once per step; None when no scheduled
         sequence has an adapter, so no layer does LoRA work."""
-        used = lora_slots is not None and any(lora_slots.get(s.seq.seq_id, -1) >= 0 for s in out.scheduled)
+        used = self._check_lora_slots(out, lora_slots)
         if self.lora is None:
-            if used:
-                raise ValueError("execute() got adapter slots but LoRA is not attached; call init_lora() first")
             return
         if not used:
             self.lora.set_token_slots(None)
@@ -218,6 +310,13 @@ class ModelRunner:
         idx = [lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
         counts = [s.num_new_tokens for s in out.scheduled]
         self.lora.set_token_slots(torch.tensor(idx, dtype=torch.int32).repeat_interleave(torch.tensor(counts)))
+
+    def _check_lora_slots(self, out: SchedulerOutput, lora_slots: dict[int, int] | None) -> bool:
+        """Whether a scheduled sequence has an adapter; ValueError when it has one and LoRA is not attached."""
+        used = lora_slots is not None and any(lora_slots.get(s.seq.seq_id, -1) >= 0 for s in out.scheduled)
+        if used and self.lora is None:
+            raise ValueError("execute() got adapter slots but LoRA is not attached; call init_lora() first")
+        return used
 
     # ---- block moves ----------------------------------------------------------------------------------------
     def move_blocks(self, out: SchedulerOutput) -> None:
@@ -255,26 +354,35 @@ class ModelRunner:
         self.move_blocks(out)
         if not out.scheduled:
             return result
-        inputs = self.prepare(out)
-        self._set_lora_tokens(out, lora_slots)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
-        self._prompt_logprobs(out, hidden, result)
-        if not inputs.sample_seqs:
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(out):
+            self._check_lora_slots(out, lora_slots)
+            hidden = graphs.run(out, lora_slots)  # [n, H]: one row per sequence, no prompt logprobs
+            rows = [i for i, s in enumerate(out.scheduled) if s.sample]
+            sample_seqs = [out.scheduled[i].seq for i in rows]
+            sample_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        else:
+            inputs = self.prepare(out)
+            self._set_lora_tokens(out, lora_slots)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            self._prompt_logprobs(out, hidden, result)
+            sample_seqs, sample_rows = inputs.sample_seqs, inputs.sample_rows
+        if not sample_seqs:
             return result
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows])
         if self.logits_hook is not None:
-            self.logits_hook(inputs.sample_seqs, logits)
+            self.logits_hook(sample_seqs, logits)
         by_id = {s.seq.seq_id: s for s in out.scheduled if s.sample}
         draw_rows, beam_rows = [], []
-        for j, seq in enumerate(inputs.sample_seqs):
+        for j, seq in enumerate(sample_seqs):
             (beam_rows if by_id[seq.seq_id].beam else draw_rows).append(j)
         if beam_rows:
-            seqs = [inputs.sample_seqs[j] for j in beam_rows]
+            seqs = [sample_seqs[j] for j in beam_rows]
             rows = self.sampler.beam_logprobs(logits[beam_rows], [sampling[s.seq_id][0] for s in seqs], seqs)
             for k, seq in enumerate(seqs):
                 result.beam_logprobs[seq.seq_id] = rows[k]
         if draw_rows:
-            self._draw(logits, draw_rows, inputs.sample_seqs, by_id, sampling, result)
+            self._draw(logits, draw_rows, sample_seqs, by_id, sampling, result)
         return result
 
     def _draw(self, logits: torch.Tensor, rows: list[int], seqs: list, by_id: dict, sampling: dict,

@@ -6,13 +6,16 @@ adapter manager's locked ``residency()``). The platform's metrics poller turns i
       "requests_running": 3, "requests_waiting": 5, "queue_length": 5, "num_preemptions": 0,
       "kv_blocks_total": 512, "kv_blocks_free": 380, "kv_blocks_used": 132, "kv_usage": 0.26,
       "kv_cached_blocks": 40, "prefix_cache_queries": 9000, "prefix_cache_hits": 4500, "prefix_cache_hit_rate": 0.5,
+      "kv_cache_tokens": 8192, "kv_cache_gib": 0.19,  # the pool as sized at start-up (blocks x block_size)
+      "num_cuda_graphs": 11,            # decode batch-size buckets replayed from CUDA graphs (0: eager)
       "lora_enabled": true,
       "adapters": {"gpu": ["t/a/1"], "cpu": ["t/a/1", "t/b/2"], "disk": 7, "loading": [], "failed": 0,
                    "pinned": [], "max_loras": 4, "max_cpu_loras": 16},
       "adapter_tiers": {"gpu": 1, "cpu": 2, "disk": 7},
       "adapter_counters": {"fetches": .., "disk_hits": .., "loads": .., "activations": .., "slot_hits": .., ...},
       "adapter_cold_starts": 9,          # loads that had to go to disk or the blob store (fetches + disk hits)
-      "gpu_slot_hit_rate": 0.93          # slot_hits / (slot_hits + activations); None before any admission
+      "gpu_slot_hit_rate": 0.93,         # slot_hits / (slot_hits + activations); None before any admission
+      "adapter_disk_bytes": 61440, "adapter_disk_max_bytes": 21474836480   # None: no cap
     }
 
 Counters are cumulative since the engine started; the poller turns their growth into Prometheus counters.
@@ -35,7 +38,8 @@ def adapter_stats(manager: Any) -> dict:
         return {"lora_enabled": False, "adapters": {"gpu": [], "cpu": [], "disk": 0, "loading": [], "failed": 0,
                                                     "pinned": []},
                 "adapter_tiers": {"gpu": 0, "cpu": 0, "disk": 0}, "adapter_counters": {},
-                "adapter_cold_starts": 0, "gpu_slot_hit_rate": None}
+                "adapter_cold_starts": 0, "gpu_slot_hit_rate": None,
+                "adapter_disk_bytes": 0, "adapter_disk_max_bytes": None}
     res = manager.residency()
     counters = dict(res.get("counters", {}))
     gpu = sorted(res.get("gpu", {}).values())
@@ -51,7 +55,18 @@ def adapter_stats(manager: Any) -> dict:
         "adapter_counters": counters,
         "adapter_cold_starts": counters.get("fetches", 0) + counters.get("disk_hits", 0),
         "gpu_slot_hit_rate": _ratio(slot_hits, slot_hits + activations),
+        "adapter_disk_bytes": res.get("disk", {}).get("bytes", 0),          # the disk tier's size and LRU cap
+        "adapter_disk_max_bytes": res.get("disk", {}).get("max_bytes"),     # (None: unbounded)
     }
+
+
+def runner_stats(runner: Any) -> dict:
+    """The KV pool size and CUDA-graph count of a ``ModelRunner`` (None: no model)."""
+    if runner is None:
+        return {"kv_cache_tokens": 0, "kv_cache_gib": 0.0, "num_cuda_graphs": 0}
+    return {"kv_cache_tokens": int(getattr(runner, "kv_cache_tokens", 0)),
+            "kv_cache_gib": round(getattr(runner, "kv_cache_bytes", 0) / 2**30, 3),
+            "num_cuda_graphs": int(getattr(runner, "num_cuda_graphs", 0))}
 
 
 def engine_stats(llm_engine: Any) -> dict:
@@ -74,6 +89,7 @@ def engine_stats(llm_engine: Any) -> dict:
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": _ratio(hits, queries),
+        **runner_stats(getattr(llm_engine, "runner", None)),
         **adapter_stats(getattr(llm_engine, "adapters", None)),
     }
 
@@ -82,4 +98,5 @@ def empty_stats() -> dict:
     """The same keys with nothing in flight and no cache: for engines without a model (the null engine)."""
     return {"requests_running": 0, "requests_waiting": 0, "queue_length": 0, "num_preemptions": 0,
             "kv_blocks_total": 0, "kv_blocks_free": 0, "kv_blocks_used": 0, "kv_usage": 0.0, "kv_cached_blocks": 0,
-            "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": None, **adapter_stats(None)}
+            "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": None, **runner_stats(None),
+            **adapter_stats(None)}

@@ -10,8 +10,9 @@ every LoRA slot. Rank 0 is the engine's runner (scheduler, sampling); ranks 1..N
        layer by layer, all-reduce after attention and MLP ◀─▶ model(...) on the same inputs, same all-reduces
     compute_logits + sample (rank 0 only; lm_head replicated)
 
-One broadcast per forward carries everything since the previous one, so the workers see rank 0's calls in
-rank 0's order. Step inputs travel as CPU tensors through the gloo group (``TensorParallel.cpu_group``).
+Before each forward rank 0 broadcasts everything since the previous one (each adapter load in a message of its
+own, the rest batched), so the workers see rank 0's calls in rank 0's order. Step inputs travel as CPU tensors
+through the gloo group (``TensorParallel.cpu_group``).
 """
 from __future__ import annotations
 
@@ -52,14 +53,31 @@ class TPModelRunner(ModelRunner):
     # ---- ModelRunner hooks ----------------------------------------------------------------------------------
     def _load_model(self):
         """Full checkpoint into host memory, shard it (``apply_tp``), then move this rank's part to the device,
-        so a device never holds more than its shard."""
+        so a device never holds more than its shard.
+
+        Dummy weights (``load_format="dummy"``) are drawn on the device itself when the full model fits there:
+        the seeded draw gives every rank the same full model (same device type, same generator), and drawing
+        ~20B numbers on a host core takes minutes where a GPU takes a second. Out of memory: the host path."""
         from loraplex.engine.loader import load_model
 
         cfg = self.config
-        model, model_config = load_model(cfg.model, device="cpu", dtype=self.dtype, load_format=cfg.load_format,
-                                         progress=cfg.progress and self.tp.is_driver)
+        progress = cfg.progress and self.tp.is_driver
+        model = None
+        if cfg.load_format == "dummy" and self.device.type != "cpu":
+            try:
+                model, model_config = load_model(cfg.model, device=self.device, dtype=self.dtype,
+                                                 load_format="dummy", progress=progress)
+            except torch.cuda.OutOfMemoryError:
+                model = None
+                torch.cuda.empty_cache()
+        if model is None:
+            model, model_config = load_model(cfg.model, device="cpu", dtype=self.dtype, load_format=cfg.load_format,
+                                             progress=progress)
         self.plan = apply_tp(model, model_config, self.tp)
-        return model.to(self.device), model_config
+        model = model.to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the unsharded tensors' blocks, before the KV pool is sized from free memory
+        return model, model_config
 
     @property
     def num_kv_heads(self) -> int:
@@ -93,8 +111,21 @@ class TPModelRunner(ModelRunner):
         self._flush(step)
 
     def _flush(self, last: tuple) -> None:
+        """Broadcast the journal and ``last``, in order. Each adapter load (full weights: 708 MB at GPT-OSS-20B
+        size, rank 32) goes in a message of its own, so a step that activates several adapters never pickles
+        them into one multi-GB message; workers replay the messages in the order they arrive."""
         entries, self._journal[:] = [*self._journal, last], []
-        self.tp.broadcast_object(entries)
+        batch: list[tuple] = []
+        for entry in entries:
+            if entry[0] == "load":
+                if batch:
+                    self.tp.broadcast_object(batch)
+                self.tp.broadcast_object([entry])
+                batch = []
+            else:
+                batch.append(entry)
+        if batch:
+            self.tp.broadcast_object(batch)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Rank 0: tell the workers to stop, wait for them, leave the process group. Idempotent."""

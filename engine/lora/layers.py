@@ -12,7 +12,10 @@ E experts, A activated experts per token, H hidden, I intermediate per expert.
 Each wrapper takes the base module's parameters under the same names, so ``named_parameters`` / state dicts
 of the model do not change, and keeps the base module (outside the module tree) for the path without LoRA.
 A wrapper does no LoRA work when the step has no adapter (``state.token_lora_idx is None``) or when none of
-the step's slots holds weights for its targets; the expert wrapper then calls the fused base kernel.
+the step's slots holds weights for its targets (unless ``state.always_on``: CUDA-graph capture); the expert
+wrapper then calls the fused base kernel. With LoRA, the expert wrapper runs ``ops.moe_experts_lora`` (on CUDA a
+graph-capturable composition of Triton kernels, no host sync), on the int8 weights directly when its base is
+``Int8FusedExperts``.
 """
 from __future__ import annotations
 
@@ -29,6 +32,11 @@ class LoRAState:
         self.token_lora_idx: torch.Tensor | None = None         # [T] int32 on the model's device, -1 = none
         self.active_slots: frozenset[int] = frozenset()         # slots used by the step's tokens
         self.scaling = torch.ones(max_loras, dtype=torch.float32, device=device)  # [L] (folded into B at load)
+        # ops.lora_segments(token_lora_idx, L) of the step (None: each dense LoRA call groups tokens itself)
+        self.segments = None
+        # True: every wrapper runs its LoRA kernels whenever token_lora_idx is set, whatever the slots hold (a
+        # captured CUDA graph must contain them; base tokens (-1) cost nothing there, empty slots hold zeros)
+        self.always_on: bool = False
 
 
 class _LoRAWrapper(nn.Module):
@@ -46,7 +54,7 @@ class _LoRAWrapper(nn.Module):
 
     def lora_active(self) -> bool:
         s = self.state
-        return s.token_lora_idx is not None and any(self.loaded[l] for l in s.active_slots)
+        return s.token_lora_idx is not None and (s.always_on or any(self.loaded[l] for l in s.active_slots))
 
 
 class LoRALinear(_LoRAWrapper):
@@ -67,9 +75,10 @@ class LoRALinear(_LoRAWrapper):
         y = self.base(x)
         if not self.lora_active():
             return y
-        idx = self.state.token_lora_idx
-        buf = ops.lora_shrink(x, self.lora_a, idx, self.state.scaling)  # [S, T, R] fp32
-        ops.lora_expand(y, buf, self.lora_b, idx, tuple(self.output_sizes))
+        s = self.state
+        idx = s.token_lora_idx
+        buf = ops.lora_shrink(x, self.lora_a, idx, s.scaling, segments=s.segments)  # [S, T, R] fp32
+        ops.lora_expand(y, buf, self.lora_b, idx, tuple(self.output_sizes), segments=s.segments)
         return y
 
     def extra_repr(self) -> str:
@@ -96,49 +105,16 @@ class LoRAFusedExperts(_LoRAWrapper):
         """x [T, H]; topk_weights [T, A] float32; topk_ids [T, A] -> [T, H]."""
         if not self.lora_active():
             return self.base(x, topk_weights, topk_ids)
-        base, idx, scaling = self.base, self.state.token_lora_idx, self.state.scaling
-        num_tokens, top_k = topk_ids.shape
-        order, counts = _group_pairs_by_expert(topk_ids, self.num_experts)
-        rows = order // top_k  # token of each sorted pair
-        inter = _grouped_linear(x, rows, order, counts, base.w13, base.b13)  # [T*A, 2I] in pair order
-        if self.w13_lora is not None:
-            ops.fused_moe_lora(inter, x, self.w13_lora[0], self.w13_lora[1], topk_ids, idx, scaling)
-        act = _act_and_mul(inter, self.activation, self.alpha, self.limit)  # [T*A, I]
-        out = _grouped_linear(act, order, order, counts, base.w2, base.b2)  # [T*A, H]
-        if self.w2_lora is not None:
-            ops.fused_moe_lora(out, act, self.w2_lora[0], self.w2_lora[1], topk_ids, idx, scaling)
-        out = out.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)
-        return out.sum(dim=1)
+        base = self.base
+        w13_scale = getattr(base, "w13_scale", None)  # Int8FusedExperts: int8 weights + per-channel scales
+        if w13_scale is not None:
+            w13, w2, w2_scale = base.w13_q, base.w2_q, base.w2_scale
+        else:
+            w13, w2, w2_scale = base.w13, base.w2, None
+        return ops.moe_experts_lora(x, w13, w2, topk_weights, topk_ids, self.state.token_lora_idx, self.state.scaling,
+                                    w13_lora=self.w13_lora, w2_lora=self.w2_lora, activation=self.activation,
+                                    b13=base.b13, b2=base.b2, alpha=self.alpha, limit=self.limit,
+                                    w13_scale=w13_scale, w2_scale=w2_scale)
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, E={self.num_experts}"
-
-
-def _act_and_mul(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    if activation == "silu":
-        return ops.silu_and_mul(h)
-    return ops.swiglu_clamp_and_mul(h, alpha, limit)
-
-
-def _group_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """Pairs p = t*A + a sorted by expert (stable) and the pair count of each expert (one host sync)."""
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, counts
-
-
-def _grouped_linear(x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, counts: list[int],
-                    w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """out[pairs[j]] = w[e] @ x[rows[j]] + b[e] for the j-th sorted pair of expert e.
-
-    x [M, K]; rows, pairs [P] (sorted by expert); w [E, N, K]; b [E, N] -> out [P, N] indexed by pair."""
-    out = torch.empty(pairs.numel(), w.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sel = slice(start, start + n)
-        out[pairs[sel]] = torch.nn.functional.linear(x[rows[sel]], w[e], None if b is None else b[e])
-        start += n
-    return out

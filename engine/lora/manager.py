@@ -3,14 +3,17 @@
     fetcher (file://, s3://) ──▶ disk cache ──▶ CPU LRU ──────────▶ GPU slots
       by URI scheme        cache_dir/<sha>-<uri>/ max_cpu_loras      max_loras (LoRASlots)
                            sha256 verified      pinned memory      activate(): LRU unpinned slot that no
-                                                on CUDA            running sequence uses is evicted
+                           LRU, cache_max_bytes on CUDA            running sequence uses is evicted
+                           (disk_cache.py)
       └──────────── background thread pool ───────────┘            └── step thread only ──┘
 
 ``ensure_loading(ref)`` starts at most one load per ref (single-flight): fetch (or a disk-cache hit), sha256
 check, then ``load_adapter_weights`` (format checks against the base model, NaN/Inf) into CPU
 ``AdapterWeights``. A failure is remembered per ref (``state`` = "failed", ``error``) and leaves nothing in any
-tier; ``evict(ref)`` (or ``ensure_loading(ref, retry=True)``) forgets it. ``activate(ref, in_use)`` copies a CPU-ready adapter into a GPU slot; it touches device buffers, so
-only the thread that runs the model steps may call it (the engine's scheduler does).
+tier; ``evict(ref)`` (or ``ensure_loading(ref, retry=True)``) forgets it. The disk cache (``disk_cache.DiskCache``)
+keeps at most ``cache_max_bytes``, least recently used entries out first, never one a load is reading; an evicted
+adapter is simply fetched again. ``activate(ref, in_use)`` copies a CPU-ready adapter into a GPU slot; it touches
+device buffers, so only the thread that runs the model steps may call it (the engine's scheduler does).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Literal
 
 from loraplex.engine.config import ModelConfig
+from loraplex.engine.lora.disk_cache import DiskCache
 from loraplex.engine.lora.fetch import (ADAPTER_FILES, AdapterFetchError, AdapterFetchUnavailableError, Fetcher,
                                         default_fetchers)
 from loraplex.engine.lora.ref import AdapterRef
@@ -68,6 +72,7 @@ class AdapterCounters:
     slot_hits: int = 0        # admissions whose adapter was already in a slot
     evictions: int = 0        # GPU slots taken from one adapter for another (or by evict())
     failures: int = 0         # loads that failed
+    disk_evictions: int = 0   # disk-cache entries deleted to fit cache_max_bytes (kept by the DiskCache)
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
@@ -85,7 +90,7 @@ class AdapterManager:
     def __init__(self, slots: Any, model_config: ModelConfig, *, max_loras: int, max_cpu_loras: int, max_rank: int,
                  cache_dir: str | None, fetchers: dict[str, Fetcher] | None = None, dtype: Any = None,
                  base_model_name: str | None = None, pin_memory: bool = False, max_workers: int = 2,
-                 loader: Callable[[str, str], Any] | None = None) -> None:
+                 loader: Callable[[str, str], Any] | None = None, cache_max_bytes: int | None = None) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_cpu_loras < max_loras:
@@ -99,7 +104,7 @@ class AdapterManager:
         self.fetchers: dict[str, Fetcher] = dict(default_fetchers() if fetchers is None else fetchers)
         self._own_cache_dir = cache_dir is None
         self.cache_dir = tempfile.mkdtemp(prefix="loraplex-adapters-") if cache_dir is None else cache_dir
-        os.makedirs(self.cache_dir, exist_ok=True)
+        self.disk = DiskCache(self.cache_dir, cache_max_bytes)  # scans what a previous run left
         self._loader = loader or self._default_loader(dtype)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)  # notified when a load ends
@@ -110,7 +115,7 @@ class AdapterManager:
         self._loading: dict[AdapterRef, threading.Event] = {}  # set when the load is over
         self._failed: dict[AdapterRef, BaseException] = {}
         self._pinned: set[AdapterRef] = set()
-        self.counters = AdapterCounters()
+        self.counters = AdapterCounters(disk_evictions=self.disk.evictions)  # the start-up scan may have evicted
 
     def _default_loader(self, dtype: Any) -> Callable[[str, str], Any]:
         def load(folder: str, adapter_id: str):
@@ -161,8 +166,14 @@ class AdapterManager:
                 "failed": {ref.adapter_id: str(e) for ref, e in self._failed.items()},
                 "pinned": sorted(ref.adapter_id for ref in self._pinned),
                 "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
-                "counters": asdict(self.counters),
+                "disk": self.disk.stats(),
+                "counters": self._counters(),
             }
+
+    def _counters(self) -> dict:
+        """Under the lock: the counters, with the disk cache's evictions."""
+        self.counters.disk_evictions = self.disk.evictions
+        return asdict(self.counters)
 
     # ---- background loads -------------------------------------------------------------------------------------
     def ensure_loading(self, ref: AdapterRef, *, retry: bool = False) -> AdapterState:
@@ -238,41 +249,48 @@ class AdapterManager:
             self.counters.cpu_evictions += 1
 
     def _load(self, ref: AdapterRef) -> Any:
-        """Worker thread: disk cache or fetch -> sha256 -> checked CPU weights. Cleans up on failure."""
-        cached = os.path.join(self.cache_dir, self.cache_key(ref)) if ref.sha256 else None
-        created: str | None = None
+        """Worker thread: disk cache or fetch -> sha256 -> checked CPU weights. The disk entry is held while it is
+        read (never evicted under a load); a bad adapter leaves nothing on disk."""
+        key = self.cache_key(ref) if ref.sha256 else None
+        entry = self.disk.lookup(key) if key else None
+        if entry is not None and not os.path.isfile(os.path.join(entry.path, WEIGHTS_FILE)):  # deleted behind us
+            self.disk.discard(entry)
+            self.disk.release(entry)
+            entry = None
+        temp: str | None = None
         try:
-            if cached and os.path.isfile(os.path.join(cached, WEIGHTS_FILE)):
-                folder = cached
+            if entry is not None:
+                folder = entry.path
                 with self._lock:
                     self.counters.disk_hits += 1
                 self._verify_sha256(ref, folder)
             else:
-                created = tempfile.mkdtemp(prefix=".fetch-", dir=self.cache_dir)
-                folder = self._fetch(ref, created)
+                temp = self.disk.temp_dir()
+                folder = self._fetch(ref, temp)
                 self._verify_sha256(ref, folder)
-                if cached:
-                    folder = self._publish(folder, cached)
-                    if folder == cached:
-                        created = cached
+                if key:  # refs without a sha256, and adapters bigger than the cap, load from the download folder
+                    entry = self.disk.publish(folder, key, label=ref.adapter_id)
+                    if entry is not None:
+                        folder = entry.path
             weights = self._loader(folder, ref.adapter_id)
             if self.pin_memory and hasattr(weights, "pin_memory"):
                 weights = weights.pin_memory() or weights
-            if not ref.sha256 and created:  # nothing to key a cache entry by: the fetched copy was temporary
-                shutil.rmtree(created, ignore_errors=True)
             return weights
         except BaseException:
-            for path in {created, cached} - {None}:  # a bad adapter leaves nothing on disk
-                shutil.rmtree(path, ignore_errors=True)
+            if entry is not None:
+                self.disk.discard(entry)
             raise
+        finally:
+            if entry is not None:
+                self.disk.release(entry)
+            if temp is not None:  # whatever of the download was not moved into the cache
+                shutil.rmtree(temp, ignore_errors=True)
+            with self._lock:
+                self.counters.disk_evictions = self.disk.evictions
 
     def num_disk_entries(self) -> int:
         """Adapters in the disk cache (fetches in flight, ``.fetch-*``, excluded)."""
-        try:
-            return sum(1 for name in os.listdir(self.cache_dir)
-                       if not name.startswith(".") and os.path.isdir(os.path.join(self.cache_dir, name)))
-        except OSError:
-            return 0
+        return len(self.disk)
 
     @staticmethod
     def cache_key(ref: AdapterRef) -> str:
@@ -304,18 +322,6 @@ class AdapterManager:
             raise AdapterChecksumError(f"sha256 mismatch for adapter {ref.adapter_id!r}: expected {ref.sha256}, "
                                        f"fetched {WEIGHTS_FILE} has {got}; the blob is corrupt or the reference "
                                        "is stale, upload the adapter again")
-
-    @staticmethod
-    def _publish(folder: str, cached: str) -> str:
-        """Move a verified fetch into the content-addressed cache (atomic rename; a racing twin wins)."""
-        try:
-            os.rename(folder, cached)
-            return cached
-        except OSError:
-            if os.path.isfile(os.path.join(cached, WEIGHTS_FILE)):
-                shutil.rmtree(folder, ignore_errors=True)
-                return cached
-            raise
 
     # ---- GPU slots (step thread) --------------------------------------------------------------------------------
     def activate(self, ref: AdapterRef, in_use: set[AdapterRef] | frozenset = frozenset()) -> int | None:
@@ -379,7 +385,8 @@ class AdapterManager:
 
     def evict(self, ref: AdapterRef) -> bool:
         """Drop ``ref`` from every in-memory tier (GPU slot, CPU), forget a failure or an ongoing load, unpin it.
-        The disk cache keeps it. The caller makes sure no running sequence uses it. True if anything went."""
+        The disk cache keeps it (until its LRU cap needs the room). The caller makes sure no running sequence uses
+        it. True if anything went."""
         with self._lock:
             found = self._failed.pop(ref, None) is not None
             found |= self._loading.pop(ref, None) is not None

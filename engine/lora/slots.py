@@ -5,6 +5,7 @@ wrappers of ``layers.py``, which keep the same parameter names).
     slots = LoRASlots(model, model_config, max_loras=4, max_rank=16, device="cuda", dtype=torch.bfloat16)
     slots.load(2, load_adapter_weights(folder, model_config, max_rank=16, dtype=torch.bfloat16))
     slots.set_token_slots(token_lora_idx)    # once per step: [T] int32, -1 = base; None = no LoRA work at all
+    slots.bind_static_token_slots(buf)       # CUDA-graph mode: a static device map, LoRA kernels always run
     hidden = model(...)
 
 Buffers per adapted module, zero-padded to max_rank R so adapters of any rank share one kernel call
@@ -30,6 +31,7 @@ from loraplex.engine.lora.layers import LoRAFusedExperts, LoRALinear, LoRAState
 from loraplex.engine.lora.weights import AdapterWeights
 from loraplex.engine.models.layers.linear import Linear
 from loraplex.engine.models.layers.moe import FusedExperts
+from loraplex.kernels import ops
 
 
 class LoRASlots:
@@ -160,24 +162,83 @@ class LoRASlots:
     def set_token_slots(self, token_lora_idx: torch.Tensor | None) -> None:
         """Sets the step's token -> slot map: [T] integer (-1 = no adapter). None: no LoRA work at all this step.
 
-        Pass a CPU tensor: the set of slots in use is taken on the host (no device sync) and the map is copied to
-        the model's device here."""
+        Pass a CPU tensor: the set of slots in use is taken on the host (no device sync), the map is copied to the
+        model's device here, and the step's token grouping by slot (``state.segments``, shared by every layer) is
+        computed once on the device (None where the torch references run)."""
         state = self.state
+        state.always_on, state.segments = False, None
         if token_lora_idx is None:
             state.token_lora_idx, state.active_slots = None, frozenset()
             return
         if token_lora_idx.dim() != 1 or token_lora_idx.dtype.is_floating_point:
             raise ValueError(f"token_lora_idx must be a 1-D integer tensor, got {token_lora_idx.dtype} "
                              f"{tuple(token_lora_idx.shape)}")
-        used = set(token_lora_idx.unique().tolist()) - {-1}
-        bad = [s for s in used if not 0 <= s < self.max_loras]
-        if bad:
-            raise ValueError(f"token_lora_idx holds slot {bad[0]}, outside [-1, {self.max_loras})")
-        if not used:
+        lo, hi = (int(v) for v in torch.aminmax(token_lora_idx)) if token_lora_idx.numel() else (-1, -1)
+        if lo < -1 or hi >= self.max_loras:
+            raise ValueError(f"token_lora_idx holds slot {lo if lo < -1 else hi}, outside [-1, {self.max_loras})")
+        if hi < 0:
             state.token_lora_idx, state.active_slots = None, frozenset()
             return
+        used = {hi} if lo == hi else set(token_lora_idx.unique().tolist()) - {-1}
         state.token_lora_idx = token_lora_idx.to(self.device, torch.int32, non_blocking=True)
         state.active_slots = frozenset(used)
+        state.segments = ops.lora_segments(state.token_lora_idx, self.max_loras)
+
+    def bind_static_token_slots(self, token_lora_idx: torch.Tensor) -> None:
+        """Graph mode: every wrapper reads ``token_lora_idx`` (a static [T] int32 buffer on the model's device,
+        -1 = no adapter) and runs its LoRA kernels whatever the host knows of the slots (``always_on``), so a
+        captured graph holds the LoRA work of every layer. ``set_token_slots`` (None included) leaves graph mode."""
+        if token_lora_idx.device.type != self.device.type or token_lora_idx.dtype != torch.int32:
+            raise ValueError(f"a static token map must be int32 on {self.device}, got {token_lora_idx.dtype} on "
+                             f"{token_lora_idx.device}")
+        state = self.state
+        state.token_lora_idx = token_lora_idx
+        state.active_slots = frozenset(range(self.max_loras))
+        state.always_on = True
+        state.segments = ops.lora_segments(token_lora_idx, self.max_loras)
+
+    def supports_static_token_slots(self) -> bool:
+        """Whether the wrappers honour ``LoRAState.always_on`` (active with no slot loaded): graphs need it."""
+        if not self._wrappers:
+            return True
+        state = self.state
+        saved = (state.token_lora_idx, state.active_slots, getattr(state, "always_on", False),
+                 getattr(state, "segments", None))
+        loaded = [list(w.loaded) for w in self._wrappers]
+        try:
+            for w in self._wrappers:
+                w.loaded[:] = [False] * len(w.loaded)
+            state.token_lora_idx = torch.full((1,), -1, dtype=torch.int32, device=self.device)
+            state.active_slots, state.always_on = frozenset(), True
+            return all(w.lora_active() for w in self._wrappers)
+        finally:
+            state.token_lora_idx, state.active_slots, state.always_on, state.segments = saved
+            for w, flags in zip(self._wrappers, loaded):
+                w.loaded[:] = flags
+
+    @staticmethod
+    def estimate_nbytes(model: nn.Module, *, max_loras: int, max_rank: int, dtype: torch.dtype,
+                        targets: tuple[str, ...] | None = None) -> int:
+        """Device bytes ``LoRASlots(model, ...)`` would allocate, without allocating (KV pool sizing)."""
+        targets = tuple(targets or SUPPORTED_TARGETS)
+        gate_up, down = EXPERT_TARGETS
+        L, R = max_loras, max_rank
+        elems = 0
+        for layer in model.model.layers:
+            for path, mod in layer.named_modules():
+                if isinstance(mod, Linear):
+                    parent_path, _, name = path.rpartition(".")
+                    names = mod.output_names or [name]
+                    slice_targets = [f"{parent_path}.{n}" if parent_path else n for n in names]
+                    if any(t in targets for t in slice_targets):
+                        elems += L * R * (len(slice_targets) * mod.in_features + mod.out_features)
+                elif isinstance(mod, FusedExperts):
+                    E, H, I = mod.num_experts, mod.hidden_size, mod.intermediate_size
+                    if gate_up in targets:
+                        elems += L * E * R * (H + 2 * I)
+                    if down in targets:
+                        elems += L * E * R * (I + H)
+        return elems * torch.empty((), dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:

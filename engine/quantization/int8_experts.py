@@ -8,10 +8,10 @@ Shapes (E experts, H hidden, I intermediate): w13 [E, 2I, H] -> w13_q int8 [E, 2
 w2 [E, H, I] -> w2_q int8 [E, H, I] + w2_scale [E, H]. Biases stay in the model dtype.
 
 The base path runs ``ops.fused_moe_int8`` (Triton: int8 tiles widened in registers, the scale on the fp32
-accumulator; elsewhere the torch reference). ``LoRAFusedExperts`` reads ``base.w13`` / ``base.w2`` for its
-per-expert GEMMs: ``Int8FusedExperts`` answers those reads with the dequantised weights (built on each access,
-one layer at a time, in the model dtype), so the LoRA path computes exactly the float model with ``q * scale``
-weights. That path is a correctness fallback, not a fast one: a fused int8 + LoRA expert path is future work.
+accumulator; elsewhere the torch reference). ``LoRAFusedExperts`` passes ``w13_q`` / ``w13_scale`` / ``w2_q`` /
+``w2_scale`` to ``ops.moe_experts_lora``, whose GEMMs dequantise the same way (fused on CUDA; per expert, to the
+model dtype, in the reference), so the LoRA path computes the float model with ``q * scale`` weights. The
+``w13`` / ``w2`` properties (dequantised on each access) remain for inspection and tests only.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Int8FusedExperts(FusedExperts):
         q.b13, q.b2 = experts.b13, experts.b2
         return q
 
-    # The LoRA wrapper's per-expert GEMMs read these: dequantised on access, never stored.
+    # Inspection and tests: dequantised on access, never stored (no engine path reads them).
     @property
     def w13(self) -> torch.Tensor:
         return self._dequant(self.w13_q, self.w13_scale)
@@ -91,23 +91,26 @@ def quantize_experts_int8(model: nn.Module, lora_slots=None) -> int:
     Call ``torch.cuda.empty_cache()`` afterwards to return the freed memory."""
     count = 0
     replaced: dict[int, Int8FusedExperts] = {}
-    for parent in list(model.modules()):
-        if isinstance(parent, LoRAFusedExperts):
-            if isinstance(parent.base, Int8FusedExperts):
-                continue
-            q = Int8FusedExperts.from_float(parent.base)
-            replaced[id(parent.base)] = q
-            parent._base = (q,)  # the wrapper has no public setter for its base
-            for name in ("w13", "w2"):
-                parent._parameters.pop(name, None)  # the wrapper mirrored the base's parameters
-            count += 1
+    # (parent, child name) pairs and wrappers only: holding the float modules themselves (e.g. a list of
+    # model.modules()) would keep every layer's float weights alive until the end
+    wrappers = [m for m in model.modules() if isinstance(m, LoRAFusedExperts)]
+    sites = [(parent, name) for parent in model.modules() if not isinstance(parent, LoRAFusedExperts)
+             for name, child in parent.named_children()
+             if isinstance(child, FusedExperts) and not isinstance(child, Int8FusedExperts)]
+    for wrapper in wrappers:
+        if isinstance(wrapper.base, Int8FusedExperts):
             continue
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FusedExperts) and not isinstance(child, Int8FusedExperts):
-                q = Int8FusedExperts.from_float(child)
-                replaced[id(child)] = q
-                setattr(parent, name, q)
-                count += 1
+        q = Int8FusedExperts.from_float(wrapper.base)
+        replaced[id(wrapper.base)] = q
+        wrapper._base = (q,)  # the wrapper has no public setter for its base
+        for name in ("w13", "w2"):
+            wrapper._parameters.pop(name, None)  # the wrapper mirrored the base's parameters
+        count += 1
+    for parent, name in sites:
+        q = Int8FusedExperts.from_float(getattr(parent, name))
+        replaced[id(getattr(parent, name))] = q
+        setattr(parent, name, q)  # the float module (and its weights) is freed here, one layer at a time
+        count += 1
     if count == 0:
         raise ValueError("quantize_experts_int8 found no FusedExperts to quantise (already INT8, or not a MoE "
                          "model)")

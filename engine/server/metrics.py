@@ -11,9 +11,11 @@ gauges (the same numbers, polled by the platform and labelled ``replica``): a Pr
     loraplex_engine_server_kv_blocks_total / _used / _free / _cached, _kv_usage_ratio
     loraplex_engine_server_prefix_cache_hit_rate, _gpu_slot_hit_rate     (absent before the first lookup/admission)
     loraplex_engine_server_adapters_resident{tier}          gpu / cpu / disk
+    loraplex_engine_server_adapter_disk_bytes / _max_bytes  the disk cache's size and its cap (absent: no cap)
     loraplex_engine_server_adapters_loading / _failed / _pinned
     loraplex_engine_server_prefix_cache_queries_total / _hits_total, _preemptions_total, _adapter_cold_starts_total
-    loraplex_engine_server_adapter_events_total{event}      the adapter manager's counters (fetches, loads, ...)
+    loraplex_engine_server_adapter_events_total{event}      the adapter manager's counters (fetches, loads,
+                                                            disk_evictions, ...)
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ GAUGES = (  # (stats key, metric suffix, help)
     ("kv_usage", "kv_usage_ratio", "Fraction of KV blocks referenced"),
     ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens since start"),
     ("gpu_slot_hit_rate", "gpu_slot_hit_rate", "Admissions whose adapter was already in a GPU slot, since start"),
+    ("adapter_disk_bytes", "adapter_disk_bytes", "Bytes of the adapter disk cache"),
+    ("adapter_disk_max_bytes", "adapter_disk_max_bytes", "Size cap of the adapter disk cache (absent: none)"),
+    ("kv_cache_tokens", "kv_cache_tokens", "Tokens the KV cache pool holds"),
+    ("kv_cache_gib", "kv_cache_gib", "GiB of the KV cache pool"),
+    ("num_cuda_graphs", "cuda_graphs", "Decode batch sizes captured as CUDA graphs"),
 )
 COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),

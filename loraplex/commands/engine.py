@@ -25,15 +25,33 @@ def register(subparsers) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs of the host (gloo processes on CPU)")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    s.add_argument("--cuda-graph-max-batch-size", type=int, default=64,
+                   help="largest decode batch captured as a CUDA graph (larger batches run eagerly)")
+    s.add_argument("--quantization", choices=("int8",), default=None,
+                   help="int8: INT8 weight-only expert weights, quantised at load")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
     s.add_argument("--max-loras", type=int, default=4)
     s.add_argument("--max-lora-rank", type=int, default=16)
     s.add_argument("--max-cpu-loras", type=int, default=16)
     s.add_argument("--adapter-cache-dir", default=os.environ.get("LORAPLEX_ADAPTER_CACHE_DIR"))
+    s.add_argument("--adapter-cache-max-bytes", type=_size,
+                   default=os.environ.get("LORAPLEX_ADAPTER_CACHE_MAX_BYTES", "20GiB"),
+                   help="LRU cap of the adapter disk cache: bytes, or 20GiB / 20Gi / 500MB; none = unbounded, "
+                        "0 = cache nothing (default 20GiB)")
     s.add_argument("--null-tokens", type=int, default=8, help="--null: tokens per request unless max_tokens says")
     s.add_argument("--null-delay-ms", type=float, default=0.0, help="--null: delay between tokens")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=run)
+
+
+def _size(text: str) -> int | None:
+    from loraplex.engine.lora.disk_cache import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,10 +64,12 @@ def run(args: argparse.Namespace) -> int:
                                 token_delay_s=args.null_delay_ms / 1000)
     else:
         kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                      cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, quantization=args.quantization)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                          max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir)
+                          max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir,
+                          adapter_cache_max_bytes=args.adapter_cache_max_bytes)
 
         def make():
             return real_service(args.model, model_name=args.model_name, **kwargs)

@@ -121,7 +121,7 @@ def test_layers_without_an_active_adapter_do_no_lora_work(setup, monkeypatch):
     slots.load(0, weights(attn, cfg))   # attention only
     slots.load(1, weights(full, cfg))
     calls = {"moe_lora": 0, "shrink": 0}
-    real_moe, real_shrink = ops.fused_moe_lora, ops.lora_shrink
+    real_moe, real_shrink = ops.moe_experts_lora, ops.lora_shrink
 
     def count(name, fn):
         def wrapped(*a, **k):
@@ -129,7 +129,7 @@ def test_layers_without_an_active_adapter_do_no_lora_work(setup, monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(lora_layers.ops, "fused_moe_lora", count("moe_lora", real_moe))
+    monkeypatch.setattr(lora_layers.ops, "moe_experts_lora", count("moe_lora", real_moe))
     monkeypatch.setattr(lora_layers.ops, "lora_shrink", count("shrink", real_shrink))
     experts = model.model.layers[0].mlp.experts
     dense_mlp = model.model.layers[1].mlp.gate_up_proj
@@ -142,7 +142,7 @@ def test_layers_without_an_active_adapter_do_no_lora_work(setup, monkeypatch):
     assert calls["shrink"] == 1
     slots.set_token_slots(torch.tensor([1, 0, -1, 0], dtype=torch.int32))
     experts(x, tw, ids)
-    assert calls["moe_lora"] == 2  # gate_up and down
+    assert calls["moe_lora"] == 1  # one expert layer call (gate_up and down LoRA inside)
     slots.set_token_slots(torch.full((4,), -1, dtype=torch.int32))  # all base: same as None
     assert slots.state.token_lora_idx is None
     slots.set_token_slots(None)

@@ -1,0 +1,216 @@
+"""Decode steps padded to a batch-size bucket and run from static device buffers; on CUDA one graph per bucket.
+
+    pure-decode step of n sequences ──▶ bucket b = smallest bucket >= n
+        host (pinned) buffers ── 2 copies ──▶ static device buffers (rows n..b-1 padded) ──▶ graph[b].replay()
+        ──▶ hidden[:n]   (logits and sampling stay outside the graph)
+
+Static buffers (B = largest bucket, W = ceil(max_model_len / block_size)), in two packed device tensors so a
+step makes one host->device copy per dtype:
+
+    int64  [3B]           input_ids [B] | positions [B] | slot_mapping [B]         (pad: 0 | 0 | -1)
+    int32  [3B+1+B*W]     seq_lens [B] | query_start_loc [B+1] | token_lora_idx [B] | block_tables [B, W]
+                                                                    (pad: 0 | arange, fixed | -1 | 0)
+
+A padded row is a sequence of one query token with context length 0: reshape_and_cache skips its slot (-1),
+paged attention (Triton and the torch reference) reads no key and writes zeros, LoRA gives it no delta (-1);
+its hidden row is discarded. So a graph serves base and adapter requests alike: token -> slot indices and block
+tables are graph inputs, never captured constants, and the LoRA kernels are always in the graph
+(``LoRAState.always_on``; empty slots hold zeros, base tokens have index -1).
+
+Graphable step: every scheduled sequence computes exactly one token, no prompt logprobs, at most B sequences
+and block tables of at most W blocks. Graphs are captured only on CUDA with tensor_parallel_size == 1 and
+enforce_eager off; ``capture=False`` runs the same padded path eagerly (CPU tests prove it token-identical).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplex.engine.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from loraplex.engine.model_runner import ModelRunner
+    from loraplex.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 beyond, capped at
+    ``max_batch_size`` (which is always the last bucket)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes, b = [1, 2, 4], 8
+    while b < max_batch_size:
+        sizes.append(b)
+        b += 8 if b < 64 else 16 if b < 128 else 32
+    return [s for s in sizes if s < max_batch_size] + [max_batch_size]
+
+
+class DecodeGraphs:
+    """The padded decode path of one ``ModelRunner``: static buffers, buckets and (``capture=True``) graphs."""
+
+    def __init__(self, runner: "ModelRunner", max_batch_size: int, max_model_len: int, *, capture: bool) -> None:
+        if capture and runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use capture=False for the eager padded path")
+        self.runner = runner
+        self.capture = capture
+        self.buckets = batch_buckets(max_batch_size)
+        self.max_model_len = max_model_len
+        B = self.max_batch_size = self.buckets[-1]
+        W = self.max_blocks = -(-max_model_len // runner.block_size)
+        dev = runner.device
+        pin = dev.type == "cuda"
+        self._host64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(3 * B + 1 + B * W, dtype=torch.int32, pin_memory=pin)
+        self._h64, self._h32 = self._host64.numpy(), self._host32.numpy()
+        self._h32[B:2 * B + 1] = range(B + 1)  # query_start_loc: one token per row, fixed
+        self._dev64 = self._host64.to(dev, copy=True)  # a separate tensor on CPU too: the same copies run there
+        self._dev32 = self._host32.to(dev, copy=True)
+        # device views (the graph inputs)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, B)
+        self.seq_lens = self._dev32[:B]
+        self.query_start_loc = self._dev32[B:2 * B + 1]
+        self.token_lora_idx = self._dev32[2 * B + 1:3 * B + 1]
+        self.block_tables = self._dev32[3 * B + 1:].view(B, W)
+        self._attn = {b: AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
+                                           seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
+                                           max_query_len=1, max_seq_len=max_model_len) for b in self.buckets}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}   # hidden [b, H] written by graph b (in the shared pool)
+        self._copied: torch.cuda.Event | None = None  # host buffers are free again once this completes
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+        self.num_steps = 0                            # steps run on this path (graph replays or padded eager)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"batch of {n} sequences is over the largest bucket {self.max_batch_size}")
+
+    def can_run(self, out: "SchedulerOutput") -> bool:
+        """True when ``out`` is a pure decode step this path serves (see the module docstring)."""
+        if self.capture and not self._graphs:
+            return False  # capture failed or was not made: the runner's eager path
+        scheduled = out.scheduled
+        if not scheduled or len(scheduled) > self.max_batch_size:
+            return False
+        return all(s.num_new_tokens == 1 and s.prompt_logprobs is None and len(s.block_ids) <= self.max_blocks
+                   for s in scheduled)
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def run(self, out: "SchedulerOutput", lora_slots: dict[int, int] | None) -> torch.Tensor:
+        """Hidden states [n, H] of the step's n decode tokens, in ``out.scheduled`` order."""
+        n = len(out.scheduled)
+        b = self.bucket_for(n)
+        self._write_inputs(out.scheduled, lora_slots, b)
+        self.num_steps += 1
+        if self.capture:
+            self._graphs[b].replay()
+            return self._outputs[b][:n]
+        return self._forward(b)[:n]
+
+    def _write_inputs(self, scheduled: list, lora_slots: dict[int, int] | None, b: int) -> None:
+        """Fill the host buffers (rows n..b-1 padded) and copy them to the static device buffers."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the pinned buffers
+        B, W, bs = self.max_batch_size, self.max_blocks, self.runner.block_size
+        h64, h32 = self._h64, self._h32
+        ids, pos, slots = h64[:B], h64[B:2 * B], h64[2 * B:]
+        seq_lens, lora = h32[:B], h32[2 * B + 1:3 * B + 1]
+        tables = h32[3 * B + 1:].reshape(B, W)
+        n = len(scheduled)
+        max_loras = self.runner.lora.max_loras if self.runner.lora is not None else 0
+        tables[:b] = 0
+        for i, s in enumerate(scheduled):
+            seq, table = s.seq, s.block_ids
+            ctx = seq.num_computed_tokens
+            ids[i] = seq.token_ids_slice(ctx, ctx + 1)[0]
+            pos[i] = ctx
+            slots[i] = table[ctx // bs] * bs + ctx % bs
+            seq_lens[i] = ctx + 1
+            tables[i, :len(table)] = table
+            slot = -1 if lora_slots is None else lora_slots.get(seq.seq_id, -1)
+            if not -1 <= slot < max_loras:
+                raise ValueError(f"sequence {seq.seq_id} has LoRA slot {slot}, outside [-1, {max_loras})")
+            lora[i] = slot
+        ids[n:b], pos[n:b], slots[n:b], seq_lens[n:b], lora[n:b] = 0, 0, -1, 0, -1
+        nb = self._dev64.is_cuda
+        self._dev64.copy_(self._host64, non_blocking=nb)
+        used = 3 * B + 1 + b * W
+        self._dev32[:used].copy_(self._host32[:used], non_blocking=nb)
+        if nb:
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _write_padding(self, b: int) -> None:
+        """Every row of bucket ``b`` padded (warm-up and capture: no KV cache read or written)."""
+        self._write_inputs([], None, b)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The model on bucket ``b``'s static buffers -> hidden [b, H] (what a graph captures)."""
+        runner = self.runner
+        lora = runner.lora
+        if lora is not None:
+            lora.bind_static_token_slots(self.token_lora_idx[:b])
+        try:
+            return runner.model(self.input_ids[:b], self.positions[:b], self._attn[b], runner.kv_caches)
+        finally:
+            if lora is not None:
+                lora.set_token_slots(None)
+
+    # ---- capture --------------------------------------------------------------------------------------------
+    def capture_all(self) -> bool:
+        """Warm up and capture one graph per bucket, largest first, in one shared memory pool. On any failure:
+        a warning, no graphs (the runner then runs every step eagerly). Returns whether graphs are in place."""
+        if not self.capture:
+            return False
+        lora = self.runner.lora
+        if lora is not None and not lora.supports_static_token_slots():
+            logger.warning("CUDA graphs disabled: the LoRA layers do not support LoRAState.always_on (a graph would "
+                           "leave out the LoRA kernels); running decode steps eagerly")
+            return False
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.inference_mode():
+                for b in reversed(self.buckets):
+                    self._write_padding(b)
+                    self._forward(b)  # warm-up: Triton compiles and tuning lookups happen outside the capture
+                    torch.cuda.synchronize(dev)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        hidden = self._forward(b)
+                    self._graphs[b], self._outputs[b] = graph, hidden
+            torch.cuda.synchronize(dev)
+        except Exception as e:  # noqa: BLE001 - any capture problem: fall back to eager, loudly
+            self._graphs.clear()
+            self._outputs.clear()
+            if lora is not None:
+                lora.set_token_slots(None)
+            logger.warning("CUDA graph capture failed (%s: %s); running decode steps eagerly", type(e).__name__, e)
+            try:
+                torch.cuda.synchronize(dev)
+            except Exception:  # noqa: BLE001
+                logger.exception("CUDA device unusable after the failed capture")
+                raise
+            return False
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(dev)[0])
+        logger.info("CUDA graphs: %d decode buckets (%s) captured in %.1f s, %.0f MiB%s", len(self._graphs),
+                    ",".join(map(str, self.buckets)), self.capture_seconds, self.graph_memory_bytes / 2**20,
+                    " (LoRA kernels included)" if lora is not None else "")
+        return True
+
