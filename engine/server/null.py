@@ -1,12 +1,15 @@
 """NullEngineService: the engine API with no model: every request streams ``max_tokens`` fixed tokens (default
-``num_tokens``), ``token_delay_s`` apart. For measuring the gateway's own overhead."""
+``num_tokens``), ``token_delay_s`` apart. For measuring the gateway's own overhead.
+
+``n`` / ``best_of`` give that many identical completions; ``logprobs`` / ``prompt_logprobs`` report every token
+as certain (logprob 0, rank 1), so the gateway's shapes can be exercised without a model."""
 from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator
 
 from loraplex.engine.server.errors import InvalidRequestError
-from loraplex.engine.server.protocol import AdapterSpec, GenerateRequest, chunk_dict
+from loraplex.engine.server.protocol import AdapterSpec, GenerateRequest, chunk_dict, logprob_dict, output_dict
 
 NULL_TOKEN_ID = 7
 NULL_TOKEN_TEXT = " tok"
@@ -36,6 +39,8 @@ class NullEngineService:
         if request.adapter is not None:
             self._resident[request.adapter.adapter_id] = request.adapter
         n_prompt = len(request.prompt) if isinstance(request.prompt, list) else max(1, len(request.prompt) // 4)
+        seqs, logprobs, prompt_lp = _extras(request.sampling)
+        detailed = seqs > 1 or logprobs is not None
         self.num_requests += 1
         self._active.add(request.request_id)
         try:
@@ -44,12 +49,21 @@ class NullEngineService:
                     await asyncio.sleep(self.token_delay_s)
                 if request.request_id not in self._active:  # aborted
                     yield chunk_dict(request.request_id, [], "", finished=True, finish_reason="abort",
-                                     prompt_tokens=n_prompt, completion_tokens=i)
+                                     prompt_tokens=n_prompt, completion_tokens=i * seqs)
                     return
                 last = i == max_tokens - 1
+                reason = "length" if last else None
+                outputs = None
+                if detailed:
+                    entries = None if logprobs is None else [_certain(NULL_TOKEN_ID, NULL_TOKEN_TEXT, logprobs)]
+                    outputs = [output_dict(k, [NULL_TOKEN_ID], NULL_TOKEN_TEXT, finish_reason=reason, logprobs=entries)
+                               for k in range(seqs)]
+                prompt_entries = None
+                if last and prompt_lp is not None and isinstance(request.prompt, list):
+                    prompt_entries = [None] + [_certain(t, "", prompt_lp) for t in request.prompt[1:]]
                 yield chunk_dict(request.request_id, [NULL_TOKEN_ID], NULL_TOKEN_TEXT, finished=last,
-                                 finish_reason="length" if last else None, prompt_tokens=n_prompt,
-                                 completion_tokens=i + 1)
+                                 finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=(i + 1) * seqs,
+                                 outputs=outputs, prompt_logprobs=prompt_entries)
         finally:
             self._active.discard(request.request_id)
 
@@ -92,3 +106,19 @@ class NullEngineService:
 
     async def close(self) -> None:
         return None
+
+
+def _extras(sampling: dict) -> tuple[int, int | None, int | None]:
+    """(sequences to run, logprobs, prompt_logprobs) of a request's sampling dict, checked like SamplingParams."""
+    n, best_of = sampling.get("n"), sampling.get("best_of")
+    n = 1 if n is None else n
+    logprobs, prompt_lp = sampling.get("logprobs"), sampling.get("prompt_logprobs")
+    for name, value, low in (("n", n, 1), ("best_of", best_of, n), ("logprobs", logprobs, 0),
+                             ("prompt_logprobs", prompt_lp, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
+    return max(n, best_of or 1), logprobs, prompt_lp
+
+
+def _certain(token_id: int, text: str, top: int) -> dict:
+    return logprob_dict(token_id, text, 0.0, 1, [(token_id, text, 0.0)] if top else [])

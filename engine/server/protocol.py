@@ -4,6 +4,19 @@
       {"request_id", "token_ids": [new ids], "text": "new text", "finished", "finish_reason",
        "prompt_tokens", "completion_tokens", "cached_tokens"}
       an error after the stream started is a last line {"request_id", "finished": true, "error": {"message","type"}}
+
+The top-level ``token_ids`` / ``text`` / ``finish_reason`` are the first completion's (what clients of one
+sequence read); ``completion_tokens`` counts the output tokens of every completion reported. A request with
+``n > 1``, ``best_of`` or ``logprobs`` also gets, per chunk, the completions that changed in it:
+
+      "outputs": [{"index", "token_ids": [new ids], "text": "new text", "finish_reason" (once, when it ended),
+                   "cumulative_logprob", "logprobs": [entry per new token] | null}]
+
+and a request with ``prompt_logprobs`` gets on its last chunk ``"prompt_logprobs": [null, entry, ...]`` (one per
+prompt token; the first has none). A logprob entry is ``{"id", "token" (its text), "logprob", "rank",
+"top": [[id, token, logprob], ...]}`` (best first); the values are the model's raw distribution. A token whose
+text alone is not valid UTF-8 (part of a character: U+FFFD) also has its raw bytes: ``"bytes": [..]`` in an
+entry, a fourth element in a ``top`` item.
 """
 from __future__ import annotations
 
@@ -102,10 +115,33 @@ class GenerateRequest:
 
 
 def chunk_dict(request_id: str, token_ids: list[int], text: str, *, finished: bool, finish_reason: str | None,
-               prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"request_id": request_id, "token_ids": token_ids, "text": text, "finished": finished,
-            "finish_reason": finish_reason, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "cached_tokens": cached_tokens}
+               prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, outputs: list[dict] | None = None,
+               prompt_logprobs: list[dict | None] | None = None) -> dict:
+    d = {"request_id": request_id, "token_ids": token_ids, "text": text, "finished": finished,
+         "finish_reason": finish_reason, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "cached_tokens": cached_tokens}
+    if outputs is not None:
+        d["outputs"] = outputs
+    if prompt_logprobs is not None:
+        d["prompt_logprobs"] = prompt_logprobs
+    return d
+
+
+def output_dict(index: int, token_ids: list[int], text: str, *, finish_reason: str | None = None,
+                cumulative_logprob: float = 0.0, logprobs: list[dict] | None = None) -> dict:
+    """One completion's part of a chunk (``chunk_dict(outputs=[...])``)."""
+    return {"index": index, "token_ids": token_ids, "text": text, "finish_reason": finish_reason,
+            "cumulative_logprob": cumulative_logprob, "logprobs": logprobs}
+
+
+def logprob_dict(token_id: int, token: str, logprob: float, rank: int, top: list[tuple] = (),
+                 raw_bytes: list[int] | None = None) -> dict:
+    """One position's logprob entry: the chosen token (id, text, logprob, rank) and the ``top`` alternatives
+    ``(id, text, logprob[, bytes])``; ``raw_bytes`` only for a token whose text alone is not valid UTF-8."""
+    d = {"id": token_id, "token": token, "logprob": logprob, "rank": rank, "top": [list(t) for t in top]}
+    if raw_bytes is not None:
+        d["bytes"] = list(raw_bytes)
+    return d
 
 
 def error_dict(message: str, type_: str) -> dict:

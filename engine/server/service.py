@@ -11,7 +11,8 @@ from typing import Any, AsyncIterator
 
 from loraplex.engine.server.errors import (AdapterFetchUnavailableError, AdapterInUseError, AdapterUnavailableError,
                                            EngineUnavailableError, InvalidRequestError)
-from loraplex.engine.server.protocol import AdapterSpec, GenerateRequest, chunk_dict
+from loraplex.engine.server.chunks import ChunkEncoder, TokenTexts
+from loraplex.engine.server.protocol import AdapterSpec, GenerateRequest
 
 
 class EngineService:
@@ -21,6 +22,7 @@ class EngineService:
         self.engine = engine
         self.model_name = model_name
         self._refs: dict[str, Any] = {}      # adapter_id -> AdapterRef seen in loads/requests
+        self._texts = TokenTexts(getattr(engine.engine, "tokenizer", None))  # logprob entries' token texts
 
     @property
     def lora_enabled(self) -> bool:
@@ -58,12 +60,11 @@ class EngineService:
                 raise InvalidRequestError("this engine serves the base model only (started without LoRA); "
                                           "send no adapter or start it with --enable-lora")
             ref = self._ref(request.adapter)
+        encoder = ChunkEncoder(params, self._texts)
         stream = self.engine.generate(request.request_id, request.prompt, params, ref)
         try:
             async for out in stream:
-                yield chunk_dict(out.request_id, list(out.new_token_ids), out.new_text, finished=out.finished,
-                                 finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
-                                 completion_tokens=len(out.output_token_ids), cached_tokens=out.num_cached_tokens)
+                yield encoder.encode(out)
         except AdapterLoadError as e:
             raise (AdapterFetchUnavailableError if e.retryable else AdapterUnavailableError)(str(e)) from None
         except EngineDeadError as e:

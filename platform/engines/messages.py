@@ -46,9 +46,61 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's logprob: the chosen token (id, text, logprob, rank, ``bytes``) and its ``top`` alternatives
+    ``(id, text, logprob, bytes)``, best first. ``bytes`` is None unless the engine sent the raw bytes of a token
+    that is part of a UTF-8 character (its text alone is U+FFFD); else the text's UTF-8 is the token's bytes."""
+
+    id: int
+    token: str
+    logprob: float
+    rank: int = 1
+    top: tuple[tuple[int, str, float, tuple[int, ...] | None], ...] = ()
+    bytes: tuple[int, ...] | None = None
+
+    @property
+    def token_bytes(self) -> list[int]:
+        return list(self.bytes) if self.bytes is not None else list(self.token.encode("utf-8"))
+
+    @classmethod
+    def from_wire(cls, d: dict | None) -> "TokenLogprob | None":
+        if d is None:
+            return None
+        top = tuple((int(t[0]), str(t[1]), float(t[2]), tuple(t[3]) if len(t) > 3 and t[3] is not None else None)
+                    for t in d.get("top", ()))
+        raw = d.get("bytes")
+        return cls(id=int(d["id"]), token=str(d.get("token") or ""), logprob=float(d["logprob"]),
+                   rank=int(d.get("rank", 1)), top=top, bytes=tuple(raw) if raw is not None else None)
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """One completion's part of a chunk: its ``index``, new tokens and text, ``finish_reason`` (in the chunk that
+    ended it), ``cumulative_logprob`` so far and the new tokens' ``logprobs`` (None unless asked)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "OutputDelta":
+        lps = d.get("logprobs")
+        return cls(index=int(d.get("index", 0)), token_ids=list(d.get("token_ids", [])), text=d.get("text", ""),
+                   finish_reason=d.get("finish_reason"), cumulative_logprob=float(d.get("cumulative_logprob") or 0.0),
+                   logprobs=None if lps is None else [TokenLogprob.from_wire(e) for e in lps])
+
+
+@dataclass(frozen=True)
 class EngineChunk:
     """This step's new tokens of one request; the last chunk has ``finished=True`` and a ``finish_reason``
-    ("stop", "length", "abort"). Token counts are cumulative (usage metering reads the last chunk)."""
+    ("stop", "length", "abort"). Token counts are cumulative (usage metering reads the last chunk);
+    ``completion_tokens`` counts every completion's tokens.
+
+    ``outputs``: the completions that changed in this chunk (an engine that sends none: one built from the
+    top-level fields, index 0); ``prompt_logprobs``: on the last chunk of a request that asked for them."""
 
     request_id: str
     token_ids: list[int]
@@ -58,13 +110,24 @@ class EngineChunk:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    outputs: list[OutputDelta] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def from_wire(cls, d: dict) -> "EngineChunk":
-        return cls(request_id=d["request_id"], token_ids=list(d.get("token_ids", [])), text=d.get("text", ""),
-                   finished=bool(d.get("finished")), finish_reason=d.get("finish_reason"),
-                   prompt_tokens=int(d.get("prompt_tokens", 0)), completion_tokens=int(d.get("completion_tokens", 0)),
-                   cached_tokens=int(d.get("cached_tokens", 0)))
+        finished, reason = bool(d.get("finished")), d.get("finish_reason")
+        token_ids, text = list(d.get("token_ids", [])), d.get("text", "")
+        if d.get("outputs") is not None:
+            outputs = [OutputDelta.from_wire(o) for o in d["outputs"]]
+        elif token_ids or text or finished:
+            outputs = [OutputDelta(0, token_ids, text, reason if finished else None)]
+        else:
+            outputs = []
+        plp = d.get("prompt_logprobs")
+        return cls(request_id=d["request_id"], token_ids=token_ids, text=text, finished=finished,
+                   finish_reason=reason, prompt_tokens=int(d.get("prompt_tokens", 0)),
+                   completion_tokens=int(d.get("completion_tokens", 0)), cached_tokens=int(d.get("cached_tokens", 0)),
+                   outputs=outputs, prompt_logprobs=None if plp is None else [TokenLogprob.from_wire(e) for e in plp])
 
 
 @dataclass(frozen=True)

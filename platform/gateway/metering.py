@@ -6,7 +6,8 @@
 
     ttft = first token - arrival        (None when no token came)
     e2e  = end - arrival                (served requests only: status < 400)
-    tpot = (e2e - ttft) / (completion - 1)   (None below two completion tokens)
+    tpot = (e2e - ttft) / (completion / sequences - 1)   (None below two tokens per sequence; n > 1 and
+                                                         best_of run ``sequences`` side by side)
 
 ``status`` is the HTTP status answered, or for a stream that broke after its first token the status of the error
 it carried (the 200 was already sent), and 499 for a client that left before the end (nginx's "client closed
@@ -52,7 +53,7 @@ class RequestMeter:
             self.metrics.observe_quota_rejection(self.tenant, kind)
 
     def finish(self, status: int, *, prompt_tokens: int = 0, completion_tokens: int = 0,
-               error: str | None = None) -> None:
+               error: str | None = None, sequences: int = 1) -> None:
         if self.finished:
             return
         self.finished = True
@@ -62,8 +63,9 @@ class RequestMeter:
         ttft = self.first_token_at - self.arrived if self.first_token_at is not None else None
         e2e = end - self.arrived if status < 400 else None
         tpot = None
-        if e2e is not None and ttft is not None and completion_tokens >= 2:
-            tpot = (e2e - ttft) / (completion_tokens - 1)
+        per_sequence = completion_tokens / max(1, sequences)
+        if e2e is not None and ttft is not None and per_sequence >= 2:
+            tpot = (e2e - ttft) / (per_sequence - 1)
         try:
             self.metrics.observe_request(self.tenant, self.adapter, status, ttft, tpot, e2e, prompt_tokens,
                                          completion_tokens, error=error)

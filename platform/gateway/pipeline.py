@@ -1,7 +1,7 @@
 """One inference request, start to end:
 
     authenticate ─▶ parse body ─▶ parse model ─▶ resolve adapter (tenant-scoped) ─▶ template + tokenize
-        ─▶ max_tokens ─▶ quota acquire (prompt + max_tokens) ─▶ router.stream(adapter) ─▶ chunks
+        ─▶ max_tokens ─▶ quota acquire (prompt + candidates * max_tokens) ─▶ router.stream(adapter) ─▶ chunks
         ─▶ finally: quota finish (refund unused tokens, release lease) + usage event + request metrics
 
 ``Generation.chunks()`` yields engine chunks; its ``finally`` does the accounting exactly once whatever ends the
@@ -29,6 +29,7 @@ from loraplex.platform.gateway.state import Gateway
 from loraplex.platform.inference.chat_template import ChatTemplateError
 from loraplex.platform.inference.errors import InferenceError, model_not_found
 from loraplex.platform.inference.model_name import ModelNameError, parse_model
+from loraplex.platform.inference.plan import ChoicePlan
 from loraplex.platform.inference.protocol import (ChatCompletionRequest, CompletionRequest, new_id, parse_request,
                                                   resolve_max_tokens)
 from loraplex.platform.quotas import QuotaDecision, QuotaLimits
@@ -73,6 +74,13 @@ class Prepared:
     sampling: dict[str, Any]
     adapter: ResolvedAdapter | None
     reference: AdapterReference | None
+    plan: ChoicePlan
+    echo_text: str = ""                        # completions with echo: the prompt as text
+
+    @property
+    def reserved_tokens(self) -> int:
+        """What quota acquire reserves: the prompt once, max_tokens for every choice and best_of candidate."""
+        return self.prompt_tokens + self.plan.candidates * self.max_tokens
 
 
 async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prepared:
@@ -105,12 +113,31 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
         raise InferenceError(400, "the prompt is empty; send at least one token", param="prompt")
     max_tokens = resolve_max_tokens(requested, n_prompt, gw.max_model_len)
     sampling = body.sampling_params(max_tokens)
+    plan = body.choice_plan()
+    limit = gw.settings.engine_max_num_seqs
+    if plan.engine_n > limit:
+        param = "best_of" if plan.pick_best else "n"
+        raise InferenceError(400, f"'{param}' asks for {plan.engine_n} sequences but engines run at most {limit} per "
+                                  f"request; lower '{param}'", param=param)
+    echo_text = ""
+    if plan.echo:
+        echo_text = _prompt_text(gw, body.prompts()[0])
     reference = None
     if adapter is not None:
         reference = await run_in_threadpool(gw.references.reference, adapter)
     return Prepared(kind=kind, request_id=new_id("chatcmpl" if kind == "chat" else "cmpl"), tenant=tenant,
                     body=body, prompt=prompt, prompt_tokens=n_prompt, max_tokens=max_tokens, sampling=sampling,
-                    adapter=adapter, reference=reference)
+                    adapter=adapter, reference=reference, plan=plan, echo_text=echo_text)
+
+
+def _prompt_text(gw: Gateway, raw: str | list[int]) -> str:
+    """The prompt as ``echo`` returns it: the text sent, or the token ids decoded."""
+    if isinstance(raw, str):
+        return raw
+    if not gw.tokenizer.available:
+        raise InferenceError(400, "'echo' of a token-id prompt needs the base model's tokenizer, which this "
+                                  "deployment lacks; send the prompt as text", param="echo")
+    return gw.tokenizer.decode(raw)
 
 
 def _resolve(gw: Gateway, tenant_id: str, target) -> ResolvedAdapter | None:
@@ -122,13 +149,21 @@ async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) 
     """Quota check; a denial is an ``InferenceError`` (429 / 400 / 503) carrying the rate-limit headers (and is
     counted by ``meter`` as a quota rejection of its kind)."""
     limits = QuotaLimits.resolve(prep.tenant, gw.settings)
-    decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.prompt_tokens + prep.max_tokens)
+    decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.reserved_tokens)
     if not decision.allowed:
         if meter is not None:
             meter.quota_rejected(decision.reason or "unknown")
         code = {"store_unavailable": "quota_store_unavailable", "request_too_large": "request_too_large"}.get(
             decision.reason or "", "rate_limit_exceeded")
-        raise InferenceError(decision.status_code, decision.message, code=code, headers=decision.headers())
+        message, param = decision.message, None
+        if decision.reason == "request_too_large":
+            plan = prep.plan
+            param = "max_tokens" if plan.candidates == 1 else "best_of" if plan.candidates > plan.n else "n"
+            if plan.candidates > 1:
+                message = (f"prompt ({prep.prompt_tokens}) + {param} ({plan.candidates}) x max_tokens "
+                           f"({prep.max_tokens}) = {prep.reserved_tokens} tokens exceed the tenant's tokens-per-minute "
+                           f"burst; lower '{param}' or max_tokens")
+        raise InferenceError(decision.status_code, message, code=code, param=param, headers=decision.headers())
     return decision
 
 
@@ -165,7 +200,8 @@ class Generation:
                 self.started = True
                 if chunk.completion_tokens and self.meter is not None:
                     self.meter.first_token()
-                self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+                self.prompt_tokens = chunk.prompt_tokens
+                self.completion_tokens = chunk.completion_tokens * prep.plan.bill_factor
                 self.cached_tokens = chunk.cached_tokens
                 if chunk.finished:
                     self.finish_reason = chunk.finish_reason
@@ -219,4 +255,4 @@ class Generation:
                 adapter_name=a.name if a else None, adapter_version_id=a.version_id if a else None))
         if self.meter is not None:
             self.meter.finish(status, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                              error=error)
+                              error=error, sequences=self.prep.plan.candidates)

@@ -1,8 +1,9 @@
 """OpenAI-shaped answers of a ``Generation``: a whole completion, or an SSE stream that closes the generation
 (aborting the engine request) when the client goes away.
 
-Stream layout (chat): a first chunk with ``delta.role``, one chunk per engine chunk with text, a last chunk with
-``finish_reason``, a usage chunk (``choices: []``) when ``stream_options.include_usage``, then ``[DONE]``. An
+Stream layout (chat): a first chunk with ``delta.role`` per choice, one chunk per choice and engine chunk with text
+(and that text's tokens' logprobs), each choice's last chunk with ``finish_reason``, a usage chunk
+(``choices: []``) when ``stream_options.include_usage``, then ``[DONE]``. An
 engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
 """
 from __future__ import annotations
@@ -14,11 +15,13 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from loraplex.platform.gateway.choices import Choices
 from loraplex.platform.gateway.pipeline import Generation
 from loraplex.platform.inference.errors import InferenceError
+from loraplex.platform.inference.logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from loraplex.platform.inference.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                                   ChatCompletionChunk, ChatDelta, Completion, CompletionChoice,
-                                                  Usage, now_s, openai_finish_reason)
+                                                  CompletionLogprobs, Usage, now_s, openai_finish_reason)
 from loraplex.platform.inference.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 logger = logging.getLogger(__name__)
@@ -28,38 +31,89 @@ def _usage(gen: Generation) -> Usage:
     return Usage.of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
 
 
+def _reason(engine_reason: str | None) -> str:
+    return openai_finish_reason(engine_reason) or "stop"
+
+
+def _first_prompt_token(gen: Generation) -> str:
+    """Text of the prompt's first token (its logprob entry is null, so the engine sent no text for it)."""
+    prompt = gen.prep.prompt
+    if isinstance(prompt, list) and prompt and gen.gw.tokenizer.available:
+        return gen.gw.tokenizer.decode(prompt[:1])
+    return ""
+
+
+def _echo_logprobs(gen: Generation, choices: Choices) -> CompletionLogprobs | None:
+    if not gen.prep.plan.prompt_logprobs or choices.prompt_logprobs is None:
+        return None
+    return completion_logprobs(choices.prompt_logprobs, gen.prep.plan.logprobs or 0,
+                               first_token=_first_prompt_token(gen))[0]
+
+
 async def complete(gen: Generation) -> ChatCompletion | Completion:
-    """Run to the end and build the whole answer."""
-    parts: list[str] = []
+    """Run to the end and build the whole answer: ``n`` choices (best_of: the best ``n``), with logprobs and the
+    echoed prompt when asked."""
+    prep = gen.prep
+    plan = prep.plan
+    choices = Choices(plan)
     async for chunk in gen.chunks():
-        if chunk.text:
-            parts.append(chunk.text)
-    text, prep = "".join(parts), gen.prep
-    reason = openai_finish_reason(gen.finish_reason) or "stop"
+        choices.add(chunk)
+    final = choices.final(gen.finish_reason)
+    k = plan.logprobs
     if prep.kind == "chat":
-        return ChatCompletion(id=prep.request_id, created=now_s(), model=prep.body.model, usage=_usage(gen),
-                              choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
-    return Completion(id=prep.request_id, created=now_s(), model=prep.body.model, usage=_usage(gen),
-                      choices=[CompletionChoice(text=text, finish_reason=reason)])
+        return ChatCompletion(id=prep.request_id, created=now_s(), model=prep.body.model, usage=_usage(gen), choices=[
+            ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=_reason(c.finish_reason),
+                       logprobs=chat_logprobs(c.logprobs, k) if k is not None else None) for c in final])
+    echo = prep.echo_text if plan.echo else ""
+    prompt_lp = _echo_logprobs(gen, choices)
+    out = []
+    for c in final:
+        logprobs = None
+        if k is not None:
+            logprobs = merge_completion_logprobs(prompt_lp, completion_logprobs(c.logprobs, k, offset=len(echo))[0])
+        out.append(CompletionChoice(index=c.index, text=echo + c.text, finish_reason=_reason(c.finish_reason),
+                                    logprobs=logprobs))
+    return Completion(id=prep.request_id, created=now_s(), model=prep.body.model, usage=_usage(gen), choices=out)
 
 
 async def sse_stream(gen: Generation, chunks: AsyncIterator, first: list) -> AsyncIterator[bytes]:
     """SSE events of ``chunks`` (``gen.chunks()``); ``first`` holds the chunk already taken from it, so that errors
-    before the first token were answered as plain HTTP errors."""
-    prep = gen.prep
-    created, model, chat = now_s(), prep.body.model, prep.kind == "chat"
+    before the first token were answered as plain HTTP errors.
 
-    def event(text: str | None, reason: str | None, *, role: bool = False):
+    With ``n > 1`` every event carries one choice (its ``index``), in the order the engine produced them. Echo
+    sends the prompt as each choice's first event; echo with logprobs holds the events back until the engine's
+    last chunk brings the prompt's logprobs (the stream then comes at once)."""
+    prep = gen.prep
+    plan, k = prep.plan, prep.plan.logprobs
+    created, model, chat = now_s(), prep.body.model, prep.kind == "chat"
+    choices = Choices(plan)
+    offsets = {i: len(prep.echo_text) if plan.echo else 0 for i in range(plan.n)}  # legacy text_offset per choice
+
+    def event(index: int, text: str | None, reason: str | None, *, role: bool = False, logprobs=None) -> bytes:
         if chat:
             delta = ChatDelta(role="assistant" if role else None, content=text)
-            return sse_event(ChatCompletionChunk(id=prep.request_id, created=created, model=model,
-                                                 choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
-        return sse_event(Completion(id=prep.request_id, created=created, model=model,
-                                    choices=[CompletionChoice(text=text or "", finish_reason=reason)]))
+            lp = chat_logprobs(logprobs, k) if k is not None and logprobs else None
+            return sse_event(ChatCompletionChunk(id=prep.request_id, created=created, model=model, choices=[
+                ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=lp)]))
+        lp = None
+        if k is not None and logprobs:
+            lp, offsets[index] = completion_logprobs(logprobs, k, offset=offsets[index])
+        return sse_event(Completion(id=prep.request_id, created=created, model=model, choices=[
+            CompletionChoice(index=index, text=text or "", finish_reason=reason, logprobs=lp)]))
 
+    def echo_events() -> list[bytes]:
+        lp = _echo_logprobs(gen, choices)
+        return [sse_event(Completion(id=prep.request_id, created=created, model=model, choices=[
+            CompletionChoice(index=i, text=prep.echo_text, logprobs=lp)])) for i in range(plan.n)]
+
+    held: list[bytes] | None = [] if plan.prompt_logprobs else None
     try:
         if chat:
-            yield event("", None, role=True)
+            for i in range(plan.n):
+                yield event(i, "", None, role=True)
+        elif plan.echo and held is None:
+            for e in echo_events():
+                yield e
         pending = first
         while True:
             if pending:
@@ -69,9 +123,23 @@ async def sse_stream(gen: Generation, chunks: AsyncIterator, first: list) -> Asy
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
-            reason = openai_finish_reason(chunk.finish_reason) if chunk.finished else None
-            if chunk.text or reason:
-                yield event(chunk.text if chunk.text or not chat else None, reason)
+            events = []
+            for d in choices.add(chunk):
+                reason = openai_finish_reason(d.finish_reason)
+                if d.text or reason or (k is not None and d.logprobs):
+                    events.append(event(d.index, d.text if d.text or not chat else None, reason,
+                                        logprobs=d.logprobs if k is not None else None))
+            if chunk.finished:
+                events.extend(event(i, None if chat else "", _reason(chunk.finish_reason))
+                              for i in choices.unfinished())
+            if held is None:
+                for e in events:
+                    yield e
+            else:
+                held.extend(events)
+        if held is not None:
+            for e in echo_events() + held:
+                yield e
         if prep.body.include_usage:
             cls = ChatCompletionChunk if chat else Completion
             yield sse_event(cls(id=prep.request_id, created=created, model=model, choices=[], usage=_usage(gen)))

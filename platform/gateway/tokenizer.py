@@ -38,6 +38,14 @@ class PromptTokenizer:
             return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
         raise RuntimeError("no tokenizer loaded")
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens skipped (what ``echo`` returns for a token-id prompt)."""
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=True)
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=True)
+        raise RuntimeError("no tokenizer loaded")
+
     def prompt(self, text: str, *, add_special_tokens: bool) -> tuple[str | list[int], int]:
         """(what the engine gets, prompt token count)."""
         if not self.available:

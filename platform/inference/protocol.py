@@ -3,7 +3,11 @@
 Requests accept OpenAI's fields plus a few engine extensions the ``openai`` client sends through ``extra_body``
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``); unknown fields are ignored, as
 OpenAI's own API does for fields it does not know. ``sampling_params()`` turns a request into the engine's
-``SamplingParams`` fields, refusing what the gateway cannot honour yet with a message naming the parameter.
+``SamplingParams`` fields, refusing what the gateway cannot honour yet with a message naming the parameter;
+``choice_plan()`` says how the ``n`` choices come out of the engine (``plan.py``).
+
+Choices and logprobs: ``n`` (both endpoints), chat ``logprobs`` + ``top_logprobs`` (0..20), completions
+``logprobs`` (0..5), ``echo`` and ``best_of`` (>= n; the n best by cumulative logprob; not with ``stream``).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loraplex.platform.inference.errors import InferenceError
+from loraplex.platform.inference.plan import MAX_N, ChoicePlan, plan_choices
 
 FinishReason = Literal["stop", "length"]
 
@@ -52,7 +57,7 @@ class _SamplingFields(BaseModel):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -72,9 +77,6 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _common_sampling(self, max_tokens: int) -> dict[str, Any]:
-        if self.n != 1:
-            raise InferenceError(400, "n > 1 is not supported; send n=1 (or several requests)", param="n",
-                                 code="unsupported_parameter")
         d: dict[str, Any] = {"max_tokens": max_tokens}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 4:
@@ -88,13 +90,17 @@ class _SamplingFields(BaseModel):
                 d[name] = value
         return d
 
+    def _with_plan(self, max_tokens: int) -> dict[str, Any]:
+        """The common fields plus what the choice plan asks of the engine (n, logprobs, prompt_logprobs)."""
+        return {**self._common_sampling(max_tokens), **self.choice_plan().engine_fields()}
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
     response_format: dict | None = None
 
@@ -110,21 +116,25 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def choice_plan(self) -> ChoicePlan:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InferenceError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return plan_choices(n=self.n, best_of=None, temperature=self.temperature,
+                            logprobs=(self.top_logprobs or 0) if self.logprobs else None, echo=False,
+                            stream=self.stream)
+
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """Engine ``SamplingParams`` fields, ``max_tokens`` resolved by the caller (``resolve_max_tokens``)."""
-        if self.logprobs:
-            raise InferenceError(400, "logprobs are not supported yet; leave 'logprobs' unset", param="logprobs",
-                                 code="unsupported_parameter")
-        return self._common_sampling(max_tokens)
+        return self._with_plan(max_tokens)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt per entry (text or token ids); a batch of several is refused (one choice per request)."""
@@ -136,15 +146,15 @@ class CompletionRequest(_SamplingFields):
         raise InferenceError(400, "send exactly one prompt per request (a string or a list of token ids)",
                              param="prompt")
 
+    def choice_plan(self) -> ChoicePlan:
+        return plan_choices(n=self.n, best_of=self.best_of, temperature=self.temperature, logprobs=self.logprobs,
+                            echo=self.echo, stream=self.stream)
+
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
-        for name in ("logprobs", "suffix", "best_of"):
-            if getattr(self, name) not in (None, 1 if name == "best_of" else None):
-                raise InferenceError(400, f"'{name}' is not supported yet; leave it unset", param=name,
-                                     code="unsupported_parameter")
-        if self.echo:
-            raise InferenceError(400, "'echo' is not supported yet; leave it false", param="echo",
+        if self.suffix is not None:
+            raise InferenceError(400, "'suffix' is not supported yet; leave it unset", param="suffix",
                                  code="unsupported_parameter")
-        return self._common_sampling(max_tokens)
+        return self._with_plan(max_tokens)
 
 
 def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
@@ -197,11 +207,38 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat ``choices[i].logprobs``: one entry per token of the choice (of the chunk, when streaming)."""
+
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token (echoed prompt tokens first; the very first
+    prompt token has no logprob: null); ``text_offset`` is each token's character offset in ``text``."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -223,7 +260,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -240,7 +277,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

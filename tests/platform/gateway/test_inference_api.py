@@ -98,8 +98,8 @@ def test_errors_are_openai_shaped(server):
             model=base, messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 401 and "API key" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=base, messages=[{"role": "user", "content": "x"}], n=2)
-    assert e.value.param == "n" and "n > 1 is not supported" in e.value.message
+        client.chat.completions.create(model=base, messages=[{"role": "user", "content": "x"}], n=300)
+    assert e.value.param == "n" and "less than or equal to 128" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=base, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert e.value.code == "context_length_exceeded" and "maximum context length is 256" in e.value.message

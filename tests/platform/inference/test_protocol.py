@@ -60,14 +60,44 @@ def test_bad_requests_name_the_parameter(body, param, message):
 
 
 def test_unsupported_parameters_are_400():
-    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], n=2)
-    with pytest.raises(InferenceError, match="n > 1 is not supported") as e:
+    with pytest.raises(InferenceError, match="'suffix' is not supported yet") as e:
+        CompletionRequest(model="m", prompt="x", suffix="end").sampling_params(5)
+    assert e.value.code == "unsupported_parameter" and e.value.param == "suffix"
+
+
+@pytest.mark.parametrize("cls, extra, param, message", [
+    ("chat", {"top_logprobs": 3}, "top_logprobs", "needs 'logprobs': true"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ("completion", {"logprobs": 6}, "logprobs", "less than or equal to 5"),
+    ("completion", {"n": 3, "best_of": 2}, "best_of", "greater than or equal to 'n'"),
+    ("completion", {"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+    ("completion", {"n": 129}, "n", "less than or equal to 128"),
+])
+def test_choice_parameters_out_of_range_are_400(cls, extra, param, message):
+    base = ({"model": "m", "messages": [{"role": "user", "content": "x"}]} if cls == "chat"
+            else {"model": "m", "prompt": "x"})
+    with pytest.raises(InferenceError, match=message) as e:
+        req = parse_request(ChatCompletionRequest if cls == "chat" else CompletionRequest, {**base, **extra})
         req.sampling_params(5)
-    assert e.value.code == "unsupported_parameter" and e.value.param == "n"
-    with pytest.raises(InferenceError, match="logprobs are not supported yet"):
-        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True).sampling_params(5)
-    with pytest.raises(InferenceError, match="'echo' is not supported yet"):
-        CompletionRequest(model="m", prompt="x", echo=True).sampling_params(5)
+    assert e.value.status_code == 400 and e.value.param == param
+
+
+def test_choice_plans_to_engine_sampling():
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], n=2, logprobs=True,
+                                 top_logprobs=4, temperature=0.5)
+    assert chat.sampling_params(5) == {"max_tokens": 5, "temperature": 0.5, "n": 2, "logprobs": 4}
+    # best_of > n: the engine runs best_of sequences with logprobs (their cumulative logprob ranks them)
+    best = CompletionRequest(model="m", prompt="x", n=2, best_of=5)
+    assert best.sampling_params(5) == {"max_tokens": 5, "n": 5, "logprobs": 0}
+    plan = best.choice_plan()
+    assert (plan.n, plan.candidates, plan.pick_best, plan.bill_factor) == (2, 5, True, 1)
+    # greedy n > 1: one engine sequence, copied; billed for every choice
+    greedy = CompletionRequest(model="m", prompt="x", n=3, temperature=0, echo=True, logprobs=2)
+    assert greedy.sampling_params(5) == {"max_tokens": 5, "temperature": 0, "logprobs": 2, "prompt_logprobs": 2}
+    plan = greedy.choice_plan()
+    assert (plan.engine_n, plan.fanout, plan.bill_factor, plan.echo, plan.prompt_logprobs) == (1, 3, 3, True, True)
+    for req in (chat, best, greedy):
+        SamplingParams.from_dict(req.sampling_params(5))  # the engine takes them as they are
 
 
 def test_max_tokens_resolution():
