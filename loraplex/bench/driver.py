@@ -18,8 +18,9 @@ from loraplex.bench.workload import PlannedRequest
 
 def closed_loop(engine, plan: list[PlannedRequest], adapter_refs: list, *, concurrency: int, output_len: int,
                 prefix: str = "r", soft_deadline: float | None = None, hard_deadline: float | None = None,
-                stagger_s: float = 0.0) -> tuple[list[RequestTiming], bool]:
-    """Run ``plan`` at ``concurrency`` in flight; returns (timings of every started request, truncated)."""
+                stagger_s: float = 0.0, counters: dict | None = None) -> tuple[list[RequestTiming], bool]:
+    """Run ``plan`` at ``concurrency`` in flight; returns (timings of every started request, truncated).
+    ``counters["steps"]`` (when given) counts the engine steps taken."""
     from loraplex.engine import SamplingParams
 
     if concurrency < 1:
@@ -54,6 +55,8 @@ def closed_loop(engine, plan: list[PlannedRequest], adapter_refs: list, *, concu
             continue
         outputs = engine.step()
         now = time.monotonic()
+        if counters is not None:
+            counters["steps"] = counters.get("steps", 0) + 1
         for out in outputs:
             t = timings[out.request_id]
             if out.finish_reason == "error":

@@ -14,6 +14,15 @@ def _fmt(v, digits: int = 1) -> str:
     return str(v)
 
 
+def _note(s: dict) -> str:
+    """Truncation, and how many of the scenario's engine steps replayed a CUDA graph (decode steps)."""
+    extra = s.get("extra") or {}
+    parts = ["truncated"] if s["truncated"] else []
+    if extra.get("graph_steps") is not None and extra.get("engine_steps"):
+        parts.append(f"graph steps {extra['graph_steps']}/{extra['engine_steps']}")
+    return "; ".join(parts)
+
+
 def to_markdown(report: dict) -> str:
     env, wl = report["env"], report["workload"]
     lines = [f"# loraplex bench serve ({wl['scale']})", "",
@@ -22,7 +31,16 @@ def to_markdown(report: dict) -> str:
              f"- workload: {wl['num_adapters']} adapters of rank {wl['rank']} ({wl['mix']} mix), input "
              f"{wl['input_len']}, output {wl['output_len']} (EOS ignored), concurrency {wl['concurrency']}, "
              f"{wl['num_requests']} requests planned per scenario, dtype {wl['dtype']}",
-             f"- command: `{report.get('command', '')}`", "",
+             f"- command: `{report.get('command', '')}`"]
+    for phase, info in (report.get("engine") or {}).items():
+        lines.append(f"- engine {phase}: tensor parallel {info.get('tensor_parallel_size')}, CUDA graphs "
+                     f"{_fmt(info.get('cuda_graphs'))}, enforce_eager {info.get('enforce_eager')}, quantization "
+                     f"{info.get('quantization')}, KV pool {info.get('kv_blocks')} blocks "
+                     f"({_fmt(info.get('kv_gib'), 2)} GiB), GPU memory after start "
+                     f"{_fmt(info.get('memory_after_start_gib'))} GiB")
+    if report.get("setup_s"):
+        lines.append("- setup s: " + ", ".join(f"{k} {_fmt(v)}" for k, v in report["setup_s"].items()))
+    lines += ["",
              "| scenario | requests | out tok/s per req | decode tok/s per req | TTFT p50 ms | TTFT p99 ms | "
              "TPOT mean ms | TPOT p99 ms | output tok/s | total tok/s | peak GPU GiB | wall s | note |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -32,14 +50,18 @@ def to_markdown(report: dict) -> str:
             f"{_fmt(s['per_request_decode_tok_s'])} | {_fmt(s['ttft_p50_ms'], 0)} | {_fmt(s['ttft_p99_ms'], 0)} | "
             f"{_fmt(s['tpot_mean_ms'])} | {_fmt(s['tpot_p99_ms'])} | {_fmt(s['output_throughput_tok_s'])} | "
             f"{_fmt(s['total_throughput_tok_s'])} | {_fmt(s['peak_memory_gib'])} | {_fmt(s['duration_s'])} | "
-            f"{'truncated' if s['truncated'] else ''} |")
+            f"{_note(s)} |")
     for h in report.get("hf_baseline", []):
         lines.append(f"| {h['name']} (batch {h['batch']}, static) | {h['batch']} | "
                      f"{_fmt(h['per_request_output_tok_s'])} | {_fmt(h['per_request_decode_tok_s'])} | "
                      f"{_fmt(h['ttft_ms'], 0)} | - | - | - | {_fmt(h['output_throughput_tok_s'])} | - | "
-                     f"{_fmt(h['peak_memory_gib'])} | {_fmt(h['generate_s'])} | output {h['output_len']} |")
+                     f"{_fmt(h['peak_memory_gib'])} | {_fmt(h['generate_s'])} | output {h['output_len']}"
+                     + (f"; est. {_fmt(h['est_per_request_output_tok_s'])} tok/s per req at {h['est_output_len']}"
+                        if h.get("est_per_request_output_tok_s") else "") + " |")
     if report.get("ratios"):
         lines += ["", "Ratios: " + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in report["ratios"].items())]
+    if report.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(report["skipped"])]
     if report.get("notes"):
         lines += [""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"

@@ -3,10 +3,15 @@
     loraplex bench serve                                   # GPT-OSS-20B shape, 8 adapters r32, C=16, 64 requests
     loraplex bench serve --scale tiny --out /tmp/bench     # CPU smoke run (tiny model, short prompts)
     loraplex bench serve --num-requests 16 --output-len 256 --int8 --hf-baseline --out $OUT
+    loraplex bench serve --tensor-parallel-size 2 --enforce-eager --out $OUT/tp2      # two GPUs (NCCL)
+    loraplex bench serve --quantization int8 --work-dir /tmp/w   # INT8 experts only, adapters of an earlier stage
+    loraplex bench serve --hf-only --hf-output-len 32            # the HF transformers (+ PEFT) baseline only
+    loraplex bench combine --out $OUT a/bench_serve.json b/bench_serve.json   # one table of several runs
 
 Reports per-request output tokens/s, TTFT p50/p99, TPOT, total throughput and peak memory for the base model
 alone and with the adapters (same engine, same run), optionally with INT8 experts and HF transformers + PEFT.
-Writes bench_serve.json and bench_serve.md into --out (rewritten after every scenario).
+Writes bench_serve.json and bench_serve.md into --out (rewritten after every scenario); setup costs (adapter
+writes, engine start, warm-ups) are in the JSON's ``setup_s``, the engine's KV pool / CUDA graphs / TP in ``engine``.
 """
 from __future__ import annotations
 
@@ -39,9 +44,16 @@ def register(subparsers) -> None:
     s.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     s.add_argument("--no-base-only", action="store_true", help="skip the base-only scenario")
     s.add_argument("--no-warmup", action="store_true", help="skip the per-scenario warm-up")
-    s.add_argument("--int8", action="store_true", help="then quantise experts to INT8 and run the scenarios again")
+    s.add_argument("--int8", action="store_true",
+                   help="then start a second engine with INT8 experts and run the scenarios again")
+    s.add_argument("--quantization", choices=("int8",), default=None,
+                   help="run the engine with INT8 experts only (no float phase)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks (GPUs 0..N-1 on CUDA; CPU processes over gloo otherwise)")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     s.add_argument("--hf-baseline", action="store_true",
                    help="also time HF transformers (and + PEFT with one adapter) at batch = concurrency")
+    s.add_argument("--hf-only", action="store_true", help="only the HF baseline (no engine scenarios)")
     s.add_argument("--hf-output-len", type=int, default=None, help="HF output tokens (default: --output-len)")
     s.add_argument("--stagger", type=float, default=0.0,
                    help="client k sends its first request k * STAGGER s in (0: all at once, so every wave's "
@@ -52,10 +64,17 @@ def register(subparsers) -> None:
                    help="hard limit in seconds for the whole run (running requests are aborted, later skipped)")
     s.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many decode steps per scenario (torch profiler; profile_*.txt in --out)")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
+                   help="engine log level (start-up: KV pool, CUDA graph capture, tensor-parallel workers)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=None, help="folder for bench_serve.json / bench_serve.md")
-    s.add_argument("--work-dir", default=None, help="where config.json and adapters go (default: temp)")
+    s.add_argument("--work-dir", default=None,
+                   help="where config.json and adapters go (default: temp); adapters already there are reused")
     s.set_defaults(func=run_serve)
+    c = sub.add_parser("combine", help="one table of several bench_serve.json reports (device scripts)")
+    c.add_argument("reports", nargs="+", help="bench_serve.json files; LABEL=PATH names a run (default: folder)")
+    c.add_argument("--out", default=None, help="folder for bench_combined.json / bench_combined.md")
+    c.set_defaults(func=run_combine)
 
 
 def config_from_args(args):
@@ -69,7 +88,9 @@ def config_from_args(args):
             kw[name] = value
     return ServeBenchConfig(scale=args.scale, mix=args.mix, device=args.device, dtype=args.dtype,
                             base_only=not args.no_base_only, warmup=not args.no_warmup, int8=args.int8,
-                            hf_baseline=args.hf_baseline, hf_output_len=args.hf_output_len,
+                            hf_baseline=args.hf_baseline, hf_output_len=args.hf_output_len, hf_only=args.hf_only,
+                            quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                            enforce_eager=args.enforce_eager,
                             scenario_time_s=args.scenario_time, stagger_s=args.stagger,
                             profile_steps=args.profile_steps, total_time_s=args.total_time, seed=args.seed,
                             out_dir=args.out, work_dir=args.work_dir,
@@ -91,10 +112,25 @@ def run_serve(args) -> int:
     from loraplex.bench.report import to_markdown
     from loraplex.bench.serve import run_serve_bench
 
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
     except ValueError as e:
         raise SystemExit(f"loraplex bench serve: {e}") from None
     report = run_serve_bench(cfg)
     print(to_markdown(report))
+    return 0
+
+
+def run_combine(args) -> int:
+    from loraplex.bench.combine import combine_reports, write_combined
+
+    try:
+        combined = combine_reports(args.reports)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"loraplex bench combine: {e}") from None
+    text = write_combined(combined, args.out)
+    print(text)
     return 0

@@ -125,3 +125,17 @@ def test_bad_config_is_refused_with_its_reason():
         ServeBenchConfig(scale="tiny", concurrency=0)
     with pytest.raises(SystemExit, match="nothing to run: num_adapters is 0"):
         main(["bench", "serve", "--scale", "tiny", "--num-adapters", "0", "--no-base-only"])
+
+
+def test_a_spent_time_limit_skips_scenarios_and_still_writes_the_report(tmp_path):
+    import json
+
+    from loraplex.cli import main
+
+    rc = main(["bench", "serve", "--scale", "tiny", "--device", "cpu", "--total-time", "0.001", "--out",
+               str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "bench_serve.json").read_text(encoding="utf-8"))
+    assert report["scenarios"] == [] and report["engine"] == {}
+    assert report["skipped"] == ["float32 base-only (time limit)", "float32 2 adapters r4 (time limit)"]
+    assert "Skipped: float32 base-only (time limit)" in (tmp_path / "bench_serve.md").read_text(encoding="utf-8")

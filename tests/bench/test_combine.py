@@ -1,0 +1,66 @@
+"""``loraplex bench combine``: several reports in one table, TP ratios, and issue 6's checks (n/a without figures,
+never a pass)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraplex.bench.combine import combine_reports, issue6_checks
+
+
+def _scenario(name, tok_s, tpot, ttft=100.0):
+    return dict(name=name, num_requests=64, per_request_output_tok_s=tok_s, per_request_decode_tok_s=1e3 / tpot,
+                ttft_p50_ms=ttft, ttft_p99_ms=2 * ttft, tpot_mean_ms=tpot, output_throughput_tok_s=16 * tok_s,
+                total_throughput_tok_s=50 * tok_s, peak_memory_gib=50.0, truncated=False, extra={})
+
+
+def _write(tmp_path, name, scenarios, engine, hf=()):
+    path = tmp_path / name / "bench_serve.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(dict(command=f"loraplex bench serve ({name})", env={"device": "NVIDIA H200"},
+                                    engine=engine, scenarios=scenarios, hf_baseline=list(hf),
+                                    setup_s={"engine_start": 12.0})), encoding="utf-8")
+    return str(path)
+
+
+def test_combined_table_tp_ratios_and_checks(tmp_path, capsys):
+    from loraplex.cli import main
+
+    one = _write(tmp_path, "tp1", [_scenario("bf16 base-only", 110.0, 9.0),
+                                   _scenario("bf16 8 adapters r32", 100.0, 10.0, ttft=140.0)],
+                 {"bf16": {"tensor_parallel_size": 1, "cuda_graphs": 0}},
+                 hf=[dict(name="HF transformers + PEFT (1 adapter)", batch=16, output_len=32, ttft_ms=900.0,
+                          per_request_output_tok_s=5.0, per_request_decode_tok_s=6.0, output_throughput_tok_s=80.0,
+                          peak_memory_gib=60.0, generate_s=6.4, est_per_request_output_tok_s=5.9)])
+    two = _write(tmp_path, "tp2", [_scenario("bf16 8 adapters r32", 150.0, 6.5, ttft=70.0)],
+                 {"bf16": {"tensor_parallel_size": 2, "cuda_graphs": 0}})
+    rc = main(["bench", "combine", "--out", str(tmp_path / "all"), one, f"TP two={two}",
+               str(tmp_path / "gone" / "bench_serve.json")])
+    assert rc == 0
+    combined = json.loads((tmp_path / "all" / "bench_combined.json").read_text(encoding="utf-8"))
+    assert [(r["run"], r["scenario"]) for r in combined["rows"]] == [
+        ("tp1", "bf16 base-only"), ("tp1", "bf16 8 adapters r32"),
+        ("tp1", "HF transformers + PEFT (1 adapter) (static batch 16, output 32)"), ("TP two", "bf16 8 adapters r32")]
+    assert len(combined["missing"]) == 1 and "gone" in combined["missing"][0]
+    (tp,) = combined["tp"]
+    assert tp["tp_run"] == "TP two" and tp["tp1_run"] == "tp1"
+    assert tp["per_request_output"] == pytest.approx(1.5) and tp["ttft_p50"] == pytest.approx(0.5)
+    verdicts = {c["check"]: (c["verdict"], c["value"]) for c in combined["checks"]}
+    assert verdicts["bf16, adapters: output tok/s per request >= 100"] == ("PASS", 100.0)  # TP=1 run, not TP=2
+    assert verdicts["bf16, adapters: TTFT p50 ms <= 150"] == ("PASS", 140.0)
+    assert verdicts["bf16: adapter TPOT / base TPOT <= 1.10"][0] == "FAIL"                 # 10 / 9 = 1.11
+    assert verdicts["INT8 experts, adapters: output tok/s per request >= 170"] == ("n/a", None)
+    assert verdicts["bf16 adapters decode tok/s per request / HF+PEFT >= 15"][1] == pytest.approx(100 / 6)
+    md = capsys.readouterr().out
+    assert "| TP two | bf16 8 adapters r32 | 2 |" in md and "| INT8 experts" in md
+
+
+def test_nothing_to_combine_and_no_figures():
+    from loraplex.cli import main
+
+    with pytest.raises(SystemExit, match="no report to combine"):
+        main(["bench", "combine", "/nonexistent/bench_serve.json"])
+    with pytest.raises(ValueError, match="no report to combine"):
+        combine_reports(["x=/nonexistent.json"])
+    assert {c["verdict"] for c in issue6_checks([])} == {"n/a"}
