@@ -70,10 +70,17 @@ class RedisQuotaStore:
         """A store over a new connection pool; ``timeout_s`` bounds connect and each command (an outage is
         decided within it)."""
         from redis.asyncio import BlockingConnectionPool, Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
-        # a blocking pool: a burst beyond max_connections waits for a connection instead of failing
+        # A blocking pool: a burst beyond max_connections waits for a connection instead of failing. One immediate
+        # retry on a connection error: after a Redis restart every pooled connection is dead and fails once, which
+        # without the retry refuses requests (503) while Redis is already back; a Redis that is really down still
+        # fails within the connect timeout.
         pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=max(5.0, timeout_s),
-                                               socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+                                               socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                               retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
         return cls(Redis(connection_pool=pool), key_prefix=key_prefix, fail_open=fail_open)
 
     def _keys(self, tenant_id: str) -> list[str]:
