@@ -17,7 +17,6 @@ def main() -> int:
     from locust.env import Environment
 
     from load_tests import locust_users as lu
-    from load_tests.records import write_records
 
     classes = [c for c in (lu.ZipfUser, lu.BurstUser, lu.ChurnUser, lu.LongPromptUser) if c.weight > 0]
     if not classes:
@@ -31,10 +30,12 @@ def main() -> int:
         return 2
     env = Environment(user_classes=classes, host=cfg["url"])
     runner = env.create_local_runner()
+    if cfg.get("pause_file"):
+        gevent.spawn(lu.watch_pause, cfg["pause_file"], cfg["records"])
     runner.start(cfg["users"], spawn_rate=cfg.get("spawn_rate", cfg["users"]))
     gevent.sleep(cfg["duration_s"])
     runner.quit()   # stops users (in-flight requests are cut: their records are not written)
-    write_records(cfg["records"], lu.RECORDS)
+    lu.flush_records(cfg["records"])
     print(json.dumps({"records": len(lu.RECORDS)}))
     return 0
 

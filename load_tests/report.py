@@ -23,14 +23,18 @@ def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]
 
 
 def adapter_hit_rates(before: dict[str, dict], after: dict[str, dict]) -> dict:
-    """Per engine and overall: slot hits / (slot hits + activations) and cold starts during the run."""
+    """Per engine and overall: slot hits / (slot hits + activations) and cold starts during the run (for an
+    engine restarted during it, since its last restart)."""
     per, tot = {}, Counter()
     for url, a in after.items():
         b = before.get(url, {})
         ca, cb = a.get("adapter_counters", {}), b.get("adapter_counters", {})
-        d = {k: ca.get(k, 0) - cb.get(k, 0) for k in ("slot_hits", "activations", "fetches", "disk_hits", "loads")}
+        keys = ("slot_hits", "activations", "fetches", "disk_hits", "loads")
+        restarted = any(ca.get(k, 0) < cb.get(k, 0) for k in keys)    # counters start over: since the restart
+        d = {k: ca.get(k, 0) - (0 if restarted else cb.get(k, 0)) for k in keys}
         admitted = d["slot_hits"] + d["activations"]
-        per[url] = {**d, "gpu_slot_hit_rate": round(d["slot_hits"] / admitted, 4) if admitted else None,
+        per[url] = {**d, "restarted": restarted,
+                    "gpu_slot_hit_rate": round(d["slot_hits"] / admitted, 4) if admitted else None,
                     "cold_starts": d["fetches"] + d["disk_hits"]}
         tot.update(d)
     admitted = tot["slot_hits"] + tot["activations"]
@@ -89,7 +93,44 @@ def markdown(summary: dict) -> str:
     for name, v in summary["invariants"].items():
         detail = {k: x for k, x in v.items() if k != "ok"}
         lines.append(f"| {name} | {'yes' if v['ok'] else '**NO**'} | {json.dumps(detail)[:300]} |")
+    if "faults" in summary:
+        lines += ["", *fault_markdown(summary["faults"])]
     return "\n".join(lines) + "\n"
+
+
+OUTCOMES = ("2xx", "429", "503", "other_5xx", "4xx", "stream_error", "client_disconnect", "connection_error")
+
+
+def _outcomes(d: dict) -> str:
+    return " / ".join(str(d.get(k, 0)) for k in OUTCOMES)
+
+
+def fault_markdown(f: dict) -> list[str]:
+    """The fault matrix: per fault, then every injection (``faults.summarize_faults``)."""
+    lines = ["## Fault matrix", "",
+             f"Load requests overlapping a fault (injection → recovery), by outcome: {' / '.join(OUTCOMES)}. "
+             "Excused: outcomes the fault allows (clear, retryable) for requests overlapping it (+ "
+             "3 s after recovery). Late: such outcomes after that, still counted as unexpected.", "",
+             "| fault | injected | recovered | hold s | recovery s min / median / max | requests during | excused "
+             "| late | invariants held after | figures |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, b in f["by_fault"].items():
+        rec = b["recovery_s"]
+        rec_s = "–" if rec is None else f"{rec['min']:.2f} / {rec['median']:.2f} / {rec['max']:.2f}"
+        figures = {k: v for k, v in b["figures"].items() if k != "engine"}
+        lines.append(f"| {name} | {b['injected']} | {b['recovered']} | {b['hold_s'][0]:.1f}–{b['hold_s'][1]:.1f} "
+                     f"| {rec_s} | {_outcomes(b['requests_during'])} | {b['excused'] or '–'} | {b['late'] or '–'} "
+                     f"| {b['invariants_ok']}/{b['injected']} | {json.dumps(figures)[:300] if figures else '–'} |")
+    lines += ["", "| t s | fault | round | hold s | recovery s | requests during | pause s | invariants | error |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for i in f["injections"]:
+        bad = [k for k, v in i["invariants"].items() if not v["ok"]]
+        lines.append(f"| {i['injected_s']:.1f} | {i['fault']} | {i['round']} | {i['hold_s']} | {i['recovery_s']} "
+                     f"| {_outcomes(i['requests_during'])} | {i['pause_s']} "
+                     f"| {'ok' if i['invariants_ok'] else '**broken: ' + ', '.join(bad) + '**'} "
+                     f"| {i['error'] or '–'} |")
+    if f["crashed"]:
+        lines += ["", "**The fault schedule crashed:**", "", "```", f["crashed"][-2000:], "```"]
+    return lines
 
 
 def write_reports(summary: dict, out_dir: str) -> tuple[str, str]:

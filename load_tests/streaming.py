@@ -79,18 +79,30 @@ async def one_stream(http: httpx.AsyncClient, tenant: dict, model: str, *, max_t
 
 
 async def stream_load(url: str, pop: Population, *, duration_s: float, concurrency: int = 8, max_tokens: int = 16,
-                      disconnect_fraction: float = 0.1, t0: float | None = None, top_k: int = 20) -> list[Record]:
-    """``concurrency`` loops of back-to-back streams on the ``top_k`` most popular adapters for ``duration_s``."""
+                      disconnect_fraction: float = 0.1, t0: float | None = None, top_k: int = 20,
+                      gate=None, records: list[Record] | None = None) -> list[Record]:
+    """``concurrency`` loops of back-to-back streams on the ``top_k`` most popular adapters for ``duration_s``;
+    no stream starts while ``gate.paused`` (``gate.Gate``). Records go to ``records`` as they come (if given)."""
     t0 = t0 or time.time()
-    records: list[Record] = []
+    records = [] if records is None else records
     deadline = time.monotonic() + duration_s
 
     async def loop(http: httpx.AsyncClient) -> None:
         while time.monotonic() < deadline:
+            if gate is not None:
+                gate.enter()                  # before looking at ``paused``: a pausing thread sees one or the other
+                if gate.paused:
+                    gate.leave()
+                    await asyncio.sleep(0.05)
+                    continue
             a = random.choice(pop.adapters[:top_k])
             cut = 3 if random.random() < disconnect_fraction else None
-            records.append(await one_stream(http, pop.tenants[a["tenant"]], a["name"], max_tokens=max_tokens,
-                                            t0=t0, disconnect_after=cut))
+            try:
+                records.append(await one_stream(http, pop.tenants[a["tenant"]], a["name"], max_tokens=max_tokens,
+                                                t0=t0, disconnect_after=cut))
+            finally:
+                if gate is not None:
+                    gate.leave()
 
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
