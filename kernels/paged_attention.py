@@ -7,6 +7,15 @@ sync; a program finds its sequence by counting block starts and leaves at once w
 query tokens. K/V rows are gathered through the block table per key position, so tiles may span blocks and
 tables may point anywhere (holes, any order). Online softmax in fp32 (exp2); a sink starts the running max
 and denominator of its head.
+
+Split-KV decode (flash-decoding): with few query rows per sequence (decode), B x KV programs cannot fill the GPU
+while each streams a whole context. The grid then gets a third dimension of ``num_splits`` programs per query
+block, each taking one contiguous run of BLOCK_N key tiles of the block's key range (derived on the device from
+seq_lens: program ``s`` takes tiles [s*ceil(n/S), (s+1)*ceil(n/S)), possibly none) and writing its unnormalised
+partial (running max m in log2 units, denominator l, accumulator acc) to fp32 scratch [T, Q, S(, D)];
+``_merge_splits_kernel`` then combines the partials of each (token, head) by log-sum-exp, adding the sink logit
+there, once. A split with no keys writes m=-1e30, l=0, acc=0, which the merge ignores. ``num_splits`` depends
+only on shapes (B, KV heads), so a captured CUDA graph replays for any seq_lens.
 """
 from __future__ import annotations
 
@@ -17,18 +26,21 @@ import triton.language as tl
 from loraplex.kernels.dot import dot
 
 _LOG2E = 1.4426950408889634
+_TARGET_PROGRAMS = 528  # ~4 waves of an H100/H200's 132 SMs
+_MIN_TILES_PER_SPLIT = 4
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Q, D]; k, v caches [NB, BS, KV, D]
     bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,  # block_tables [B, MB]; seq_lens [B]; query_start_loc [B+1]; sinks [Q]
-    num_seqs, scale_log2, window,
+    part_m_ptr, part_l_ptr, part_acc_ptr,  # SPLIT only: fp32 partials m, l [T, Q, S]; acc [T, Q, S, D] (contiguous)
+    num_seqs, scale_log2, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SINK_IN_LOOP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,7 +73,7 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    if USE_SINKS:
+    if SINK_IN_LOOP:  # (not with SPLIT: split partials leave the sink to the merge)
         m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
@@ -75,6 +87,12 @@ def _paged_attention_kernel(
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLIT:  # this program's run of key tiles: split s of num_splits, empty when the range is short
+        split = tl.program_id(2)
+        n_tiles = tl.cdiv(tl.maximum(kv_end - kv_begin, 0), BLOCK_N)
+        tiles_per_split = tl.cdiv(n_tiles, num_splits)
+        kv_begin = kv_begin + split * tiles_per_split * BLOCK_N
+        kv_end = tl.minimum(kv_end, kv_begin + tiles_per_split * BLOCK_N)
     for start in range(kv_begin, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
@@ -97,10 +115,51 @@ def _paged_attention_kernel(
         acc = acc * corr[:, None] + dot(p.to(v.dtype), v)
         m_i = m_new
 
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:
+        part = (tok * (GROUP * tl.num_programs(1)) + head) * num_splits + split  # [BLOCK_M] row of [T, Q, S]
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _merge_splits_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,  # out [T, Q, D]; partials as above; sinks [Q]
+    num_seqs, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    """Grid (T, Q): one (token, head) row; log-sum-exp merge of its num_splits partials (and its sink)."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    dst = out_ptr + tok * stride_ot + head * stride_oh + d
+    if tok >= tl.load(qsl_ptr + num_seqs):  # a token past every sequence (no partials written): zeros
+        tl.store(dst, tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
+        return
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    row = (tok * tl.num_programs(1) + head) * num_splits
+    m = tl.load(part_m_ptr + row + s, mask=s_ok, other=-1.0e30)
+    l = tl.load(part_l_ptr + row + s, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                  other=0.0)
+    m_max = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    w = tl.exp2(m - m_max)  # [BLOCK_S]
+    l_sum = tl.sum(l * w, 0)
+    if USE_SINKS:
+        l_sum += tl.exp2(sink - m_max)
+    o = tl.sum(acc * w[:, None], 0)  # [BLOCK_D]
+    l_sum = tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(dst, (o / l_sum).to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def default_blocks(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:
@@ -111,11 +170,27 @@ def default_blocks(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int
     return block_q, 64
 
 
+def default_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, sliding_window: int | None = None,
+                       block_n: int = 64) -> int:
+    """Key splits per query block: 1 (no split) unless the step is decode-like (at most 2 query rows per sequence);
+    then enough (sequence, KV head, split) programs for ~4 waves of 132 SMs, at most 16, and with a sliding
+    window at least _MIN_TILES_PER_SPLIT key tiles per split (window 128: no split; a merge launch would cost
+    more than 3 tiles). Shapes and arguments only, never seq_lens values (graph-safe)."""
+    if num_tokens > 2 * max(1, num_seqs):
+        return 1
+    splits = max(1, min(16, -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
+    if sliding_window is not None:
+        splits = min(splits, max(1, (sliding_window + block_n) // (_MIN_TILES_PER_SPLIT * block_n)))
+    return splits
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                     sliding_window: int | None = None, sinks: torch.Tensor | None = None,
-                    block_q: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Same contract as ``reference.paged_attention``; ``block_q`` / ``block_n`` override the tile sizes."""
+                    block_q: int | None = None, block_n: int | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as ``reference.paged_attention``; ``block_q`` / ``block_n`` override the tile sizes,
+    ``num_splits`` the key splits per query block (1: one pass, no merge; default ``default_num_splits``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, kv_block_size, num_kv_heads, kd = k_cache.shape
     if kd != head_dim or v_cache.shape != k_cache.shape:
@@ -133,18 +208,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dq, dn = default_blocks(num_tokens, num_seqs, group)
     block_q, block_n = block_q or dq, block_n or dn
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    if num_splits is None:
+        num_splits = default_num_splits(num_tokens, num_seqs, num_kv_heads, sliding_window, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty(num_tokens, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    sinks_arg = sinks if sinks is not None else q
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        sinks if sinks is not None else q, num_seqs, float(scale) * _LOG2E,
-        int(sliding_window or 0),
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, sinks_arg, part_m, part_l, part_acc,
+        num_seqs, float(scale) * _LOG2E, int(sliding_window or 0), num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_block_size,
         SEARCH_BLOCK=128,
-        USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None,
+        USE_WINDOW=sliding_window is not None, SINK_IN_LOOP=sinks is not None and not split, SPLIT=split,
         num_warps=4, num_stages=2,
     )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_m, part_l, part_acc, query_start_loc, sinks_arg, num_seqs, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_S=max(16, triton.next_power_of_2(num_splits)), USE_SINKS=sinks is not None,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
     return out

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--roofline-tbs", type=float, default=4.2, help="copy roofline in TB/s")
-    p.add_argument("--context", type=int, default=2048, help="decode context length per sequence")
+    p.add_argument("--context", default="2048,8192",
+                   help="decode context lengths per sequence: the first for every op, the others paged_attention only")
     p.add_argument("--only", default="", help="comma-separated label prefixes: run just those ops")
     p.add_argument("--no-warm", action="store_true", help="skip the warm-L2 column")
     p.add_argument("--json", default="", help="also write the rows here (rewritten after every row)")
@@ -109,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     for m in (int(v) for v in args.m.split(",")):
         torch.manual_seed(m)
         cases = tunable_cases(shapes, m, args.max_loras, args.rank, torch.bfloat16, "cuda")
-        cases += misc_cases(shapes, m, torch.bfloat16, "cuda", context=args.context)
+        contexts = [int(v) for v in str(args.context).split(",")]
+        cases += misc_cases(shapes, m, torch.bfloat16, "cuda", context=contexts[0])
+        for ctx in contexts[1:]:  # paged_attention (split-KV decode path at M <= 66 on GPT-OSS) at longer contexts
+            cases += [c for c in misc_cases(shapes, m, torch.bfloat16, "cuda", context=ctx)
+                      if c.label.startswith("paged_attention")]
         cases += shared_metadata_cases(shapes, m, args.max_loras, args.rank, torch.bfloat16, "cuda")
         for case in cases:
             if args.only and not case.label.startswith(tuple(args.only.split(","))):

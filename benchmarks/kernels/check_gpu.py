@@ -40,7 +40,7 @@ def compile_once_check() -> list[str]:
     kernels = {"lora_shrink": sh._lora_shrink_kernel, "lora_expand": ex._lora_expand_kernel,
                "moe_lora_shrink": fl._moe_lora_shrink_kernel, "moe_lora_expand": fl._moe_lora_expand_kernel,
                "moe_lora_fused": fl._moe_lora_fused_kernel,
-               "paged_attention": pa._paged_attention_kernel}
+               "paged_attention": pa._paged_attention_kernel, "paged_attention_merge": pa._merge_splits_kernel}
     before = {k: compiled_variants(v) for k, v in kernels.items()}
     for m in (3, 17, 45, 100):  # same tile choice for paged attention (decode), fixed configs elsewhere
         for case in dense_lora_cases(s, m, 8, 32, torch.bfloat16, "cuda") + moe_lora_cases(s, m, 8, 32,
@@ -58,6 +58,51 @@ def compile_once_check() -> list[str]:
             continue
         new = after - before[name]
         lines.append(f"compile-once {name}: {new} new binaries over M=3,17,45,100 ({'OK' if new <= 2 else 'FAIL'})")
+    return lines
+
+
+def split_kv_check() -> list[str]:
+    """paged_attention's split-KV decode path at GPT-OSS shapes (64/8 heads of 64, block 16, bf16, sinks):
+    forced num_splits 1 / 3 / 16 with window 128 or none, against the reference, with padded seq_len-0 rows; then
+    one CUDA graph captured at some seq_lens and replayed at others (the grid must not depend on their values)."""
+    from loraplex.kernels import reference
+    from loraplex.kernels.paged_attention import paged_attention
+
+    torch.manual_seed(7)
+    ctx = [1, 17, 1000, 3000, 0, 129, 0]  # 0: padded rows
+    b, bs, per = len(ctx), 16, 3000 // 16 + 1
+    kc = torch.randn(b * per + 1, bs, 8, 64, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(b * per, device="cuda")[:b * per].view(b, per).to(torch.int32)
+    seq_lens = torch.tensor(ctx, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+    q = torch.randn(b, 64, 64, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.randn(64, device="cuda")
+    lines = []
+
+    def rel(got, want):
+        return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)).item()
+    for window in (None, 128):
+        want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sliding_window=window, sinks=sinks)
+        for ns in (1, 3, 16):
+            got = paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sliding_window=window, sinks=sinks,
+                                  num_splits=ns)
+            err, pad_zero = rel(got, want), bool((got[[4, 6]] == 0).all())
+            ok = err <= TOLERANCE and pad_zero
+            lines.append(f"{'ok  ' if ok else 'FAIL'} paged_attention split-KV window={window} num_splits={ns:<2d}"
+                         f"      rel_err={err:.2e} padded rows zero={pad_zero}")
+    out = torch.empty_like(q)
+    paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sinks=sinks)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sinks=sinks))
+    seq_lens.copy_(torch.tensor([2999, 0, 5, 1, 64, 3000, 700], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = rel(out, reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sinks=sinks))
+    lines.append(f"{'ok  ' if err <= TOLERANCE else 'FAIL'} paged_attention split-KV CUDA graph replayed at new "
+                 f"seq_lens rel_err={err:.2e}")
     return lines
 
 
@@ -116,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'ok  ' if ok else 'FAIL'} {label:48s} M={m:<4d} rel_err={err:.2e}", flush=True)
         del cases
         torch.cuda.empty_cache()
+    try:
+        for line in split_kv_check():
+            print(line, flush=True)
+            if line.startswith("FAIL"):
+                failed.append(line)
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL split-KV check crashed: {type(e).__name__}: {e}")
+        failed.append("split-KV")
     try:
         for line in copy_blocks_and_dispatch_check():
             print(line)

@@ -64,3 +64,108 @@ def test_paged_attention_many_sequences_span_search_chunks():
     got = paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.25)
     want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---- split-KV decode path (flash-decoding): forced num_splits, awkward sizes, every feature
+
+
+SPLIT_CASES = {  # (ctx_lens, q_lens, num_q, num_kv, block size)
+    "one_seq_ctx1_gqa1": ([1], [1], 2, 2, 4),
+    "three_seqs_gqa4_bs4": ([5, 17, 100], [1, 1, 1], 8, 2, 4),
+    "seven_seqs_gqa8_bs16": ([33, 1, 100, 5, 17, 64, 2], [1] * 7, 8, 1, 16),
+    "padded_rows_seq_len0": ([17, 0, 33, 0], [1, 1, 1, 1], 4, 1, 4),
+    "two_rows_per_seq": ([5, 33, 100], [2, 1, 2], 4, 1, 16),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+@pytest.mark.parametrize("num_splits, window, with_sinks", [(1, 7, True), (2, None, False), (2, 20, True),
+                                                            (5, 7, True), (5, None, True), (5, 20, False)])
+def test_paged_attention_split_kv_matches_reference(case, num_splits, window, with_sinks):
+    ctx_lens, q_lens, num_q, num_kv, bs = SPLIT_CASES[case]
+    q, kc, vc, tables, seq_lens, qsl = _case(ctx_lens, q_lens, num_q=num_q, num_kv=num_kv, d=16, bs=bs)
+    sinks = torch.randn(num_q) if with_sinks else None
+    kw = dict(sliding_window=window, sinks=sinks)
+    got = paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.3, block_n=8, num_splits=num_splits, **kw)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.3, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    pad = seq_lens == 0
+    if pad.any():  # padded rows: zeros, never garbage
+        assert torch.equal(got[qsl[:-1][pad].long()], torch.zeros_like(got[qsl[:-1][pad].long()]))
+
+
+def test_paged_attention_split_kv_default_choice_and_tokens_past_sequences():
+    """Decode batches split by default (shapes only); a trailing token owned by no sequence comes out zero."""
+    from loraplex.kernels.paged_attention import default_num_splits
+
+    assert default_num_splits(16, 16, 8) == 5 and default_num_splits(1, 1, 8) == 16
+    assert default_num_splits(256, 256, 8) == 1 and default_num_splits(64, 3, 8) == 1  # full GPU / prefill
+    assert default_num_splits(16, 16, 8, sliding_window=128) == 1  # GPT-OSS window layers: 3 tiles, one pass
+    assert default_num_splits(16, 16, 8, sliding_window=1024) == 4
+    q, kc, vc, tables, seq_lens, qsl = _case([9, 40, 3], [1, 1, 1], num_q=6, num_kv=2, d=20, bs=8)
+    q = torch.cat([q, torch.randn(1, 6, 20)])  # one padding token past query_start_loc[-1]
+    got = paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.3)
+    want = reference.paged_attention(q[:3], kc, vc, tables, seq_lens, qsl, 0.3)
+    torch.testing.assert_close(got[:3], want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+def test_paged_attention_split_kv_half_precision():
+    """float16 (the interpreter's bfloat16 dot is broken, for the one-pass path alike): fp32 partials, 16-bit out."""
+    q, kc, vc, tables, seq_lens, qsl = _case([70, 13], [1, 1], num_q=8, num_kv=2, d=32, bs=16, dtype=torch.float16)
+    sinks = torch.randn(8)
+    got = paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.2, sinks=sinks, num_splits=3)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.2, sinks=sinks)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_paged_attention_rejects_bad_num_splits():
+    q, kc, vc, tables, seq_lens, qsl = _case([4], [1])
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.2, num_splits=0)
+
+
+BUILD_SM90 = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from loraplex.kernels import paged_attention as pa
+
+def ptx(kernel, consts, ptrs):
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp32") if n.endswith("_ptr") else
+           "fp32" if n == "scale_log2" else "i32" for n in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+
+bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+ints = {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
+base = dict(HEAD_DIM=64, BLOCK_D=64, GROUP=8, BLOCK_Q=2, BLOCK_M=16, BLOCK_N=64, KV_BLOCK_SIZE=16, SEARCH_BLOCK=128)
+out = {}
+for split in (False, True):
+    for window in (False, True):
+        out[f"main split={split} window={window}"] = len(ptx(pa._paged_attention_kernel, {
+            **base, "USE_WINDOW": window, "SINK_IN_LOOP": not split, "SPLIT": split}, {**bf16, **ints}))
+for sinks in (False, True):
+    out[f"merge sinks={sinks}"] = len(ptx(pa._merge_splits_kernel, dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=16,
+                                                                        USE_SINKS=sinks), {"out_ptr": "*bf16",
+                                                                                           "qsl_ptr": "*i32"}))
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_paged_attention_kernels_build_for_sm90():
+    """The interpreter forgives what the GPU compiler does not (loop-carried types, constexpr branches): build both
+    paths and the merge for sm_90 (bf16, GPT-OSS tiles) on the CPU, in a child process without the interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", BUILD_SM90], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    sizes = json.loads(lines[0][len("RESULT "):])
+    assert len(sizes) == 6 and all(n > 1000 for n in sizes.values()), sizes
