@@ -3,7 +3,7 @@ streamed to its own asyncio queue.
 
     generate() ──(add/abort commands)──▶ engine thread: apply commands, step(), route outputs
         ▲                                                     │
-        └──────────── per-request asyncio.Queue ◀─────────────┘  (loop.call_soon_threadsafe)
+        └──────────── per-request asyncio.Queue ◀─────────────┘  (one loop.call_soon_threadsafe per step)
 
 A consumer that stops iterating (client gone, task cancelled) aborts its request, which frees its KV blocks.
 """
@@ -48,6 +48,12 @@ class _Abort:
 class _Call:
     fn: Callable[[LLMEngine], Any]
     future: concurrent.futures.Future
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """On the consumers' loop: one step's items into their queues, in order."""
+    for sink, item in items:
+        sink.put_nowait(item)
 
 
 class AsyncEngine:
@@ -131,6 +137,28 @@ class AsyncEngine:
             self._sinks.pop(request_id, None)
             self.engine.abort(request_id)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Route one step's outputs: one hand-off per event loop (a single wake-up of that loop, not one per
+        request), each sink getting its items in step order; a finished request's sink is dropped."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, Any]]] = {}
+        for out in outputs:
+            target = self._sinks.get(out.request_id)
+            if target is not None:
+                if out.finish_reason == "error":  # e.g. its adapter failed to load: the consumer gets it raised
+                    item = AdapterLoadError(out.error, retryable=out.error_retryable)
+                else:
+                    item = out
+                batches.setdefault(target[0], []).append((out.request_id, target[1], item))
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, [(sink, item) for _, sink, item in items])
+            except RuntimeError:  # the consumers' loop is closed: nobody listens any more
+                for request_id, _, _ in items:
+                    self._sinks.pop(request_id, None)
+                    self.engine.abort(request_id)
+
     def _apply_commands(self) -> None:
         while True:
             try:
@@ -162,13 +190,7 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    if out.finish_reason == "error":  # e.g. its adapter failed to load: the consumer gets it raised
-                        self._deliver(out.request_id, AdapterLoadError(out.error, retryable=out.error_retryable))
-                    else:
-                        self._deliver(out.request_id, out)
-                    if out.finished:
-                        self._sinks.pop(out.request_id, None)
+                self._deliver_step(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - fail every waiter loudly, never hang them
             logger.exception("engine loop failed")
             self._error = e

@@ -360,7 +360,10 @@ class ModelRunner:
             hidden = graphs.run(out, lora_slots)  # [n, H]: one row per sequence, no prompt logprobs
             rows = [i for i, s in enumerate(out.scheduled) if s.sample]
             sample_seqs = [out.scheduled[i].seq for i in rows]
-            sample_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            # every row samples on a plain decode step: no index tensor (its pageable host->device copy would wait
+            # for the replay) and no gather; hidden is the graph's output view, untouched until the next replay
+            sample_rows = None if len(rows) == len(out.scheduled) else \
+                torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         else:
             inputs = self.prepare(out)
             self._set_lora_tokens(out, lora_slots)
@@ -369,7 +372,7 @@ class ModelRunner:
             sample_seqs, sample_rows = inputs.sample_seqs, inputs.sample_rows
         if not sample_seqs:
             return result
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
         if self.logits_hook is not None:
             self.logits_hook(sample_seqs, logits)
         by_id = {s.seq.seq_id: s for s in out.scheduled if s.sample}
@@ -401,7 +404,10 @@ class ModelRunner:
             gens += g_list
             hist += [seq] * k
             owners += [seq.seq_id] * k
-        sampled = self.sampler.forward(logits[index], params, gens, hist)
+        # every row drawn once, in order (no fork, no beam): the logits as they are, no gather (on CUDA a gather by
+        # a Python list also copies the index to the device, which waits for the step's kernels)
+        rows_logits = logits if index == list(range(logits.shape[0])) else logits[index]
+        sampled = self.sampler.forward(rows_logits, params, gens, hist)
         for seq_id, token, entry in zip(owners, sampled.token_ids, sampled.logprobs):
             result.sampled.setdefault(seq_id, []).append(token)
             result.logprobs.setdefault(seq_id, []).append(entry)

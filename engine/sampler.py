@@ -84,9 +84,12 @@ class Sampler:
             return SamplerOutput([], [])
         raw = logits.float()
         logits = self.apply_penalties(raw, params, seqs)
-        tokens = logits.argmax(dim=-1)  # [N]
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
+        if len(rows) == n:  # all rows draw: no argmax, index tensor, gather or scatter
+            tokens = self._draw(self.probs(logits, params), generators)
+        else:
+            tokens = logits.argmax(dim=-1)  # [N]
+        if rows and len(rows) < n:
             idx = torch.tensor(rows, device=logits.device)
             probs = self.probs(logits[idx], [params[i] for i in rows])  # [R, V]
             tokens[idx] = self._draw(probs, [generators[i] for i in rows])
@@ -164,8 +167,12 @@ class Sampler:
         return probs
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        q = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):  # the same draw as below, without the index-put
+            q = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self._shared_generator(probs.device))
+            return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
+        q = torch.empty_like(probs)
         if unseeded:
             q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
                 generator=self._shared_generator(probs.device))

@@ -103,3 +103,41 @@ def test_call_runs_on_the_engine_thread_and_propagates_errors(engine_path):
         engine.shutdown()
     assert name == "loraplex-engine"
     assert free == engine.engine.runner.num_blocks
+
+
+def test_one_step_is_handed_to_each_event_loop_in_one_call():
+    """A step's outputs reach their queues in order through one call_soon_threadsafe per loop; a finished
+    request's sink is dropped; a closed loop aborts its requests."""
+    from types import SimpleNamespace
+
+    class Loop:
+        def __init__(self, closed=False):
+            self.calls, self.closed = 0, closed
+
+        def call_soon_threadsafe(self, fn, *args):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.calls += 1
+            fn(*args)
+
+    class Sink(list):
+        put_nowait = list.append
+
+    aborted = []
+    ae = AsyncEngine.__new__(AsyncEngine)  # the routing only: no engine thread
+    ae.engine = SimpleNamespace(abort=aborted.append)
+    open_loop, closed_loop = Loop(), Loop(closed=True)
+    sinks = {rid: Sink() for rid in "abcd"}
+    ae._sinks = {"a": (open_loop, sinks["a"]), "b": (open_loop, sinks["b"]), "c": (open_loop, sinks["c"]),
+                 "d": (closed_loop, sinks["d"])}
+
+    def out(rid, finished=False, error=None):
+        return SimpleNamespace(request_id=rid, finished=finished, finish_reason="error" if error else None,
+                               error=error, error_retryable=False)
+
+    outs = [out("a"), out("b", finished=True), out("c", error="no such adapter"), out("d"), out("zz")]
+    ae._deliver_step(outs)
+    assert open_loop.calls == 1
+    assert sinks["a"] == [outs[0]] and sinks["b"] == [outs[1]] and sinks["d"] == []
+    assert len(sinks["c"]) == 1 and "no such adapter" in str(sinks["c"][0])
+    assert set(ae._sinks) == {"a", "c"} and aborted == ["d"]

@@ -251,3 +251,20 @@ def test_best_of_rows_get_the_sampled_tokens_logprob_for_ranking():
     e = out.logprobs[0]
     assert e is not None and e.top == [] and out.logprobs[1] is None
     assert e.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[out.token_ids[0]].item(), abs=1e-6)
+
+
+def test_all_drawing_rows_take_the_same_draws_as_a_mixed_batch():
+    """A batch where every row draws (no gather/scatter) picks what the general mixed path picks for those rows:
+    the same noise from the same shared and per-row generators."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 97, generator=g) * 3
+    drawing = [P(temperature=0.7, top_p=0.9, top_k=20), P(temperature=1.3), P(temperature=0.5, min_p=0.1),
+               P(temperature=1.0, top_k=5), P(temperature=0.9)]
+    greedy_row = torch.randn(1, 97, generator=g)
+    for seeded in (False, True):
+        gens = [[torch.Generator().manual_seed(100 + i) if seeded and i % 2 else None for i in range(5)]
+                for _ in range(2)]
+        fast = Sampler(seed=3).forward(logits, drawing, gens[0]).token_ids
+        mixed = Sampler(seed=3).forward(torch.cat([logits, greedy_row]), drawing + [P(temperature=0.0)],
+                                        gens[1] + [None]).token_ids
+        assert fast == mixed[:5] and mixed[5] == int(greedy_row.argmax())
