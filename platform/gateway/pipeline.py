@@ -7,6 +7,9 @@
 ``Generation.chunks()`` yields engine chunks; its ``finally`` does the accounting exactly once whatever ends the
 stream (last chunk, engine error, client gone: the consumer closes the iterator, which closes the router's
 stream and so aborts the engine request and frees its KV blocks). The accounting is shielded from cancellation.
+A whole (non-streamed) request holds its chunks back until the engine's last one, so when its replica dies
+mid-generation it runs once more on another replica (``WHOLE_RETRIES``), unseen by the client; a stream that has
+sent tokens is not retried (the router alone fails over, before the first chunk).
 Metrics go through a ``RequestMeter`` (``metering.py``): the route reports refusals before admission, ``admit``
 reports quota denials, and ``Generation``'s cleanup reports every admitted request with its final status.
 """
@@ -20,7 +23,7 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.platform.engines.errors import AdapterLoadFailedError, EngineError
+from loraplex.platform.engines.errors import AdapterLoadFailedError, EngineError, EngineUnavailableError
 from loraplex.platform.engines.messages import AdapterReference, EngineChunk, EngineRequest
 from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter, version_is_ready
 from loraplex.platform.gateway.auth import TenantInfo
@@ -37,6 +40,8 @@ from loraplex.platform.routing import NoReplicaAvailableError
 from loraplex.platform.usage import UsageEvent
 
 logger = logging.getLogger(__name__)
+
+WHOLE_RETRIES = 1  # a whole (non-streamed) request whose replica died mid-generation runs again this many times
 
 
 def _unauthorized() -> InferenceError:
@@ -180,6 +185,8 @@ class Generation:
         self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.started = False
+        self.retries = 0                 # whole requests run again after their replica died (<= WHOLE_RETRIES)
+        self._renewed = 0.0              # when the quota lease was last renewed
 
     async def chunks(self) -> AsyncIterator[EngineChunk]:
         gw, prep = self.gw, self.prep
@@ -190,25 +197,20 @@ class Generation:
                                       "engine settings", code="engine_unavailable")
         request = EngineRequest(request_id=prep.request_id, tenant_id=prep.tenant.id, prompt=prep.prompt,
                                 sampling=prep.sampling, adapter=prep.reference)
-        stream = gw.router.stream(prep.reference.adapter_id if prep.reference else None,
-                                  lambda replica: replica.client.generate(request))
-        lease_renew_s = (self.decision.limits.lease_ttl_s / 3) if self.decision.lease_id else None
-        renewed = time.monotonic()
+        self._renewed = time.monotonic()
         status, error = 200, None
         try:
-            async for chunk in stream:
-                self.started = True
-                if chunk.completion_tokens and self.meter is not None:
-                    self.meter.first_token()
-                self.prompt_tokens = chunk.prompt_tokens
-                self.completion_tokens = chunk.completion_tokens * prep.plan.bill_factor
-                self.cached_tokens = chunk.cached_tokens
-                if chunk.finished:
-                    self.finish_reason = chunk.finish_reason
-                yield chunk
-                if lease_renew_s and time.monotonic() - renewed > lease_renew_s:
-                    renewed = time.monotonic()
-                    await gw.quotas.renew(self.decision)
+            if prep.body.stream:
+                attempt = self._attempt(request)
+                try:
+                    async for chunk in attempt:
+                        yield chunk
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await attempt.aclose()   # aborts the engine request if it is still running
+            else:
+                for chunk in await self._whole(request):
+                    yield chunk
         except NoReplicaAvailableError as e:
             status, error = 503, "engine_unavailable"
             retry = max(1, int(e.retry_after_s or 1))
@@ -233,8 +235,76 @@ class Generation:
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                await stream.aclose()   # aborts the engine request if it is still running
                 await self._finish(status, error)
+
+    async def _whole(self, request: EngineRequest) -> list[EngineChunk]:
+        """Every chunk of a whole (non-streamed) request, held back until the engine's last one. Nothing has reached
+        the client yet, so when the replica dies mid-generation (``EngineUnavailableError``: connection reset, stream
+        cut before its last chunk, engine gone; the router marks it down) the request runs again from the start on
+        another replica, ``WHOLE_RETRIES`` times at most. Only the last run's tokens are counted; the quota lease
+        is held throughout. Engine-side refusals (4xx), adapter errors and client disconnects are never retried."""
+        failed: list[str] = []      # replicas this request died on
+        while True:
+            used: list[str] = []
+            held: list[EngineChunk] = []
+            attempt = self._attempt(request, exclude=failed, used=used)
+            try:
+                async for chunk in attempt:
+                    held.append(chunk)
+                return held
+            except EngineUnavailableError as e:
+                if self.retries >= WHOLE_RETRIES:
+                    raise
+                self.retries += 1
+                failed.extend(used)
+                logger.warning("request %s: replica %s died after %d engine chunks (%s); retrying the whole request "
+                               "on another replica (retry %d of %d)", self.prep.request_id,
+                               used[-1] if used else "?", len(held), e, self.retries, WHOLE_RETRIES)
+                self._reset()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await attempt.aclose()
+
+    async def _attempt(self, request: EngineRequest, exclude: list[str] | None = None,
+                       used: list[str] | None = None) -> AsyncIterator[EngineChunk]:
+        """Engine chunks of one run of ``request`` (the router fails over while no chunk came yet), counted as they
+        come; the lease is renewed every third of its TTL. ``used`` gets the ids of the replicas tried (the last
+        one ran it); ``exclude``: replicas not to try. Closing it closes the router's stream (engine abort)."""
+        gw, prep = self.gw, self.prep
+
+        def open_stream(replica):
+            if used is not None:
+                used.append(replica.replica_id)
+            return replica.client.generate(request)
+
+        stream = gw.router.stream(prep.reference.adapter_id if prep.reference else None, open_stream,
+                                  exclude=exclude or ())
+        lease_renew_s = (self.decision.limits.lease_ttl_s / 3) if self.decision.lease_id else None
+        try:
+            async for chunk in stream:
+                self.started = True
+                if chunk.completion_tokens and self.meter is not None:
+                    self.meter.first_token()
+                self.prompt_tokens = chunk.prompt_tokens
+                self.completion_tokens = chunk.completion_tokens * prep.plan.bill_factor
+                self.cached_tokens = chunk.cached_tokens
+                if chunk.finished:
+                    self.finish_reason = chunk.finish_reason
+                yield chunk
+                if lease_renew_s and time.monotonic() - self._renewed > lease_renew_s:
+                    self._renewed = time.monotonic()
+                    await gw.quotas.renew(self.decision)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()   # aborts the engine request if it is still running
+
+    def _reset(self) -> None:
+        """Forget a run that died: the next one is counted (tokens, first token) from zero."""
+        self.started = False
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.finish_reason = None
+        if self.meter is not None:
+            self.meter.first_token_at = None
 
     def _still_ready(self) -> bool:
         with self.gw.sessions() as session:

@@ -149,15 +149,17 @@ class Router:
             return result
         raise NoReplicaAvailableError(f"no engine replica could take the request (tried {len(tried)})") from last
 
-    async def stream(self, adapter_id: str | None,
-                     open_stream: Callable[[Replica], AsyncIterator[T]]) -> AsyncIterator[T]:
+    async def stream(self, adapter_id: str | None, open_stream: Callable[[Replica], AsyncIterator[T]],
+                     exclude: Iterable[str] = ()) -> AsyncIterator[T]:
         """Items of ``open_stream(replica)``; fails over while the stream has produced nothing yet. Once the first
-        item is out, an error propagates (tokens were sent; a retry would repeat them)."""
+        item is out, an error propagates (tokens were sent; a retry would repeat them) and a ``retry_on`` error marks
+        the replica down. ``exclude``: replicas not to try (e.g. the one a caller's earlier attempt died on)."""
+        skip = list(exclude)
         tried: list[str] = []
         last: BaseException | None = None
         for _ in range(self.config.max_attempts):
             try:
-                replica = self.choose(adapter_id, exclude=tried)
+                replica = self.choose(adapter_id, exclude=skip + tried)
             except NoReplicaAvailableError:
                 break
             tried.append(replica.replica_id)
