@@ -54,16 +54,17 @@ def make_adapter(base: str, out: str, r: int, seed: int) -> str:
     return out
 
 
-def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager: bool, device: str):
+def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager: bool, device: str,
+                    dtype: str = "float32"):
     import torch
 
     from loraplex.engine import LLMEngine, SamplingParams
     from loraplex.engine.lora.ref import AdapterRef
 
-    engine = LLMEngine.from_pretrained(base, device=device, dtype="float32", block_size=4, max_num_seqs=8,
+    engine = LLMEngine.from_pretrained(base, device=device, dtype=dtype, block_size=4, max_num_seqs=8,
                                        max_num_batched_tokens=64, num_kv_blocks=512, progress=False,
                                        enable_lora=True, max_loras=2, max_lora_rank=8, enforce_eager=eager,
-                                       adapter_cache_dir=os.path.join(tmp, f"cache-{int(eager)}"))
+                                       adapter_cache_dir=os.path.join(tmp, f"cache-{int(eager)}-{dtype}"))
     logits = defaultdict(list)
     engine.runner.logits_hook = lambda seqs, lg: [logits[s.request_id].append(lg[j].float().cpu())
                                                   for j, s in enumerate(seqs)]
