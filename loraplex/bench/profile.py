@@ -5,6 +5,10 @@
 Starts ``concurrency`` requests, steps until every prompt is computed (all sequences decoding), then profiles
 ``steps`` engine steps and returns the operator table (CPU and device time, call counts) as text. Counts of
 ``aten::_local_scalar_dense`` / ``cudaStreamSynchronize`` / ``aten::item`` are the host syncs of a step.
+
+Then one request is replaced by a new one and the steps that compute its prompt (the prefill a closed-loop
+client's next request brings, mixed with the other sequences' decodes) are profiled too: what an arrival costs
+every running request.
 """
 from __future__ import annotations
 
@@ -42,10 +46,48 @@ def profile_decode(engine, plan: list[PlannedRequest], adapter_refs: list, *, co
         if cuda:
             torch.cuda.synchronize()
     wall_ms = (time.monotonic() - t0) * 1e3 / steps
-    for rid in rids:
-        engine.abort(rid)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     head = (f"# decode profile {prefix}: {len(rids)} sequences decoding, {steps} steps, {wall_ms:.1f} ms per step "
             f"(wall, profiler on)\n")
+    text = (head + "\n## by device time\n" + prof.key_averages().table(sort_by=sort, row_limit=row_limit)
+            + "\n## by CPU time\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit))
+    if rids:
+        text += _profile_arrival(engine, plan, adapter_refs, rids, params, prefix, cuda, sort, row_limit)
+    for rid in rids:
+        engine.abort(rid)
+    return text
+
+
+def _arrive(engine, req, adapter_refs, rids, params, rid, cuda) -> tuple[int, float]:
+    """Replace the oldest request by ``rid`` (same prompt as ``req``) and step until its first token: (steps, ms)."""
+    engine.abort(rids.pop(0))
+    engine.add_request(rid, req.prompt, params, adapter=adapter_refs[req.adapter] if req.adapter is not None else None)
+    rids.append(rid)
+    if cuda:
+        torch.cuda.synchronize()
+    n, t0 = 0, time.monotonic()
+    for _ in range(1000):
+        n += 1
+        outs = engine.step()
+        if any(o.request_id == rid and o.output_token_ids for o in outs):
+            break
+    if cuda:
+        torch.cuda.synchronize()
+    return n, (time.monotonic() - t0) * 1e3
+
+
+def _profile_arrival(engine, plan, adapter_refs, rids, params, prefix, cuda, sort, row_limit) -> str:
+    """Arrivals: the oldest request replaced by a fresh one with the same prompt length, stepped until the new
+    one's first token (its prefill mixed with the others' decodes). Two arrivals timed without the profiler, then
+    one profiled."""
+    req = plan[0]
+    walls = [_arrive(engine, req, adapter_refs, rids, params, f"{prefix}arrival{i}", cuda) for i in range(2)]
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        n, wall_ms = _arrive(engine, req, adapter_refs, rids, params, f"{prefix}arrival", cuda)
+    plain = ", ".join(f"{k} steps {ms:.1f} ms" for k, ms in walls)
+    head = (f"\n# arrival profile {prefix}: a {len(req.prompt)}-token prompt joins {len(rids) - 1} decoding "
+            f"sequences; without the profiler: {plain}; profiled: {n} steps until its first token, {wall_ms:.1f} ms "
+            f"in all\n")
     return (head + "\n## by device time\n" + prof.key_averages().table(sort_by=sort, row_limit=row_limit)
             + "\n## by CPU time\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit))

@@ -11,7 +11,8 @@ def tiny_report(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bench-serve")
     rc = main(["bench", "serve", "--scale", "tiny", "--device", "cpu", "--num-requests", "7", "--concurrency", "3",
-               "--output-len", "5", "--input-len", "20", "--num-adapters", "2", "--out", str(out)])
+               "--output-len", "5", "--input-len", "20", "--num-adapters", "2", "--profile-steps", "2",
+               "--out", str(out)])
     assert rc == 0
     import json
 

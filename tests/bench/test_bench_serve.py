@@ -37,6 +37,18 @@ def test_report_counts_every_token_and_orders_percentiles(tiny_report):
     assert report["env"]["device"] == "cpu" and report["workload"]["dtype"] == "float32"
 
 
+def test_profiles_cover_decode_steps_and_an_arrival(tiny_report):
+    """--profile-steps writes, per scenario kind, the decode-step operator table and the arrival (a new prompt's
+    prefill mixed with the running decodes) table."""
+    _, out = tiny_report
+    for name in ("profile_base.txt", "profile_adapters.txt"):
+        text = (out / name).read_text(encoding="utf-8")
+        assert "# decode profile" in text and "3 sequences decoding, 2 steps" in text
+        arrival = text[text.index("# arrival profile"):]
+        assert "a 20-token prompt joins 2 decoding sequences; without the profiler: 1 steps" in arrival
+        assert "## by device time" in arrival and "## by CPU time" in arrival and "aten::" in arrival
+
+
 def test_markdown_has_a_row_per_scenario(tiny_report):
     report, out = tiny_report
     md = (out / "bench_serve.md").read_text(encoding="utf-8")
