@@ -25,6 +25,8 @@ TRITON_LAUNCHERS: dict[str, str] = {
     "rms_norm": "rms_norm:rms_norm",
     "silu_and_mul": "activation:silu_and_mul",
     "swiglu_clamp_and_mul": "activation:swiglu_clamp_and_mul",
+    "rotary_embedding": "rotary:rotary_embedding",
+    "moe_route": "moe_route:moe_route",
     "reshape_and_cache": "reshape_and_cache:reshape_and_cache",
     "copy_blocks": "copy_blocks:copy_blocks",
     "paged_attention": "paged_attention:paged_attention",

@@ -6,7 +6,7 @@ import torch
 
 from loraplex.kernels import reference_lora
 from loraplex.kernels.dispatch import resolve
-from loraplex.kernels.reference import attention_scale, moe_route  # noqa: F401  (host-side helpers)
+from loraplex.kernels.reference import attention_scale  # noqa: F401  (host-side helper)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -23,6 +23,10 @@ def swiglu_clamp_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
     return resolve("rotary_embedding", q)(positions, q, k, cos_sin_cache)
+
+
+def moe_route(router_logits, top_k, *, scoring, renormalize):
+    return resolve("moe_route", router_logits)(router_logits, top_k, scoring=scoring, renormalize=renormalize)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0):

@@ -37,6 +37,8 @@ class ModelShapes:
     head_dim: int
     activation: str = "silu"
     expert_bias: bool = False
+    router_scoring: str = "softmax"  # see reference.moe_route
+
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -51,17 +53,18 @@ class ModelShapes:
         """From ``loraplex.engine.config.ModelConfig``."""
         if not cfg.is_moe:
             raise ValueError(f"{cfg.family} is not a MoE model; the kernel tuner needs expert shapes")
+        gpt_oss = cfg.family == "gpt_oss"
         return cls(name=cfg.name_or_path or cfg.family, hidden=cfg.hidden_size, num_experts=cfg.num_experts,
                    top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                   activation="swiglu_clamp" if cfg.family == "gpt_oss" else "silu",
-                   expert_bias=cfg.expert_bias)
+                   activation="swiglu_clamp" if gpt_oss else "silu", expert_bias=cfg.expert_bias,
+                   router_scoring="topk_softmax" if gpt_oss else "softmax")
 
 
 PRESETS = {
     "gpt-oss-20b": ModelShapes("gpt-oss-20b", hidden=2880, num_experts=32, top_k=4, moe_intermediate=2880,
                                num_heads=64, num_kv_heads=8, head_dim=64, activation="swiglu_clamp",
-                               expert_bias=True),
+                               expert_bias=True, router_scoring="topk_softmax"),
     "qwen3-30b-a3b": ModelShapes("qwen3-30b-a3b", hidden=2048, num_experts=128, top_k=8, moe_intermediate=768,
                                  num_heads=32, num_kv_heads=4, head_dim=128),
 }
@@ -79,6 +82,7 @@ class Case:
     default: dict | None = None
     space: list[dict] = field(default_factory=list)
     variants: dict[str, dict] = field(default_factory=dict)  # label suffix -> config (benchmark, GPU check)
+    reference: Callable[[], Any] | None = None  # the torch reference's call, timed beside the op by the benchmark
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -94,7 +98,10 @@ def _cfgs(keys: tuple[str, ...], rows: list[tuple]) -> list[dict]:
 MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), [
     (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (16, 128, 256, 1, 8, 3),
     (16, 32, 256, 1, 4, 4), (16, 64, 64, 1, 4, 5), (32, 64, 128, 1, 4, 4), (32, 128, 128, 4, 8, 3),
-    (64, 64, 64, 4, 4, 4), (64, 128, 64, 4, 8, 4), (64, 128, 128, 4, 8, 3), (32, 64, 256, 1, 4, 3)])
+    (64, 64, 64, 4, 4, 4), (64, 128, 64, 4, 8, 4), (64, 128, 128, 4, 8, 3), (32, 64, 256, 1, 4, 3),
+    # prefill sizes (M in the thousands: compute-bound tiles)
+    (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
+    (128, 64, 64, 8, 4, 4)])
 SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [
     (16, 64, 16, 2, 3), (16, 64, 8, 2, 3), (16, 32, 16, 2, 3), (16, 64, 16, 4, 2), (16, 128, 8, 4, 3),
     (16, 32, 32, 2, 2), (16, 64, 1, 4, 2), (16, 128, 1, 4, 3), (16, 256, 1, 4, 3), (16, 128, 4, 4, 3),
@@ -339,8 +346,52 @@ def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, dev
     return cases
 
 
+def distinct_logits(m: int, num_experts: int, dtype, device) -> torch.Tensor:
+    """Router logits [M, E] in (-3, 3), random order, no two equal in ``dtype`` (bf16 randn rows tie often, and
+    torch.topk's tie order is unspecified, so ids could not be compared)."""
+    levels = torch.argsort(torch.rand(m, num_experts, device=device), dim=-1).float()
+    return ((levels + 0.3 * torch.rand(m, num_experts, device=device)) * (6.0 / num_experts) - 3.0).to(dtype)
+
+
+def routing_and_rope_cases(s: ModelShapes, m: int, dtype, device, *, max_pos: int = 8192) -> list[Case]:
+    """The decode step's two elementwise ops, each with its torch reference for the benchmark's comparison:
+    rotary_embedding on q / k as strided views of the fused qkv output (positions anywhere in the table), and
+    moe_route with the model's scoring (softmax ones renormalised)."""
+    from loraplex.kernels import reference
+    from loraplex.kernels.moe_route import moe_route
+    from loraplex.kernels.rotary import rotary_embedding
+
+    qh, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
+    qkv = torch.randn(m, (qh + 2 * kvh) * d, device=device, dtype=dtype)
+    q, k, _ = qkv.split(list(s.qkv_slices), dim=-1)
+    q, k = q.reshape(m, qh, d), k.reshape(m, kvh, d)
+    positions = torch.randint(0, max_pos, (m,), device=device)
+    inv_freq = 1.0 / 150000.0 ** (torch.arange(0, d, 2, device=device).float() / d)
+    freqs = torch.arange(max_pos, device=device).float()[:, None] * inv_freq[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_pos, D] float32
+    logits = distinct_logits(m, s.num_experts, dtype, device)
+    route_kw = dict(scoring=s.router_scoring, renormalize=s.router_scoring == "softmax")
+
+    def check_route() -> float:
+        (w, ids), (want_w, want_ids) = (moe_route(logits, s.top_k, **route_kw),
+                                        reference.moe_route(logits, s.top_k, **route_kw))
+        return rel_error(w, want_w) if torch.equal(ids, want_ids) else 1.0
+
+    return [
+        Case("", "rotary_embedding", m, {}, lambda cfg: rotary_embedding(positions, q, k, cache),
+             lambda: max(rel_error(a, b) for a, b in zip(rotary_embedding(positions, q, k, cache),
+                                                         reference.rotary_embedding(positions, q, k, cache))),
+             nbytes=2 * _nbytes(q, k) + m * d * cache.element_size() + _nbytes(positions),
+             reference=lambda: reference.rotary_embedding(positions, q, k, cache)),
+        Case("", f"moe_route[{s.router_scoring}]", m, {}, lambda cfg: moe_route(logits, s.top_k, **route_kw),
+             check_route, nbytes=_nbytes(logits) + m * s.top_k * (4 + 8),
+             reference=lambda: reference.moe_route(logits, s.top_k, **route_kw)),
+    ]
+
+
 def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) -> list[Case]:
-    """Untuned ops: rms_norm (+residual), activation, moe_align_lora, reshape_and_cache, decode attention."""
+    """Untuned ops: rms_norm (+residual), activation, moe_align_lora, reshape_and_cache, decode attention, and
+    ``routing_and_rope_cases``."""
     from loraplex.kernels import reference, reference_lora
     from loraplex.kernels.activation import swiglu_clamp_and_mul
     from loraplex.kernels.moe_align import moe_align_lora
@@ -399,7 +450,7 @@ def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) ->
              lambda: rel_error(paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw),
                                reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw)),
              nbytes=2 * m * context * kvh * d * kc.element_size() + 2 * _nbytes(q)),
-    ]
+    ] + routing_and_rope_cases(s, m, dtype, device)
 
 
 def shared_metadata_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:

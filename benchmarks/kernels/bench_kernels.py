@@ -20,6 +20,9 @@ adapters used (dense) or of the distinct (adapter, expert) pairs routed to (expe
 activations read, y read and written by the fused adds; KV of every context token. L2 re-reads and metadata
 are not counted. Roofline: the 4.2 TB/s device-to-device copy. "tuned" reads tuning_configs/<device>/ (or
 LORAPLEX_TUNING_DIR); ops without tuned configs print "-".
+
+Torch reference rows: ops that replace a torch composition (rotary_embedding, moe_route) also time that reference
+("... (torch reference)" row, same graph-replay timing); the Triton row's last column gives the speed-up.
 """
 from __future__ import annotations
 
@@ -46,8 +49,26 @@ def _flags(cfg: dict | None) -> str:
     return "+".join(names) or "plain"
 
 
+def _timed(fn) -> tuple[float, str]:
+    """Cold device time in ms and how it was taken: "graph" replay, or "events" when ``fn`` cannot be captured
+    (plain launches, launch overhead included)."""
+    try:
+        return bench_time_ms(fn, strict=True), "graph"
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        return bench_time_ms(fn), "events"
+
+
+def _row(label: str, case, ms: float, timing: str, warm: float | None, roofline_tbs: float, **extra) -> dict:
+    gbs = case.nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
+    return {"op": label, "m": case.m, "cold_us": ms * 1e3, "gbs": gbs, "roofline_pct": 100 * gbs / (roofline_tbs * 1e3),
+            "warm_us": warm * 1e3 if warm is not None else None, "default_cold_us": None, "speedup_vs_default": None,
+            "nbytes": case.nbytes, "config": None, "timing": timing, **extra}
+
+
 def bench_case(case, roofline_tbs: float, with_warm: bool = True) -> list[dict]:
-    """Rows (dicts) of one case: the tuned run, then each variant."""
+    """Rows (dicts) of one case: the tuned run, then each variant, then the torch reference where the case has one
+    (the Triton row then carries ``speedup_vs_reference``)."""
     from loraplex.kernels import tuning
 
     rows = []
@@ -58,20 +79,17 @@ def bench_case(case, roofline_tbs: float, with_warm: bool = True) -> list[dict]:
     default_ms = bench_time_ms(lambda: case.run(case.default)) if case.default is not None else None
     runs = [("", None)] + list(case.variants.items())
     for name, cfg in runs:
-        try:
-            ms, timing = bench_time_ms(lambda: case.run(cfg), strict=True), "graph"
-        except Exception:  # noqa: BLE001  (not capturable: plain launches, launch overhead included)
-            torch.cuda.synchronize()
-            ms, timing = bench_time_ms(lambda: case.run(cfg)), "events"
+        ms, timing = _timed(lambda: case.run(cfg))
         warm = bench_time_ms(lambda: case.run(cfg), cold=False) if with_warm and not name else None
-        gbs = case.nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
-        rows.append({
-            "op": case.label + (f" ({name})" if name else ""), "m": case.m, "cold_us": ms * 1e3, "gbs": gbs,
-            "roofline_pct": 100 * gbs / (roofline_tbs * 1e3), "warm_us": warm * 1e3 if warm is not None else None,
-            "default_cold_us": default_ms * 1e3 if default_ms is not None else None,
-            "speedup_vs_default": default_ms / ms if default_ms is not None and ms > 0 else None,
-            "nbytes": case.nbytes, "config": cfg if cfg is not None else tuned_cfg, "timing": timing,
-        })
+        rows.append(_row(case.label + (f" ({name})" if name else ""), case, ms, timing, warm, roofline_tbs,
+                         default_cold_us=default_ms * 1e3 if default_ms is not None else None,
+                         speedup_vs_default=default_ms / ms if default_ms is not None and ms > 0 else None,
+                         config=cfg if cfg is not None else tuned_cfg))
+    if case.reference is not None:  # the torch composition the Triton op replaces, timed the same way
+        ref_ms, timing = _timed(case.reference)
+        warm = bench_time_ms(case.reference, cold=False) if with_warm else None
+        rows[0]["speedup_vs_reference"] = ref_ms * 1e3 / rows[0]["cold_us"] if rows[0]["cold_us"] > 0 else None
+        rows.append(_row(case.label + " (torch reference)", case, ref_ms, timing, warm, roofline_tbs))
     return rows
 
 
@@ -79,10 +97,15 @@ def markdown_row(r: dict) -> str:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
+    notes = [_flags(r["config"])] if r["config"] else []
+    if r["timing"] != "graph":
+        notes.append("(NOT graph-captured: events)")
+    if r.get("speedup_vs_reference"):
+        notes.append(f"{r['speedup_vs_reference']:.1f}x vs torch reference")
     return (f"| {r['op']} | {r['m']} | {r['cold_us']:.1f} | {r['gbs']:.0f} | {r['roofline_pct']:.1f}% | "
             f"{num(r['warm_us'], '.1f')} | {num(r['default_cold_us'], '.1f')} | "
             f"{num(r['speedup_vs_default'], '.2f')}{'x' if r['speedup_vs_default'] is not None else ''} | "
-            f"{_flags(r['config'])}{'' if r['timing'] == 'graph' else ' (NOT graph-captured: events)'} |")
+            f"{' '.join(notes)} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """GPU correctness at real shapes: every Triton op against its torch reference in bf16 (rel. error <= 1e-2),
 each LoRA op also in its named variants (fused_moe_lora's one kernel and PDL launches, lora_expand with PDL),
-plus the compile-once check (changing the token count reuses the compiled kernel).
+rotary_embedding and moe_route captured in one CUDA graph and replayed on new positions / logits, plus the
+compile-once check (changing the token count reuses the compiled kernel).
 
     python3 benchmarks/kernels/check_gpu.py --model gpt-oss-20b --m 1,33,256
 Exit status 1 if any op misses the tolerance.
@@ -34,13 +35,17 @@ def compile_once_check() -> list[str]:
     from loraplex.kernels import lora_expand as ex
     from loraplex.kernels import lora_shrink as sh
     from loraplex.kernels import paged_attention as pa
+    from loraplex.kernels.moe_route import _moe_route_kernel
+    from loraplex.kernels.rotary import _rotary_kernel
     from loraplex.kernels.tuning_cases import moe_lora_cases, dense_lora_cases, misc_cases as mc
+    from loraplex.kernels.tuning_cases import routing_and_rope_cases
 
     s = PRESETS["gpt-oss-20b"]
     kernels = {"lora_shrink": sh._lora_shrink_kernel, "lora_expand": ex._lora_expand_kernel,
                "moe_lora_shrink": fl._moe_lora_shrink_kernel, "moe_lora_expand": fl._moe_lora_expand_kernel,
                "moe_lora_fused": fl._moe_lora_fused_kernel,
-               "paged_attention": pa._paged_attention_kernel, "paged_attention_merge": pa._merge_splits_kernel}
+               "paged_attention": pa._paged_attention_kernel, "paged_attention_merge": pa._merge_splits_kernel,
+               "rotary_embedding": _rotary_kernel, "moe_route": _moe_route_kernel}
     before = {k: compiled_variants(v) for k, v in kernels.items()}
     for m in (3, 17, 45, 100):  # same tile choice for paged attention (decode), fixed configs elsewhere
         for case in dense_lora_cases(s, m, 8, 32, torch.bfloat16, "cuda") + moe_lora_cases(s, m, 8, 32,
@@ -49,6 +54,8 @@ def compile_once_check() -> list[str]:
             if "fused" in case.variants:  # the one-kernel path, one fixed config
                 case.run(case.variants["fused"])
         [c for c in mc(s, m, torch.bfloat16, "cuda", context=64) if c.label.startswith("paged")][0].run(None)
+        for case in routing_and_rope_cases(s, m, torch.bfloat16, "cuda"):
+            case.run(None)
     torch.cuda.synchronize()
     lines = []
     for name, kernel in kernels.items():
@@ -103,6 +110,49 @@ def split_kv_check() -> list[str]:
     err = rel(out, reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, sinks=sinks))
     lines.append(f"{'ok  ' if err <= TOLERANCE else 'FAIL'} paged_attention split-KV CUDA graph replayed at new "
                  f"seq_lens rel_err={err:.2e}")
+    return lines
+
+
+def rope_and_route_graph_check() -> list[str]:
+    """rotary_embedding (strided q / k views of a fused qkv buffer) and moe_route (GPT-OSS and softmax scorings)
+    captured in one CUDA graph, then replayed after new positions, qkv and logits were copied into the captured
+    inputs: the outputs must follow (nothing read on the host at capture) and match the references."""
+    from loraplex.kernels import reference
+    from loraplex.kernels.moe_route import moe_route
+    from loraplex.kernels.rotary import rotary_embedding
+    from loraplex.kernels.tuning_cases import distinct_logits, rel_error
+
+    torch.manual_seed(11)
+    t, qh, kvh, d, e, a = 16, 64, 8, 64, 32, 4
+    qkv = torch.randn(t, (qh + 2 * kvh) * d, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, :qh * d].view(t, qh, d), qkv[:, qh * d:(qh + kvh) * d].view(t, kvh, d)
+    cache = torch.randn(4096, d, device="cuda")
+    positions = torch.randint(0, 4096, (t,), device="cuda")
+    logits = distinct_logits(t, e, torch.bfloat16, "cuda")
+    scorings = (("topk_softmax", False), ("softmax", True))
+
+    def step():
+        return rotary_embedding(positions, q, k, cache), [moe_route(logits, a, scoring=sc, renormalize=rn)
+                                                          for sc, rn in scorings]
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rope_out, routes = step()
+    positions.copy_(torch.randint(0, 4096, (t,), device="cuda"))
+    qkv.copy_(torch.randn_like(qkv))
+    logits.copy_(distinct_logits(t, e, torch.bfloat16, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = max(rel_error(g, w) for g, w in zip(rope_out, reference.rotary_embedding(positions, q, k, cache)))
+    lines = [f"{'ok  ' if err <= TOLERANCE else 'FAIL'} rotary_embedding CUDA graph replayed at new positions "
+             f"rel_err={err:.2e}"]
+    for (sc, rn), (w, ids) in zip(scorings, routes):
+        want_w, want_ids = reference.moe_route(logits, a, scoring=sc, renormalize=rn)
+        same, err = torch.equal(ids, want_ids), rel_error(w, want_w)
+        lines.append(f"{'ok  ' if same and err <= TOLERANCE else 'FAIL'} moe_route[{sc}] CUDA graph replayed at new "
+                     f"logits ids equal={same} rel_err={err:.2e}")
     return lines
 
 
@@ -169,6 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"FAIL split-KV check crashed: {type(e).__name__}: {e}")
         failed.append("split-KV")
+    try:
+        for line in rope_and_route_graph_check():
+            print(line, flush=True)
+            if line.startswith("FAIL"):
+                failed.append(line)
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL rope/route graph check crashed: {type(e).__name__}: {e}")
+        failed.append("rope/route graph")
     try:
         for line in copy_blocks_and_dispatch_check():
             print(line)
