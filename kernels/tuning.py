@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 TUNING_DIR_ENV = "LORAPLEX_TUNING_DIR"
 _REPO_TUNING_DIR = Path(__file__).resolve().parent.parent / "tuning_configs"
+_REPO_TUNING_DIR_STR = str(_REPO_TUNING_DIR)
 
 
 class TuningConfigError(ValueError):
@@ -54,7 +55,14 @@ def current_device_name() -> str:
     """The name torch reports for the current CUDA device ("cpu" without one)."""
     import torch
 
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return _cuda_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+
+@functools.cache
+def _cuda_device_name(index: int) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(index)
 
 
 def shape_key(shape: Mapping[str, int]) -> str:
@@ -108,19 +116,31 @@ def get_config(op: str, shape: Mapping[str, int], m: int, default: Mapping[str, 
                device_name: str | None = None) -> dict[str, Any]:
     """The tuned config of ``op`` at ``shape`` nearest to ``m`` tokens, else a copy of ``default``.
 
-    Keys missing from a tuned entry are taken from ``default`` so older files keep working.
+    Keys missing from a tuned entry are taken from ``default`` so older files keep working. Lookups are memoised
+    (every layer of an eager step asks again: a path, a shape key and a nearest-M search per call would cost
+    ~40 us of host time each); ``clear_cache`` or ``write_configs`` forget them.
     """
-    path = config_path(op, device_name)
+    name = device_name if device_name is not None else current_device_name()
+    root = os.environ.get(TUNING_DIR_ENV) or _REPO_TUNING_DIR_STR
+    entry = _tuned_entry(op, tuple(shape.items()), int(m), name, root)
+    return {**default, **entry} if entry is not None else dict(default)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tuned_entry(op: str, shape: tuple[tuple[str, Any], ...], m: int, device_name: str,
+                 root: str) -> dict[str, Any] | None:
+    """The tuned entry for one lookup (never mutated by callers: ``get_config`` copies), or None."""
+    path = config_path(op, device_name, root)
     table = _load(str(path))
     if table is None:
         _warn_once(f"no tuning file {path}; using default {op} configs (run `loraplex tune` on this GPU)")
-        return dict(default)
-    skey = shape_key(shape)
+        return None
+    skey = shape_key(dict(shape))
     by_m = table.get(skey)
     if not by_m:
         _warn_once(f"{path} has no entry for shape {skey}; using default {op} configs")
-        return dict(default)
-    return {**default, **by_m[nearest_m(by_m, m)]}
+        return None
+    return by_m[nearest_m(by_m, m)]
 
 
 def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]], *,
@@ -138,10 +158,12 @@ def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]
         merged[skey] = dict(sorted(entry.items(), key=lambda kv: int(kv[0])))
     path.write_text(json.dumps(merged, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     _load.cache_clear()
+    _tuned_entry.cache_clear()
     return path
 
 
 def clear_cache() -> None:
     """Forget loaded files and issued warnings (tests, or after writing new files)."""
     _load.cache_clear()
+    _tuned_entry.cache_clear()
     _warn_once.cache_clear()

@@ -86,8 +86,25 @@ def _profile_arrival(engine, plan, adapter_refs, rids, params, prefix, cuda, sor
     with torch.profiler.profile(activities=activities) as prof:
         n, wall_ms = _arrive(engine, req, adapter_refs, rids, params, f"{prefix}arrival", cuda)
     plain = ", ".join(f"{k} steps {ms:.1f} ms" for k, ms in walls)
+    python = _python_profile(lambda: _arrive(engine, req, adapter_refs, rids, params, f"{prefix}arrival-py", cuda))
     head = (f"\n# arrival profile {prefix}: a {len(req.prompt)}-token prompt joins {len(rids) - 1} decoding "
             f"sequences; without the profiler: {plain}; profiled: {n} steps until its first token, {wall_ms:.1f} ms "
             f"in all\n")
     return (head + "\n## by device time\n" + prof.key_averages().table(sort_by=sort, row_limit=row_limit)
-            + "\n## by CPU time\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit))
+            + "\n## by CPU time\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+            + "\n## Python functions (cProfile, one more arrival; times inflated by the profiler)\n" + python)
+
+
+def _python_profile(fn, limit: int = 30) -> str:
+    """cProfile of ``fn()``: the top functions by own time, then by cumulative time (where host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).strip_dirs()
+    stats.sort_stats("tottime").print_stats(limit)
+    stats.sort_stats("cumulative").print_stats(limit)
+    return buf.getvalue()

@@ -47,6 +47,7 @@ def test_profiles_cover_decode_steps_and_an_arrival(tiny_report):
         arrival = text[text.index("# arrival profile"):]
         assert "a 20-token prompt joins 2 decoding sequences; without the profiler: 1 steps" in arrival
         assert "## by device time" in arrival and "## by CPU time" in arrival and "aten::" in arrival
+        assert "## Python functions" in arrival and "(step)" in arrival  # cProfile saw LLMEngine.step
 
 
 def test_markdown_has_a_row_per_scenario(tiny_report):

@@ -62,6 +62,22 @@ def test_files_are_cached(tdir):
     assert tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="gpu")["BLOCK_M"] == 128
 
 
+def test_lookups_are_memoised_but_follow_new_files_and_folders(tdir, tmp_path_factory, monkeypatch):
+    """get_config memoises per (op, shape, M, device, folder): a caller mutating its copy changes nothing, a
+    write_configs is seen at once, and pointing LORAPLEX_TUNING_DIR elsewhere reads that folder."""
+    tuning.write_configs("op", {"K=8": {16: {"BLOCK_M": 16}}}, device_name="gpu")
+    first = tuning.get_config("op", {"K": 8}, 16, DEFAULT, device_name="gpu")
+    first["BLOCK_M"] = 999
+    assert tuning.get_config("op", {"K": 8}, 16, DEFAULT, device_name="gpu")["BLOCK_M"] == 16
+    tuning.write_configs("op", {"K=8": {16: {"BLOCK_M": 32}}}, device_name="gpu")
+    assert tuning.get_config("op", {"K": 8}, 16, DEFAULT, device_name="gpu")["BLOCK_M"] == 32
+    other = tmp_path_factory.mktemp("other-tuning")
+    monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(other))
+    assert tuning.get_config("op", {"K": 8}, 16, DEFAULT, device_name="gpu") == DEFAULT  # no file there
+    monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tdir))
+    assert tuning.get_config("op", {"K": 8}, 16, DEFAULT, device_name="gpu")["BLOCK_M"] == 32
+
+
 def test_bad_json_names_the_file(tdir):
     path = tuning.config_path("op", "gpu")
     path.parent.mkdir(parents=True)
