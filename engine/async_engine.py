@@ -6,6 +6,8 @@ streamed to its own asyncio queue.
         └──────────── per-request asyncio.Queue ◀─────────────┘  (one loop.call_soon_threadsafe per step)
 
 A consumer that stops iterating (client gone, task cancelled) aborts its request, which frees its KV blocks.
+With overlapped scheduling a step's outputs are delivered by the ``step()`` call after it (step_pipeline.py); the
+loop keeps stepping while ``has_unfinished_requests()``, which counts a step still in flight.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@
 Static buffers (B = largest bucket, W = ceil(max_model_len / block_size)), in two packed device tensors so a
 step makes one host->device copy per dtype:
 
-    int64  [3B]           input_ids [B] | positions [B] | slot_mapping [B]         (pad: 0 | 0 | -1)
+    int64  [4B]           input_ids [B] | positions [B] | slot_mapping [B] | pending_rows [B]
+                                                                    (pad: 0 | 0 | -1 | -1)
     int32  [3B+1+B*W]     seq_lens [B] | query_start_loc [B+1] | token_lora_idx [B] | block_tables [B, W]
                                                                     (pad: 0 | arange, fixed | -1 | 0)
 
@@ -16,6 +17,11 @@ paged attention (Triton and the torch reference) reads no key and writes zeros, 
 its hidden row is discarded. So a graph serves base and adapter requests alike: token -> slot indices and block
 tables are graph inputs, never captured constants, and the LoRA kernels are always in the graph
 (``LoRAState.always_on``; empty slots hold zeros, base tokens have index -1).
+
+Overlapped steps (engine/step_pipeline.py): a row whose input token is still on the device (pending) gets its id
+from the previous step's sampled-token tensor, by a gather on the device after the copy and before the replay:
+
+    input_ids[i] = prev_tokens[pending_rows[i]]   where pending_rows[i] >= 0 (else the id copied from the host)
 
 Graphable step: every scheduled sequence computes exactly one token, no prompt logprobs, at most B sequences
 and block tables of at most W blocks. Graphs are captured only on CUDA with tensor_parallel_size == 1 and
@@ -64,14 +70,14 @@ class DecodeGraphs:
         W = self.max_blocks = -(-max_model_len // runner.block_size)
         dev = runner.device
         pin = dev.type == "cuda"
-        self._host64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=pin)
+        self._host64 = torch.zeros(4 * B, dtype=torch.int64, pin_memory=pin)
         self._host32 = torch.zeros(3 * B + 1 + B * W, dtype=torch.int32, pin_memory=pin)
         self._h64, self._h32 = self._host64.numpy(), self._host32.numpy()
         self._h32[B:2 * B + 1] = range(B + 1)  # query_start_loc: one token per row, fixed
         self._dev64 = self._host64.to(dev, copy=True)  # a separate tensor on CPU too: the same copies run there
         self._dev32 = self._host32.to(dev, copy=True)
         # device views (the graph inputs)
-        self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, B)
+        self.input_ids, self.positions, self.slot_mapping, self.pending_rows = self._dev64.view(4, B)
         self.seq_lens = self._dev32[:B]
         self.query_start_loc = self._dev32[B:2 * B + 1]
         self.token_lora_idx = self._dev32[2 * B + 1:3 * B + 1]
@@ -107,33 +113,48 @@ class DecodeGraphs:
                    for s in scheduled)
 
     # ---- one step -------------------------------------------------------------------------------------------
-    def run(self, out: "SchedulerOutput", lora_slots: dict[int, int] | None) -> torch.Tensor:
-        """Hidden states [n, H] of the step's n decode tokens, in ``out.scheduled`` order."""
+    def run(self, out: "SchedulerOutput", lora_slots: dict[int, int] | None,
+            pending: "tuple[torch.Tensor, dict[int, int]] | None" = None) -> torch.Tensor:
+        """Hidden states [n, H] of the step's n decode tokens, in ``out.scheduled`` order. ``pending``:
+        (the previous step's sampled tokens [m] on the device, {seq_id: its row there}) for sequences whose input
+        token is pending (module docstring)."""
         n = len(out.scheduled)
         b = self.bucket_for(n)
-        self._write_inputs(out.scheduled, lora_slots, b)
+        rows = pending[1] if pending is not None else None
+        if self._write_inputs(out.scheduled, lora_slots, b, rows):
+            ids, src = self.input_ids[:b], self.pending_rows[:b]
+            ids.copy_(torch.where(src >= 0, pending[0][src.clamp(min=0)], ids))
         self.num_steps += 1
         if self.capture:
             self._graphs[b].replay()
             return self._outputs[b][:n]
         return self._forward(b)[:n]
 
-    def _write_inputs(self, scheduled: list, lora_slots: dict[int, int] | None, b: int) -> None:
-        """Fill the host buffers (rows n..b-1 padded) and copy them to the static device buffers."""
+    def _write_inputs(self, scheduled: list, lora_slots: dict[int, int] | None, b: int,
+                      pending_rows: dict[int, int] | None = None) -> bool:
+        """Fill the host buffers (rows n..b-1 padded) and copy them to the static device buffers. Returns whether
+        some row's input token is pending (its row in the previous step's tokens is in ``pending_rows``)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the pinned buffers
         B, W, bs = self.max_batch_size, self.max_blocks, self.runner.block_size
         h64, h32 = self._h64, self._h32
-        ids, pos, slots = h64[:B], h64[B:2 * B], h64[2 * B:]
+        ids, pos, slots, src = h64[:B], h64[B:2 * B], h64[2 * B:3 * B], h64[3 * B:]
         seq_lens, lora = h32[:B], h32[2 * B + 1:3 * B + 1]
         tables = h32[3 * B + 1:].reshape(B, W)
         n = len(scheduled)
         max_loras = self.runner.lora.max_loras if self.runner.lora is not None else 0
         tables[:b] = 0
+        any_pending = False
         for i, s in enumerate(scheduled):
             seq, table = s.seq, s.block_ids
             ctx = seq.num_computed_tokens
-            ids[i] = seq.token_ids_slice(ctx, ctx + 1)[0]
+            if seq.num_pending_tokens:
+                if pending_rows is None or seq.seq_id not in pending_rows:
+                    raise ValueError(f"sequence {seq.seq_id}'s input token is pending but not in the previous step")
+                ids[i], src[i] = 0, pending_rows[seq.seq_id]
+                any_pending = True
+            else:
+                ids[i], src[i] = seq.token_ids_slice(ctx, ctx + 1)[0], -1
             pos[i] = ctx
             slots[i] = table[ctx // bs] * bs + ctx % bs
             seq_lens[i] = ctx + 1
@@ -142,7 +163,7 @@ class DecodeGraphs:
             if not -1 <= slot < max_loras:
                 raise ValueError(f"sequence {seq.seq_id} has LoRA slot {slot}, outside [-1, {max_loras})")
             lora[i] = slot
-        ids[n:b], pos[n:b], slots[n:b], seq_lens[n:b], lora[n:b] = 0, 0, -1, 0, -1
+        ids[n:b], pos[n:b], slots[n:b], src[n:b], seq_lens[n:b], lora[n:b] = 0, 0, -1, -1, 0, -1
         nb = self._dev64.is_cuda
         self._dev64.copy_(self._host64, non_blocking=nb)
         used = 3 * B + 1 + b * W
@@ -151,6 +172,7 @@ class DecodeGraphs:
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
+        return any_pending
 
     def _write_padding(self, b: int) -> None:
         """Every row of bucket ``b`` padded (warm-up and capture: no KV cache read or written)."""

@@ -45,6 +45,10 @@ class EngineConfig:
     # CUDA graphs for decode steps (docs/engine.md, "CUDA graphs"): CUDA and tensor_parallel_size 1 only
     enforce_eager: bool = False             # never capture graphs: every step runs eagerly
     cuda_graph_max_batch_size: int = 64     # largest decode batch replayed from a graph (capped at max_num_seqs)
+    # overlapped scheduling (docs/engine.md, "Overlapped scheduling"): launch decode step n+1 before step n's tokens
+    # are read. None: on when decode steps replay CUDA graphs; True: also on the eager padded path (any device);
+    # False: off
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -83,6 +87,11 @@ class EngineConfig:
         cg = self.cuda_graph_max_batch_size
         if isinstance(cg, bool) or not isinstance(cg, int) or cg < 1:
             raise ValueError(f"cuda_graph_max_batch_size must be an integer >= 1, got {cg!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be None (auto), True or False, got {self.async_scheduling!r}")
+        if self.async_scheduling and tp > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1 (tensor-parallel steps run eagerly, "
+                             "rank by rank); leave it unset or False")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
                              "adapter in a GPU slot passes through the CPU tier; raise max_cpu_loras")

@@ -11,6 +11,10 @@ a request whose adapter fails to load finishes with ``finish_reason="error"`` an
 Each sequence has its own detokenizer and stop-string matcher; a matched stop string ends the sequence through
 ``Scheduler.finish_seq``. A request with ``n > 1`` reports ``n`` completions in ``RequestOutput.outputs``
 (``best_of``: the best by cumulative logprob; beam search: the best hypotheses, on the final output only).
+
+With ``async_scheduling`` on, plain decode steps overlap: ``step()`` launches the next step before it reads the
+tokens of the one in flight, and returns that one's outputs (step_pipeline.py). One step may then be in flight
+between two calls; ``has_unfinished_requests`` stays True until it is resolved.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
 from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from loraplex.engine.step_pipeline import InflightStep, can_overlap
 from loraplex.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -130,6 +135,9 @@ class LLMEngine:
                 max_rank=config.max_lora_rank, cache_dir=config.adapter_cache_dir, dtype=self.runner.dtype,
                 pin_memory=self.runner.device.type == "cuda", cache_max_bytes=config.adapter_cache_max_bytes)
         self.runner.init_decode_graphs()  # after init_lora: the graphs capture the LoRA kernels (CUDA only)
+        self.async_scheduling = self._init_async_scheduling()
+        self._inflight: InflightStep | None = None  # the overlapped step launched and not yet resolved
+        self.num_overlapped_steps = 0
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -138,6 +146,19 @@ class LLMEngine:
             self.kv_cache, adapter_slots=self.adapters)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
+
+    def _init_async_scheduling(self) -> bool:
+        """Resolve ``EngineConfig.async_scheduling``: None = on when decode steps replay CUDA graphs; True = on,
+        setting up the eager padded decode path when no graphs were captured (what overlapped steps run on)."""
+        mode = self.config.async_scheduling
+        if mode is None:
+            on = self.runner.num_cuda_graphs > 0
+        else:
+            on = bool(mode)
+            if on and self.runner.decode_graphs is None:
+                self.runner.init_decode_graphs(capture=False)
+        logger.info("overlapped (async) scheduling %s", "on" if on else "off")
+        return on
 
     @classmethod
     def from_pretrained(cls, model: str, **kwargs) -> "LLMEngine":
@@ -202,7 +223,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """True while a request is unfinished or an overlapped step is still to be resolved."""
+        return bool(self._requests) or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -210,6 +232,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the outputs of the requests it advanced (with overlapped
+        scheduling: of the step before it, whose tokens it read after launching this one)."""
         failed = self._fail_adapter_requests()
         out = self.scheduler.schedule()
         now = time.monotonic()
@@ -218,30 +242,48 @@ class LLMEngine:
                 self._requests[request_id].metrics.num_preemptions += 1
         moves = out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
         if not out.scheduled and not moves:
+            if self._inflight is not None:
+                return failed + self._resolve_inflight()
             if not failed and self.adapters is not None:
                 self.adapters.wait_for_progress(0.01)  # everyone waits on an adapter load: don't spin
             return failed
-        sampling = {}
-        for s in out.scheduled:
-            state = self._requests[s.seq.request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-                state.num_cached_tokens = s.seq.num_computed_tokens
-            if s.sample:
-                if s.num_samples > 1:  # fork step: one draw per future sequence, each from its own generator
-                    gen = state.generators[:s.num_samples]
-                else:
-                    gen = state.generators[self._seq_index(state, s.seq)]
-                sampling[s.seq.seq_id] = (state.params, gen)
+        sampling = self._sampling(out, now)
+        lora_slots = self._lora_slots(out) if self.adapters is not None else None
+        if self.async_scheduling and can_overlap(out, self.runner, lambda rid: self._requests[rid].params):
+            prev = self._inflight
+            tokens = self.runner.launch_decode(out, sampling, lora_slots, prev.tokens if prev is not None else None)
+            outputs = self._resolve_inflight() if prev is not None else []
+            self.scheduler.update_launched(out)
+            self._inflight = InflightStep(out, tokens)
+            self.num_overlapped_steps += 1
+            return failed + outputs
+        drained: list[RequestOutput] = []
+        if self._inflight is not None:  # not overlappable: finish the step in flight, then run this one as usual
+            drained = self._resolve_inflight()
+            out.scheduled = [s for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
+            if not out.scheduled and not moves:
+                return failed + drained
         if self.adapters is None:
             result = self.runner.execute(out, sampling)
         else:
-            result = self.runner.execute(out, sampling, lora_slots=self._lora_slots(out))
+            result = self.runner.execute(out, sampling, lora_slots=lora_slots)
         self._record_logprobs(out, result)
         finished = {g.request_id for g in self.scheduler.update(out, result.sampled, result.logprobs,
                                                                 result.beam_logprobs)}
+        sampled = [s.seq.request_id for s in out.scheduled if s.sample]
+        return failed + drained + self._step_outputs(sampled, finished)
+
+    def _resolve_inflight(self) -> list[RequestOutput]:
+        """Wait for the overlapped step's tokens, write them into their sequences, stop checks, outputs."""
+        inflight, self._inflight = self._inflight, None
+        accepted, finished = self.scheduler.update_resolved(inflight.out, inflight.tokens.wait())
+        return self._step_outputs([seq.request_id for seq in accepted], {g.request_id for g in finished})
+
+    def _step_outputs(self, sampled: list[str], finished: set[str]) -> list[RequestOutput]:
+        """Stop strings and one RequestOutput per request that got a token or finished; finished ones are
+        forgotten."""
         now = time.monotonic()
-        touched = list(dict.fromkeys([s.seq.request_id for s in out.scheduled if s.sample] + sorted(finished)))
+        touched = list(dict.fromkeys(sampled + sorted(finished)))
         outputs = []
         for request_id in touched:
             state = self._requests.get(request_id)
@@ -256,7 +298,24 @@ class LLMEngine:
             outputs.append(self._make_output(state, done, now))
         for request_id in finished:
             self._requests.pop(request_id, None)
-        return failed + outputs
+        return outputs
+
+    def _sampling(self, out: SchedulerOutput, now: float) -> dict:
+        """{seq_id: (params, generator)} of the step's sampling sequences (a list of generators at a fork step);
+        records each request's first scheduling."""
+        sampling = {}
+        for s in out.scheduled:
+            state = self._requests[s.seq.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                state.num_cached_tokens = s.seq.num_computed_tokens
+            if s.sample:
+                if s.num_samples > 1:  # fork step: one draw per future sequence, each from its own generator
+                    gen = state.generators[:s.num_samples]
+                else:
+                    gen = state.generators[self._seq_index(state, s.seq)]
+                sampling[s.seq.seq_id] = (state.params, gen)
+        return sampling
 
     @staticmethod
     def _seq_index(state: _RequestState, seq: Sequence) -> int:
@@ -396,7 +455,11 @@ class LLMEngine:
             raise ValueError("LoRA is disabled on this engine; start it with enable_lora=True")
 
     def close(self) -> None:
-        """Stop background adapter loads (the engine's other resources go with the object)."""
+        """Stop background adapter loads (the engine's other resources go with the object); a step still in
+        flight is waited for, its tokens dropped."""
+        if self._inflight is not None:
+            self._inflight.tokens.wait()
+            self._inflight = None
         if self.adapters is not None:
             self.adapters.close()
         shutdown = getattr(self.runner, "shutdown", None)  # tensor parallel: stop the workers

@@ -7,6 +7,7 @@ of a step.
 
 A pure decode step (one new token per sequence) instead goes through ``DecodeGraphs`` (cuda_graphs.py) once
 ``init_decode_graphs`` ran: padded to a batch-size bucket in static buffers, a CUDA graph replay on CUDA.
+``launch_decode`` runs such a step without reading its tokens back (overlapped scheduling, step_pipeline.py).
 
 At a parallel-sampling fork step the parent's logits row is repeated ``num_samples`` times (one draw per future
 sequence, each from its own generator); a beam's row becomes ``Sampler.beam_logprobs``.
@@ -28,6 +29,7 @@ from loraplex.engine.logprobs import prompt_logprobs
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
+from loraplex.engine.step_pipeline import PendingTokens
 from loraplex.kernels import ops
 
 if TYPE_CHECKING:
@@ -387,6 +389,21 @@ class ModelRunner:
         if draw_rows:
             self._draw(logits, draw_rows, sample_seqs, by_id, sampling, result)
         return result
+
+    @torch.inference_mode()
+    def launch_decode(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],
+                      lora_slots: dict[int, int] | None = None, prev: PendingTokens | None = None) -> PendingTokens:
+        """Launch one overlappable decode step (``step_pipeline.can_overlap``) and return without waiting for it:
+        the padded decode path, rows whose input token is pending taking it from ``prev`` on the device, then
+        logits and sampling on the device. ``sampling``: as in ``execute`` (one generator per sequence)."""
+        self._check_lora_slots(out, lora_slots)
+        pending = (prev.device_ids, prev.row_of) if prev is not None else None
+        hidden = self.decode_graphs.run(out, lora_slots, pending)  # [n, H]
+        logits = self.model.compute_logits(hidden)
+        seqs = [s.seq for s in out.scheduled]
+        tokens = self.sampler.choose(logits, [sampling[s.seq_id][0] for s in seqs],
+                                     [sampling[s.seq_id][1] for s in seqs])
+        return PendingTokens([s.seq_id for s in seqs], tokens)
 
     def _draw(self, logits: torch.Tensor, rows: list[int], seqs: list, by_id: dict, sampling: dict,
               result: ModelStepOutput) -> None:

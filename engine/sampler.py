@@ -12,6 +12,10 @@ one request (n > 1) that share a generator draw from it in row order, so the req
 
 Penalties need each row's tokens: pass ``seqs`` (anything with ``prompt_token_ids`` and ``output_token_ids``,
 e.g. ``Sequence``), one per row.
+
+``choose`` returns the tokens as a device tensor without reading them back (overlapped steps,
+engine/step_pipeline.py); per-row parameters go up through pinned memory with non-blocking copies, because on CUDA a
+copy from pageable memory waits for every kernel already queued (the previous step's too).
 """
 from __future__ import annotations
 
@@ -75,25 +79,11 @@ class Sampler:
                 seqs: list[TokenHistory] | None = None) -> SamplerOutput:
         """``sample`` plus the logprob entries of rows whose params set ``logprobs`` or ``best_of > n`` (add
         ``entry.logprob`` to the sequence with ``append_token(token, logprob)``)."""
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
-        n = logits.shape[0]
-        if len(params) != n or len(generators) != n:
-            raise ValueError(f"{n} logit rows but {len(params)} params and {len(generators)} generators")
+        n = self._check(logits, params, generators)
         if n == 0:
             return SamplerOutput([], [])
         raw = logits.float()
-        logits = self.apply_penalties(raw, params, seqs)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if len(rows) == n:  # all rows draw: no argmax, index tensor, gather or scatter
-            tokens = self._draw(self.probs(logits, params), generators)
-        else:
-            tokens = logits.argmax(dim=-1)  # [N]
-        if rows and len(rows) < n:
-            idx = torch.tensor(rows, device=logits.device)
-            probs = self.probs(logits[idx], [params[i] for i in rows])  # [R, V]
-            tokens[idx] = self._draw(probs, [generators[i] for i in rows])
-        token_ids = tokens.tolist()
+        token_ids = self._choose(raw, params, generators, seqs).tolist()
         logprobs: list[TokenLogprob | None] = [None] * n
         # rows that report logprobs, and best_of rows (their cumulative logprob ranks the sequences)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None or p.num_sequences > p.n]
@@ -103,6 +93,38 @@ class Sampler:
             for i, e in zip(lp_rows, entries):
                 logprobs[i] = e
         return SamplerOutput(token_ids, logprobs)
+
+    @torch.no_grad()
+    def choose(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               seqs: list[TokenHistory] | None = None) -> torch.Tensor:
+        """``sample`` without reading the tokens back: int64 [N] on the logits' device. Rows without penalties or
+        ``min_tokens`` make no host sync on the way."""
+        self._check(logits, params, generators)
+        return self._choose(logits.float(), params, generators, seqs)
+
+    @staticmethod
+    def _check(logits: torch.Tensor, params: list, generators: list) -> int:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+        n = logits.shape[0]
+        if len(params) != n or len(generators) != n:
+            raise ValueError(f"{n} logit rows but {len(params)} params and {len(generators)} generators")
+        return n
+
+    def _choose(self, raw: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                seqs: list[TokenHistory] | None) -> torch.Tensor:
+        """Tokens [N] (int64, on the device) from float32 logits [N, V]."""
+        n = raw.shape[0]
+        logits = self.apply_penalties(raw, params, seqs)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(rows) == n:  # all rows draw: no argmax, index tensor, gather or scatter
+            return self._draw(self.probs(logits, params), generators)
+        tokens = logits.argmax(dim=-1)  # [N]
+        if rows:
+            idx = row_tensor(rows, torch.int64, logits.device)
+            probs = self.probs(logits[idx], [params[i] for i in rows])  # [R, V]
+            tokens[idx] = self._draw(probs, [generators[i] for i in rows])
+        return tokens
 
     @torch.no_grad()
     def beam_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -150,17 +172,17 @@ class Sampler:
     def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Filtered, renormalised probabilities [R, V] of non-greedy rows: temperature, top-k, top-p, then min-p."""
         device = logits.device
-        temp = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        temp = row_tensor([p.temperature for p in params], torch.float32, device)
         logits = logits / temp.unsqueeze(1)
         v = logits.shape[1]
         top_k = [p.top_k if p.top_k > 0 else v for p in params]
         top_p = [p.top_p for p in params]
         if any(k < v for k in top_k) or any(tp < 1.0 for tp in top_p):
-            logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device),
-                                        torch.tensor(top_p, device=device, dtype=torch.float32))
+            logits = _apply_top_k_top_p(logits, row_tensor(top_k, torch.int64, device),
+                                        row_tensor(top_p, torch.float32, device))
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32).unsqueeze(1)
+            min_p = row_tensor([p.min_p for p in params], torch.float32, device).unsqueeze(1)
             keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)  # the best token always passes
             probs = probs * keep
             probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -174,12 +196,21 @@ class Sampler:
             return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
         q = torch.empty_like(probs)
         if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+            q[row_tensor(unseeded, torch.int64, probs.device)] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device).exponential_(
                 generator=self._shared_generator(probs.device))
         for i, g in enumerate(generators):
             if g is not None:
                 q[i].exponential_(generator=g)  # this row's stream only
         return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def row_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-row tensor on ``device``; on CUDA through pinned memory and a non-blocking copy (the caching
+    host allocator keeps the pinned block until the copy has run), so no host sync."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

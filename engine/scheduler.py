@@ -21,6 +21,12 @@ A request with ``num_sequences > 1`` enters as one sequence. At its first sample
 
 Chunked prefill is nothing but scheduling fewer tokens than ``num_tokens - num_computed_tokens``.
 
+Overlapped decode steps (engine/step_pipeline.py): ``update_launched`` gives each sequence of a launched step a
+pending token (counted, value on the device), so ``schedule()`` plans the next step before the values arrive;
+a sequence whose pending token reaches ``max_tokens`` / ``max_model_len`` is not scheduled again (it finishes
+when the value arrives). ``update_resolved`` writes the values in and runs the stop checks, finishing a
+sequence wherever it is by then (running, or preempted meanwhile: waiting or swapped).
+
 Adapters (``adapter_slots``, the AdapterManager). A waiting request whose adapter is not in a GPU slot:
 
     absent/loading ──ensure_loading()──▶ skipped, keeps its place (others go on; the load runs off the loop)
@@ -187,15 +193,9 @@ class Scheduler:
             return None
         if not status.is_finished:
             raise ValueError(f"finish_seq needs a finished status, got {status.name}")
-        seq.status = status
-        if seq in self.running:
-            self.running.remove(seq)
-        self.kv.free(seq)
-        if group.is_finished():
-            group.finished_time = time.monotonic()
-            self._forget(group)
-            return group
-        return None
+        finished: list[SequenceGroup] = []
+        self._finish(seq, group, status, time.monotonic(), finished)
+        return finished[0] if finished else None
 
     def get_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
@@ -227,8 +227,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:  # a beam whose log-probs wait for its siblings
-                i += 1
+            if n == 0 or (seq.num_pending_tokens and self._reaches_length_limit(seq)):
+                i += 1  # a beam whose log-probs wait for its siblings; a pending token that is the last one
                 continue
             hit, n_hit = self._prefix_hit(seq)
             if hit:
@@ -345,13 +345,64 @@ class Scheduler:
             self._beam_step(group, now, finished)
         return finished
 
+    # ---- overlapped steps (engine/step_pipeline.py) -----------------------------------------------------
+    def update_launched(self, out: SchedulerOutput) -> None:
+        """An overlapped decode step was launched: each of its still-running sequences has its input token
+        computed (stream order makes that true for every later step) and gains a pending token (its sampled
+        token, value still on the device). Sequences that finished since ``schedule()`` are left alone: their
+        row of the step is discarded. Call once the previous step's pending tokens are resolved, so the full
+        blocks hashed here hold real tokens only."""
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if s.num_new_tokens != 1 or not s.sample or s.num_samples != 1 or s.beam or seq.num_pending_tokens:
+                raise ValueError(f"sequence {seq.seq_id} is not a plain decode with a known input token; it "
+                                 f"cannot be overlapped")
+            seq.num_computed_tokens += 1
+            self.kv.cache_full_blocks(seq)
+            seq.append_pending_token()
+
+    def update_resolved(self, out: SchedulerOutput, sampled: dict[int, int]) -> tuple[list[Sequence],
+                                                                                      list[SequenceGroup]]:
+        """The pending tokens of an overlapped step arrived (``sampled``: seq_id -> token): write them in, then
+        stop checks as in ``update``. A sequence may have been preempted since (waiting or swapped out): it
+        finishes from there. Aborted sequences drop their token. Returns (sequences whose token counts, the
+        requests that finished)."""
+        finished: list[SequenceGroup] = []
+        accepted: list[Sequence] = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            seq = s.seq
+            if not seq.num_pending_tokens:
+                continue  # finished before the step's launch was recorded: its row is discarded
+            token = sampled[seq.seq_id]
+            seq.resolve_pending_token(token)
+            group = self._groups.get(seq.request_id)
+            if group is None or seq.status.is_finished:
+                continue  # aborted while the step ran
+            accepted.append(seq)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            status = self._stop_status(seq, group, token)
+            if status is not None:
+                self._finish(seq, group, status, now, finished)
+        return accepted, finished
+
     # ---- helpers ---------------------------------------------------------------------------------------
     def _finish(self, seq: Sequence, group: SequenceGroup, status: SequenceStatus, now: float,
                 finished: list[SequenceGroup]) -> None:
+        """End ``seq`` wherever it is: running, or (a pending token resolved after a preemption) waiting for
+        recompute or swapped out."""
         seq.status = status
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.kv.free(seq)
         if group.is_finished():
+            if group in self.swapped:
+                self.swapped.remove(group)
             group.finished_time = now
             self._forget(group)
             finished.append(group)
@@ -384,9 +435,14 @@ class Scheduler:
             return SequenceStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._reaches_length_limit(seq):
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def _reaches_length_limit(self, seq: Sequence) -> bool:
+        """``max_tokens`` or ``max_model_len`` reached (by count: a pending token counts)."""
+        params = self._groups[seq.request_id].sampling_params
+        return seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def _prefix_hit(self, seq: Sequence) -> tuple[list[int], int]:
         """A prefix hit for a sequence that has no blocks yet (a recomputed forked sequence finds the prompt

@@ -7,6 +7,13 @@ A sequence's tokens split into computed (K/V in the cache) and not yet computed:
 
     all_token_ids:  [ p0 p1 p2 p3 p4 | o0 o1 ]         num_tokens = 7
                       <-- computed --> <-new->         num_computed_tokens = 5
+
+Overlapped steps (engine/step_pipeline.py) append an output token before its value has reached the host: a
+*pending* token, stored as ``PENDING_TOKEN_ID`` and counted by ``num_pending_tokens`` (0 or 1), always the last
+one and never computed. Its value is written in by ``resolve_pending_token`` before anything reads the tokens
+(stop checks, detokenizer, outputs, prefix-cache hashes):
+
+    all_token_ids:  [ p0 p1 p2 | o0 o1 | ? ]           ? = pending: counted (max_tokens, blocks), value unknown
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, Se
 _FINISH_REASON = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
                   SequenceStatus.FINISHED_ABORTED: "abort"}
 _seq_ids = itertools.count(1 << 40)  # from_prompt's ids; far from an engine's own counter
+PENDING_TOKEN_ID = -1  # an output token sampled on the device whose value the host has not read yet
 
 
 class Sequence:
@@ -60,6 +68,7 @@ class Sequence:
         self.extra_key = extra_key
         self.cumulative_logprob = 0.0  # sum of the chosen tokens' logprobs (best_of ranking, beam scores)
         self.parent_seq_id: int | None = None  # the sequence this one was forked from
+        self.num_pending_tokens = 0  # trailing output tokens not read back from the device yet (0 or 1)
 
     @property
     def finish_reason(self) -> str | None:
@@ -98,6 +107,21 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float = 0.0) -> None:
         """Add one output token; ``logprob`` (its log-probability) accumulates into ``cumulative_logprob``."""
         self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def append_pending_token(self) -> None:
+        """Add one output token whose value is still on the device (an overlapped step sampled it)."""
+        if self.num_pending_tokens:
+            raise RuntimeError(f"sequence {self.seq_id} already has a pending token (pipeline depth is one)")
+        self.output_token_ids.append(PENDING_TOKEN_ID)
+        self.num_pending_tokens = 1
+
+    def resolve_pending_token(self, token_id: int, logprob: float = 0.0) -> None:
+        """Write the value of the pending token (it accumulates ``logprob`` as ``append_token`` does)."""
+        if not self.num_pending_tokens:
+            raise RuntimeError(f"sequence {self.seq_id} has no pending token")
+        self.output_token_ids[-1] = token_id
+        self.num_pending_tokens = 0
         self.cumulative_logprob += logprob
 
     def fork(self, seq_id: int | None = None) -> "Sequence":

@@ -4,12 +4,16 @@ Stage "tiny-<family>" (float32, tf32 off): one engine with graphs (the default) 
 ``enable_lora=True`` with two PEFT adapters (ranks 4 and 8) mixed with base requests (block_size 4, batch up to 8,
 so buckets 1/2/4/8 and block boundaries are crossed); transformers + PEFT score each request's tokens by one
 teacher-forced forward. PASS: graphs were captured and replayed, graph tokens == eager tokens == HF/PEFT greedy,
-and the worst step's relative logits error (max|d| / max|ref|) against HF/PEFT <= --tol.
+and the worst step's relative logits error (max|d| / max|ref|) against HF/PEFT <= --tol. A third engine runs with
+overlapped (async) scheduling (no logits hook: a hook keeps steps synchronous): its tokens must equal the graph
+run's and HF/PEFT greedy, with overlapped steps replayed from the graphs.
 
 Stage "perf": a GPT-OSS-20B-shape bf16 model with dummy weights, 8 LoRA slots of rank 32 filled with random
 factors; decode step time (``LLMEngine.step``, synchronised) with graphs and eager (same engine, graphs switched
-off) at batch 1 and 16, without adapters (every request on the base) and with 8 (requests spread over the slots).
-PASS: graphs captured and no slower than eager at batch 1.
+off) at batch 1 and 16, without adapters (every request on the base) and with 8 (requests spread over the slots);
+then with graphs and overlapped scheduling (``async_ms``: step n+1 launched before step n's tokens are read, so
+host work hides behind the GPU). PASS: graphs captured and no slower than eager at batch 1 (async_ms is reported,
+not gated).
 
 Every stage runs in its own subprocess under its own timeout: a crash or a hang costs that stage only.
 
@@ -55,7 +59,9 @@ def make_adapter(base: str, out: str, r: int, seed: int) -> str:
 
 
 def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager: bool, device: str,
-                    dtype: str = "float32"):
+                    dtype: str = "float32", overlap: bool = False):
+    """Final tokens, logits rows per request (none with ``overlap``: a logits hook would keep steps synchronous)
+    and graph counters of one engine run."""
     import torch
 
     from loraplex.engine import LLMEngine, SamplingParams
@@ -64,10 +70,12 @@ def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager
     engine = LLMEngine.from_pretrained(base, device=device, dtype=dtype, block_size=4, max_num_seqs=8,
                                        max_num_batched_tokens=64, num_kv_blocks=512, progress=False,
                                        enable_lora=True, max_loras=2, max_lora_rank=8, enforce_eager=eager,
-                                       adapter_cache_dir=os.path.join(tmp, f"cache-{int(eager)}-{dtype}"))
+                                       async_scheduling=overlap,
+                                       adapter_cache_dir=os.path.join(tmp, f"cache-{int(eager)}{int(overlap)}-{dtype}"))
     logits = defaultdict(list)
-    engine.runner.logits_hook = lambda seqs, lg: [logits[s.request_id].append(lg[j].float().cpu())
-                                                  for j, s in enumerate(seqs)]
+    if not overlap:
+        engine.runner.logits_hook = lambda seqs, lg: [logits[s.request_id].append(lg[j].float().cpu())
+                                                      for j, s in enumerate(seqs)]
     for rid, name, prompt, n in requests:
         engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
                            adapter=AdapterRef(f"t/{name}/1", f"file://{folders[name]}") if name else None)
@@ -80,7 +88,8 @@ def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager
     info = dict(num_graphs=engine.runner.num_cuda_graphs, buckets=engine.runner.cuda_graph_buckets,
                 replays=g.num_steps if g is not None else 0,
                 capture_s=round(g.capture_seconds, 2) if g is not None else None,
-                graph_mib=round(g.graph_memory_bytes / 2**20, 1) if g is not None else None)
+                graph_mib=round(g.graph_memory_bytes / 2**20, 1) if g is not None else None,
+                overlapped_steps=engine.num_overlapped_steps)
     del engine
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -108,7 +117,9 @@ def stage_tiny(family: str, args) -> dict:
                     for i, (name, n) in enumerate(zip(names, lens))]
         got, got_logits, info = run_tiny_engine(base, folders, requests, tmp, eager=False, device=args.device)
         want, want_logits, _ = run_tiny_engine(base, folders, requests, tmp, eager=True, device=args.device)
-        models, hf_agree, worst_hf, worst_eager = {}, 0, 0.0, 0.0
+        overlapped, _, async_info = run_tiny_engine(base, folders, requests, tmp, eager=False, device=args.device,
+                                                    overlap=True)
+        models, hf_agree, async_hf_agree, worst_hf, worst_eager = {}, 0, 0, 0.0, 0.0
         for rid, name, prompt, _ in requests:
             if name not in models:
                 m = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
@@ -117,7 +128,10 @@ def stage_tiny(family: str, args) -> dict:
             ids = torch.tensor([prompt + tokens[:-1]], device=args.device)
             with torch.no_grad():
                 ref = models[name](input_ids=ids).logits[0, len(prompt) - 1:].float().cpu()
+                a_ids = torch.tensor([prompt + overlapped[rid][:-1]], device=args.device)
+                a_ref = models[name](input_ids=a_ids).logits[0, len(prompt) - 1:].float().cpu()
             hf_agree += ref.argmax(-1).tolist() == tokens
+            async_hf_agree += a_ref.argmax(-1).tolist() == overlapped[rid]
             g = torch.stack(got_logits[rid])
             worst_hf = max(worst_hf, ((g - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item())
             if len(want_logits[rid]) == len(got_logits[rid]):
@@ -126,10 +140,15 @@ def stage_tiny(family: str, args) -> dict:
             else:
                 worst_eager = float("inf")
     same_as_eager = sum(got[r] == want[r] for r in got)
+    async_same = sum(overlapped.get(r) == got[r] for r in got)
+    async_ok = (async_info["overlapped_steps"] > 0 and async_info["replays"] > 0 and async_same == len(requests)
+                and async_hf_agree == len(requests))
     ok = (info["num_graphs"] > 0 and info["replays"] > 0 and same_as_eager == len(requests)
-          and hf_agree == len(requests) and worst_hf <= args.tol)
+          and hf_agree == len(requests) and worst_hf <= args.tol and async_ok)
     return dict(stage=f"tiny-{family}", ok=ok, requests=len(requests), same_tokens_as_eager=same_as_eager,
-                hf_greedy_agree=hf_agree, worst_rel_err_vs_hf=worst_hf, worst_rel_err_vs_eager=worst_eager, **info)
+                hf_greedy_agree=hf_agree, worst_rel_err_vs_hf=worst_hf, worst_rel_err_vs_eager=worst_eager,
+                async_same_tokens_as_graphs=async_same, async_hf_greedy_agree=async_hf_agree,
+                async_overlapped_steps=async_info["overlapped_steps"], async_replays=async_info["replays"], **info)
 
 
 # ---- perf: GPT-OSS-20B shape, bf16, dummy weights -------------------------------------------------------------
@@ -149,10 +168,10 @@ def fill_random_slots(slots, num: int, seed: int = 0, std: float = 0.02) -> None
             w.loaded[slot] = True
 
 
-def time_decode(engine, seq_slot: dict, batch: int, adapters: int, steps: int, use_graphs: bool,
-                prompt_len: int) -> float:
-    """Mean ms of ``engine.step()`` once ``batch`` requests are all decoding (graphs on or off for the warm-up and
-    timed steps); the requests are then aborted."""
+def time_decode(engine, seq_slot: dict, batch: int, adapters: int, steps: int, mode: str, prompt_len: int) -> float:
+    """Mean ms of ``engine.step()`` once ``batch`` requests are all decoding; ``mode``: "eager" (graphs off),
+    "graphs" or "async" (graphs and overlapped scheduling) for the warm-up and timed steps; the requests are then
+    aborted."""
     import torch
 
     from loraplex.engine import SamplingParams
@@ -164,14 +183,15 @@ def time_decode(engine, seq_slot: dict, batch: int, adapters: int, steps: int, u
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     rids = []
     for i in range(batch):
-        rid = f"b{batch}-a{adapters}-{int(use_graphs)}-{i}"
+        rid = f"b{batch}-a{adapters}-{mode}-{i}"
         vocab = engine.model_config.vocab_size
         engine.add_request(rid, torch.randint(10, vocab, (prompt_len,), generator=gen).tolist(), params)
         if adapters:
             seq_slot[engine._requests[rid].group.seqs[0].seq_id] = i % adapters
         rids.append(rid)
     engine.step()  # the prefill (one step at these sizes)
-    runner.decode_graphs = graphs if use_graphs else None
+    runner.decode_graphs = graphs if mode != "eager" else None
+    engine.async_scheduling = mode == "async"
     try:
         for _ in range(3):
             engine.step()
@@ -184,10 +204,11 @@ def time_decode(engine, seq_slot: dict, batch: int, adapters: int, steps: int, u
         ms = (time.perf_counter() - t0) / steps * 1e3
     finally:
         runner.decode_graphs = graphs
-    for rid in rids:
+    for rid in rids:  # the step still in flight (async) is resolved by the steps below
         engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
+    engine.async_scheduling = False
     return ms
 
 
@@ -206,6 +227,7 @@ def stage_perf(args) -> dict:
                                            max_num_batched_tokens=2048, num_kv_blocks=16 * 32 + 64,
                                            enable_prefix_caching=False, swap_space_bytes=0, enable_lora=True,
                                            max_loras=8, max_lora_rank=32, cuda_graph_max_batch_size=16,
+                                           async_scheduling=False,  # time_decode switches it per mode
                                            adapter_cache_dir=os.path.join(tmp, "cache"))
         start_s = time.perf_counter() - t0
         runner = engine.runner
@@ -215,6 +237,9 @@ def stage_perf(args) -> dict:
         seq_slot: dict[int, int] = {}
         execute = runner.execute
         runner.execute = lambda out, sampling, lora_slots=None: execute(out, sampling, lora_slots=dict(seq_slot))
+        launch = runner.launch_decode
+        runner.launch_decode = lambda out, sampling, lora_slots=None, prev=None: launch(
+            out, sampling, dict(seq_slot), prev)
         g = runner.decode_graphs
         res = dict(stage="perf", start_s=round(start_s, 1), num_graphs=runner.num_cuda_graphs,
                    buckets=runner.cuda_graph_buckets, kv_blocks=runner.num_blocks,
@@ -227,15 +252,16 @@ def stage_perf(args) -> dict:
         for batch in (1, 16):
             for adapters in (0, 8):
                 row = dict(batch=batch, adapters=adapters)
-                for mode in ("eager", "graphs"):
+                for mode in ("eager", "graphs", "async"):
                     try:
-                        ms = time_decode(engine, seq_slot, batch, adapters, args.steps, mode == "graphs",
-                                         args.prompt_len)
+                        ms = time_decode(engine, seq_slot, batch, adapters, args.steps, mode, args.prompt_len)
                         row[f"{mode}_ms"] = round(ms, 3)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other rows
                         row[f"{mode}_error"] = f"{type(e).__name__}: {e}"
                 if "eager_ms" in row and "graphs_ms" in row:
                     row["speedup"] = round(row["eager_ms"] / row["graphs_ms"], 2)
+                if "graphs_ms" in row and "async_ms" in row:
+                    row["async_speedup"] = round(row["graphs_ms"] / row["async_ms"], 2)
                 res["rows"].append(row)
                 print(f"  batch {batch:>2} adapters {adapters}: {row}", flush=True)
         b1 = [r for r in res["rows"] if r["batch"] == 1 and "speedup" in r]
@@ -259,14 +285,18 @@ def print_summary(results: list[dict]) -> None:
             print(f"{r['stage']:<16} graphs={r['num_graphs']} replays={r['replays']} capture={r['capture_s']}s "
                   f"({r['graph_mib']} MiB)  tokens==eager {r['same_tokens_as_eager']}/{r['requests']}  "
                   f"HF/PEFT greedy {r['hf_greedy_agree']}/{r['requests']}  rel err vs HF {r['worst_rel_err_vs_hf']:.2e}"
-                  f"  vs eager {r['worst_rel_err_vs_eager']:.2e}")
+                  f"  vs eager {r['worst_rel_err_vs_eager']:.2e}  async: tokens==graphs "
+                  f"{r['async_same_tokens_as_graphs']}/{r['requests']} HF/PEFT {r['async_hf_greedy_agree']}/"
+                  f"{r['requests']} overlapped steps {r['async_overlapped_steps']}")
         elif r["stage"] == "perf" and "error" not in r:
             print(f"perf: start {r['start_s']}s, {r['num_graphs']} graphs {r['buckets']} captured in {r['capture_s']}s "
                   f"({r['graph_mib']} MiB), KV {r['kv_blocks']} blocks ({r['kv_gib']} GiB)")
-            print(f"  {'batch':>5} {'adapters':>8} {'eager ms':>9} {'graphs ms':>9} {'speedup':>7}")
+            print(f"  {'batch':>5} {'adapters':>8} {'eager ms':>9} {'graphs ms':>9} {'speedup':>7} {'async ms':>9} "
+                  f"{'vs graphs':>9}")
             for row in r["rows"]:
                 print(f"  {row['batch']:>5} {row['adapters']:>8} {row.get('eager_ms', 'ERR'):>9} "
-                      f"{row.get('graphs_ms', 'ERR'):>9} {row.get('speedup', '-'):>7}"
+                      f"{row.get('graphs_ms', 'ERR'):>9} {row.get('speedup', '-'):>7} {row.get('async_ms', 'ERR'):>9} "
+                      f"{row.get('async_speedup', '-'):>9}"
                       + "".join(f"  {k}={v}" for k, v in row.items() if k.endswith("_error")))
         else:
             print(f"{r['stage']:<16} ERROR {r.get('error')}")

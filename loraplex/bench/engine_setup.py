@@ -48,6 +48,11 @@ def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: 
         kw["enforce_eager"] = cfg.enforce_eager
     elif cfg.enforce_eager:
         notes.append("this engine has no CUDA graphs (no EngineConfig.enforce_eager): --enforce-eager changes nothing")
+    if getattr(cfg, "async_scheduling", None) is not None:
+        if "async_scheduling" not in fields:
+            raise ValueError("this engine has no overlapped scheduling (no EngineConfig.async_scheduling); drop "
+                             "--async-scheduling / --no-async-scheduling")
+        kw["async_scheduling"] = cfg.async_scheduling
     in_place = False
     if quantization is not None:
         if "quantization" in fields:
@@ -72,7 +77,8 @@ def engine_info(engine) -> dict:
                 kv_gib=runner.num_blocks * runner.bytes_per_block / 2**30,
                 tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
                 enforce_eager=getattr(config, "enforce_eager", None),
-                quantization=getattr(config, "quantization", None), cuda_graphs=cuda_graph_count(runner))
+                quantization=getattr(config, "quantization", None), cuda_graphs=cuda_graph_count(runner),
+                async_scheduling=getattr(engine, "async_scheduling", None))
     graphs = getattr(runner, "decode_graphs", None)
     if info["cuda_graphs"]:
         info["cuda_graph_buckets"] = list(getattr(runner, "cuda_graph_buckets", []) or [])

@@ -34,8 +34,9 @@ def to_markdown(report: dict) -> str:
              f"- command: `{report.get('command', '')}`"]
     for phase, info in (report.get("engine") or {}).items():
         lines.append(f"- engine {phase}: tensor parallel {info.get('tensor_parallel_size')}, CUDA graphs "
-                     f"{_fmt(info.get('cuda_graphs'))}, enforce_eager {info.get('enforce_eager')}, quantization "
-                     f"{info.get('quantization')}, KV pool {info.get('kv_blocks')} blocks "
+                     f"{_fmt(info.get('cuda_graphs'))}, enforce_eager {info.get('enforce_eager')}, async scheduling "
+                     f"{info.get('async_scheduling')}, quantization {info.get('quantization')}, KV pool "
+                     f"{info.get('kv_blocks')} blocks "
                      f"({_fmt(info.get('kv_gib'), 2)} GiB), GPU memory after start "
                      f"{_fmt(info.get('memory_after_start_gib'))} GiB")
     if report.get("setup_s"):

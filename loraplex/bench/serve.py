@@ -60,6 +60,7 @@ class ServeBenchConfig:
     int8: bool = False                    # after the float phase, a second engine with INT8 experts, same scenarios
     tensor_parallel_size: int = 1
     enforce_eager: bool = False           # no CUDA graphs (engines that have them)
+    async_scheduling: bool | None = None  # overlapped decode steps; None: the engine's default (on with graphs)
     hf_baseline: bool = False
     hf_only: bool = False                 # only the HF baseline (no engine scenarios)
     hf_output_len: int | None = None      # HF output tokens (default: output_len)
@@ -219,7 +220,8 @@ class _Run:
         print(f"[bench] engine {phase}: started in {self.setup_s[f'engine_start_{phase}']:.1f} s (weights "
               f"{self.setup_s.get(f'model_load_{phase}', float('nan')):.1f} s, graph capture "
               f"{self.setup_s.get(f'graph_capture_{phase}', 0.0):.1f} s); TP "
-              f"{info['tensor_parallel_size']}, CUDA graphs {info['cuda_graphs']}, quantization "
+              f"{info['tensor_parallel_size']}, CUDA graphs {info['cuda_graphs']}, async scheduling "
+              f"{info.get('async_scheduling')}, quantization "
               f"{info['quantization'] or ('int8 (in place)' if in_place else None)}, KV {info['kv_blocks']} blocks "
               f"({info['kv_gib']:.2f} GiB)", flush=True)
 

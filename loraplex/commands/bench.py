@@ -51,6 +51,8 @@ def register(subparsers) -> None:
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks (GPUs 0..N-1 on CUDA; CPU processes over gloo otherwise)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped decode steps (default: the engine's, on with CUDA graphs)")
     s.add_argument("--hf-baseline", action="store_true",
                    help="also time HF transformers (and + PEFT with one adapter) at batch = concurrency")
     s.add_argument("--hf-only", action="store_true", help="only the HF baseline (no engine scenarios)")
@@ -90,7 +92,7 @@ def config_from_args(args):
                             base_only=not args.no_base_only, warmup=not args.no_warmup, int8=args.int8,
                             hf_baseline=args.hf_baseline, hf_output_len=args.hf_output_len, hf_only=args.hf_only,
                             quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-                            enforce_eager=args.enforce_eager,
+                            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                             scenario_time_s=args.scenario_time, stagger_s=args.stagger,
                             profile_steps=args.profile_steps, total_time_s=args.total_time, seed=args.seed,
                             out_dir=args.out, work_dir=args.work_dir,
@@ -101,6 +103,8 @@ def command_line(args) -> str:
     """The invocation, rebuilt from the parsed flags (works when called in-process, not only from a shell)."""
     parts = ["loraplex", "bench", "serve"]
     for key, value in vars(args).items():
+        if key == "async_scheduling" and value is False:
+            parts.append("--no-async-scheduling")
         if key in ("func", "command", "bench_command") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")

@@ -30,6 +30,9 @@ def register(subparsers) -> None:
                    help="largest decode batch captured as a CUDA graph (larger batches run eagerly)")
     s.add_argument("--quantization", choices=("int8",), default=None,
                    help="int8: INT8 weight-only expert weights, quantised at load")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch decode step n+1 before step n's tokens are read (default: on when decode steps "
+                        "replay CUDA graphs)")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
     s.add_argument("--max-loras", type=int, default=4)
     s.add_argument("--max-lora-rank", type=int, default=16)
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False,
                       tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                      cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, quantization=args.quantization)
+                      cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, quantization=args.quantization,
+                      async_scheduling=args.async_scheduling)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir,
