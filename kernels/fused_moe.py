@@ -5,8 +5,6 @@
 
 The gate_up kernel can also store the pre-activation [gate | up] [T*A, 2I] (ACT_NONE) so that a LoRA delta is
 added before the activation (``moe_experts_lora``); ``gate_up`` / ``down`` launch one GEMM each for that op.
-With HAS_LORA (``LoraEpilogue``) either GEMM adds an expert-LoRA expand to its fp32 accumulator after scale and
-bias, before the activation / routing weight (``moe_lora_epilogue``); off, that code is compiled out.
 
 Both GEMMs walk BLOCK_M-row blocks of pairs sorted by expert (one expert per block, so one weight tile per
 program). Programs are ordered in groups of GROUP_M blocks per column block for L2 reuse; blocks past the
@@ -14,8 +12,6 @@ padded pair count leave at once. INT8 weights are widened in registers and the p
 applied to the fp32 accumulator (dequantisation fused). The pair count is not a compile-time constant.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -30,15 +26,6 @@ ACT_CODES = {"silu": 0, "swiglu_clamp": 1}
 ACT_NONE = 2  # gate_up stores the pre-activation [gate | up] (out [T*A, 2N])
 
 
-class LoraEpilogue(NamedTuple):
-    """The expert-LoRA expand a GEMM adds in its epilogue: pair row p of token t, expert e, slot
-    l = token_lora_idx[t] >= 0 gets ``buf[:, p].sum(0) @ lora_b[l, e].T`` (scaling already in buf)."""
-
-    buf: torch.Tensor  # [P, T*A, R] float32 shrink output; P split-K partials, summed in the epilogue
-    lora_b: torch.Tensor  # [L, E, N_out, R], R contiguous (N_out: 2I for gate_up, H for down)
-    token_lora_idx: torch.Tensor  # [T] int32, -1: no adapter (no B load)
-
-
 @triton.jit
 def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
     per_group = GROUP_M * NUM_N
@@ -47,43 +34,15 @@ def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
-@triton.jit
-def _lora_delta(s_ptr, b_ptr, lora, pairs64, cols, col_ok, R, stride_sp, stride_bl, stride_bn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PARTS: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 LoRA expand of a row block: row m of slot lora[m] >= 0 gets s[pair] @ B[slot, cols].T
-    (b_ptr: slot 0's B [N_out, R] of this block's expert; s [NUM_PARTS, T*A, R] partials). Rows of one block
-    share the expert but not the adapter: one tensor-core dot per distinct slot of the block (rows of other
-    slots masked to zero), so each slot's B tile is read once and rows without an adapter cost nothing."""
-    delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < R
-    s_ptrs = s_ptr + pairs64[:, None] * R + r[None, :]
-    todo = lora >= 0
-    while tl.max(todo.to(tl.int32), 0) > 0:
-        slot = tl.min(tl.where(todo, lora, 2147483647), 0)
-        s_mask = (lora == slot)[:, None] & r_ok[None, :]
-        s = tl.load(s_ptrs, mask=s_mask, other=0.0)
-        for part in range(1, NUM_PARTS):
-            s += tl.load(s_ptrs + part * stride_sp, mask=s_mask, other=0.0)
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn + r[:, None],
-                    mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-        delta += dot(s.to(b.dtype), b)
-        todo = todo & (lora != slot)
-    return delta
-
-
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    lora_idx_ptr, s_ptr, lb_ptr,
-    # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N] ([T*A, 2N] if ACT_NONE); tables;
-    # LoRA epilogue: token_lora_idx [T]; shrink buf [NUM_PARTS, T*A, R] fp32; lora_b [L, E, 2N, R]
-    num_pairs, num_m, N, K, alpha, limit, R,
-    stride_xt, stride_we, stride_wn, stride_se, stride_be, stride_ot, stride_sp, stride_bl, stride_ble, stride_bn,
+    # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N] ([T*A, 2N] if ACT_NONE); tables
+    num_pairs, num_m, N, K, alpha, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_be, stride_ot,
     TOP_K: tl.constexpr, ACT: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PARTS: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -115,20 +74,13 @@ def _moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    # ---- epilogue: dequant scale, bias, LoRA delta (pre-activation), activation
+    # ---- epilogue: dequant scale, bias, activation
     if W_INT8:
         acc_g *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
         acc_u *= tl.load(scale_ptr + expert * stride_se + N + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc_g += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + expert * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        lora = tl.load(lora_idx_ptr + tok, mask=row_ok, other=-1)
-        b_ptr = lb_ptr + expert * stride_ble
-        acc_g += _lora_delta(s_ptr, b_ptr, lora, pairs.to(tl.int64), cols, col_ok, R, stride_sp, stride_bl,
-                             stride_bn, BLOCK_M, BLOCK_N, BLOCK_R, NUM_PARTS)
-        acc_u += _lora_delta(s_ptr, b_ptr + N * stride_bn, lora, pairs.to(tl.int64), cols, col_ok, R, stride_sp,
-                             stride_bl, stride_bn, BLOCK_M, BLOCK_N, BLOCK_R, NUM_PARTS)
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if ACT == 2:  # pre-activation: gate to columns [0, N), up to [N, 2N)
@@ -147,15 +99,12 @@ def _moe_gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_down_kernel(
     h_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    lora_idx_ptr, s_ptr, lb_ptr,
-    # h [T*A, K]; w2 [E, N, K]; scale [E, N]; bias [E, N]; topk_weights [T*A]; out [T*A, N]; tables;
-    # LoRA epilogue: token_lora_idx [T]; shrink buf [NUM_PARTS, T*A, R] fp32; lora_b [L, E, N, R]
-    num_pairs, num_m, N, K, R,
-    stride_ht, stride_we, stride_wn, stride_se, stride_be, stride_ot, stride_sp, stride_bl, stride_ble, stride_bn,
+    # h [T*A, K]; w2 [E, N, K]; scale [E, N]; bias [E, N]; topk_weights [T*A]; out [T*A, N]; tables
+    num_pairs, num_m, N, K,
+    stride_ht, stride_we, stride_wn, stride_se, stride_be, stride_ot,
     W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_LORA: tl.constexpr, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_PARTS: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -181,15 +130,11 @@ def _moe_down_kernel(
         acc += dot(ht, wt.to(ht.dtype))
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    # ---- epilogue: dequant scale, bias, LoRA delta, routing weight
+    # ---- epilogue: dequant scale, bias, routing weight
     if W_INT8:
         acc *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        lora = tl.load(lora_idx_ptr + pairs64 // TOP_K, mask=row_ok, other=-1)
-        acc += _lora_delta(s_ptr, lb_ptr + expert * stride_ble, lora, pairs64, cols, col_ok, R, stride_sp, stride_bl,
-                           stride_bn, BLOCK_M, BLOCK_N, BLOCK_R, NUM_PARTS)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pairs64[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -229,28 +174,10 @@ def _launch_args(cfg: dict) -> tuple[int, int, int, int, dict]:
     return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
 
 
-def _lora_args(lora: LoraEpilogue | None, n_out: int, num_pairs: int, num_tokens: int, dummy: torch.Tensor):
-    """(pointer / runtime args, constexprs) of the LoRA epilogue; dummies and HAS_LORA=False without one."""
-    if lora is None:
-        return (dummy, dummy, dummy, 0, 0, 0, 0, 0), dict(HAS_LORA=False, BLOCK_R=16, NUM_PARTS=1)
-    buf, lora_b, idx = lora
-    rank = buf.shape[2]
-    if (buf.dim() != 3 or buf.shape[1] != num_pairs or buf.dtype != torch.float32 or not buf.is_contiguous()
-            or lora_b.dim() != 4 or lora_b.shape[2:] != (n_out, rank) or lora_b.stride(3) != 1
-            or idx.shape != (num_tokens,)):
-        raise ValueError(f"LoRA epilogue needs buf [P, T*A={num_pairs}, R] float32 contiguous, lora_b [L, E, "
-                         f"{n_out}, R] with R contiguous and token_lora_idx [T={num_tokens}]; got buf "
-                         f"{tuple(buf.shape)} {buf.dtype}, lora_b {tuple(lora_b.shape)}, token_lora_idx "
-                         f"{tuple(idx.shape)}")
-    return ((idx, buf, lora_b, rank, buf.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2)),
-            dict(HAS_LORA=True, BLOCK_R=max(16, triton.next_power_of_2(rank)), NUM_PARTS=buf.shape[0]))
-
-
 def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, w13_scale=None,
-            alpha: float = 1.702, limit: float = 7.0, lora: LoraEpilogue | None = None) -> torch.Tensor:
+            alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The gate_up grouped GEMM over ``align`` = moe_align(topk_ids, E, cfg BLOCK_M): x [T, H] ->
-    act(gate) * up [T*A, I], or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None; ``lora``
-    adds its expand (lora_b [L, E, 2I, R]) to the pre-activation."""
+    act(gate) * up [T*A, I], or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None."""
     bm, bn, bk, gm, launch = _launch_args(cfg)
     sorted_ids, expert_ids, num_post = align
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
@@ -260,43 +187,36 @@ def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13
         raise ValueError(f"align tables were made with block size {sorted_ids.shape[0] // max(num_m, 1)} but the "
                          f"config's BLOCK_M is {bm}")
     int8 = w13_scale is not None
-    (idx, buf, lora_b, rank, *lora_strides), lora_consts = _lora_args(lora, 2 * inter, num_pairs, x.shape[0], x)
     out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
     num_n = triton.cdiv(inter, bn)
     _moe_gate_up_kernel[(num_m * num_n,)](
         x, w13, w13_scale if int8 else x, b13 if b13 is not None else x, out, sorted_ids, expert_ids,
-        num_post, idx, buf, lora_b, num_pairs, num_m, inter, hidden, float(alpha), float(limit), rank,
+        num_post, num_pairs, num_m, inter, hidden, float(alpha), float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if int8 else 0,
-        b13.stride(0) if b13 is not None else 0, out.stride(0), *lora_strides,
+        b13.stride(0) if b13 is not None else 0, out.stride(0),
         TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, W_INT8=int8, HAS_BIAS=b13 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0, **lora_consts,
-        **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0, **launch)
     return out
 
 
-def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None,
-         lora: LoraEpilogue | None = None) -> torch.Tensor:
-    """The down grouped GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; ``lora`` adds
-    its expand (lora_b [L, E, H, R]) before the routing weight."""
+def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None) -> torch.Tensor:
+    """The down grouped GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]."""
     bm, bn, bk, gm, launch = _launch_args(cfg)
     sorted_ids, expert_ids, num_post = align
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
     num_m = expert_ids.shape[0]
     int8 = w2_scale is not None
-    num_tokens, top_k = topk_weights.shape
-    (idx, buf, lora_b, rank, *lora_strides), lora_consts = _lora_args(lora, hidden, num_pairs, num_tokens, h)
     out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     num_n = triton.cdiv(hidden, bn)
     weights = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(num_m * num_n,)](
         h, w2, w2_scale if int8 else h, b2 if b2 is not None else h, weights, out, sorted_ids,
-        expert_ids, num_post, idx, buf, lora_b, num_pairs, num_m, hidden, inter, rank,
+        expert_ids, num_post, num_pairs, num_m, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if int8 else 0,
-        b2.stride(0) if b2 is not None else 0, out.stride(0), *lora_strides,
+        b2.stride(0) if b2 is not None else 0, out.stride(0),
         W_INT8=int8, HAS_BIAS=b2 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=inter % bk == 0, TOP_K=top_k,
-        **lora_consts, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=inter % bk == 0, **launch)
     return out
 
 

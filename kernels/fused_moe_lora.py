@@ -19,9 +19,6 @@ programmatic dependent launch. Expand starts while shrink runs and loads its B t
 rows (written by moe_align_lora, at least two kernels back) before ``pdl_wait``; it reads buf, y and the
 routing weights only after it. Shrink and the fused kernel wait first, then trigger. Config keys "FUSED" and
 "PDL" are chosen per M by ``loraplex tune``; the default is two plain launches.
-
-``moe_lora_shrink`` launches the shrink alone, for the composition whose expert GEMM epilogues do the expand
-(``moe_lora_epilogue``).
 """
 from __future__ import annotations
 
@@ -234,7 +231,7 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         return
     cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, lora_a, topk_ids), num_tokens,
                                       default_config(k))
-    bm, bn, bk = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
     fused, pdl = variant(cfg, y.device)
     launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     sorted_ids, expert_ids, num_post = align or moe_align_lora(topk_ids, token_lora_idx, num_experts, num_loras, bm)
@@ -259,40 +256,21 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
             BLOCK_R=block_r, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
             BLOCK_L=block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
         return
-    buf = moe_lora_shrink(x, lora_a, topk_ids, scaling, (sorted_ids, expert_ids, num_post), cfg)
+    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
+    parts = split_k if partials else 1
+    zeroed = split_k > 1 and not partials
+    alloc = torch.zeros if zeroed else torch.empty  # every partial row is written
+    buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=y.device)
+    shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
+    _moe_lora_shrink_kernel[(num_flat, split_k)](
+        x, lora_a, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
+        num_loras, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0),
+        ROW_DIV=top_k if per_token else 1, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=bk, SPLIT_K=split_k,
+        EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl, **launch,
+        **pdl_launch(shrink_pdl))
     _moe_lora_expand_kernel[(num_flat * num_n,)](
         y, buf, lora_b, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
         rank, num_loras, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), buf.stride(0),
         HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r,
-        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=block_l, NUM_PARTS=buf.shape[0], USE_PDL=pdl, **launch,
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl, **launch,
         **pdl_launch(pdl))
-
-
-def moe_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, topk_ids: torch.Tensor, scaling: torch.Tensor,
-                    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cfg: dict) -> torch.Tensor:
-    """The shrink alone: buf [P, T*A, R] float32 with buf[:, p].sum(0) = scaling[l] * lora_a[l, e] @ x_row(p) for
-    each pair p of a token with an adapter (the rows of other pairs are left unwritten). P = SPLIT_K partial
-    buffers, or 1 (atomics into a zeroed buffer past PARTIALS_MAX_ROWS, or no split). ``align``: moe_align_lora
-    tables made with cfg's BLOCK_M; x [T, K] (gate_up) or [T*A, K] (down)."""
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    num_loras, num_experts, rank, k = lora_a.shape
-    bm, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_K", "SPLIT_K"))
-    _, pdl = variant(cfg, x.device)
-    sorted_ids, expert_ids, num_post = align
-    capacity, num_blocks = sorted_ids.shape[1], expert_ids.shape[1]
-    num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
-    per_token = x.shape[0] == num_tokens and top_k > 1
-    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
-    zeroed = split_k > 1 and not partials
-    alloc = torch.zeros if zeroed else torch.empty  # every partial row is written
-    buf = alloc(split_k if partials else 1, num_pairs, rank, dtype=torch.float32, device=x.device)
-    pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
-    _moe_lora_shrink_kernel[(num_flat, split_k)](
-        x, lora_a, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
-        num_loras, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0),
-        ROW_DIV=top_k if per_token else 1, BLOCK_M=bm, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=bk,
-        SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0, BLOCK_L=triton.next_power_of_2(num_loras),
-        PARTIALS=partials, USE_PDL=pdl, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
-        **pdl_launch(pdl))
-    return buf

@@ -12,8 +12,7 @@ on shapes only, so a CUDA graph can capture it (same contract as ``reference_lor
 Tokens without an adapter (token_lora_idx -1) are in no LoRA table and cost nothing in the LoRA kernels; with
 ``token_lora_idx`` None the op is fused_moe with the activation launched separately. The LoRA alignment is
 made once, before the gate_up GEMM, with the gate_up LoRA config's BLOCK_M (the down one's if gate_up has no
-LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept). ``moe_lora_epilogue``
-is the other body (expands in the GEMM epilogues), chosen by ``moe_lora_epilogue.enabled``.
+LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept).
 """
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ import torch
 
 from loraplex.kernels import tuning
 from loraplex.kernels import fused_moe_lora as fml
-from loraplex.kernels import moe_lora_epilogue
 from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.moe_align import moe_align, moe_align_lora
@@ -72,12 +70,6 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
             c["BLOCK_M"] = block_m
         max_loras = (w13_lora or w2_lora)[0].shape[0]
         lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
-        if moe_lora_epilogue.enabled(next(iter(cfgs.values()))):
-            out = moe_lora_epilogue.experts_lora_epilogue(
-                x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, align=align, cfg=cfg,
-                lora_align=lora_align, lora_cfgs=cfgs, w13_lora=w13_lora, w2_lora=w2_lora, activation=activation,
-                b13=b13, b2=b2, alpha=alpha, limit=limit, w13_scale=w13_scale, w2_scale=w2_scale)
-            return out.view(num_tokens, top_k, -1).sum(dim=1)
     pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)  # [T*A, 2I]
     if "gate_up" in cfgs:
         fml.fused_moe_lora(pre, x, *w13_lora, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
