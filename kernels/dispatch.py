@@ -32,6 +32,7 @@ TRITON_LAUNCHERS: dict[str, str] = {
     "paged_attention": "paged_attention:paged_attention",
     "fused_moe": "fused_moe:fused_moe",
     "fused_moe_int8": "fused_moe_int8:fused_moe_int8",
+    "fused_moe_mxfp4": "fused_moe_mxfp4:fused_moe_mxfp4",
     "lora_shrink": "lora_shrink:lora_shrink",
     "lora_expand": "lora_expand:lora_expand",
     "lora_shrink_expand": "lora_shrink_expand:lora_shrink_expand",

@@ -1,4 +1,4 @@
-"""Fused MoE in Triton: grouped GEMMs over the routed experts (bf16/fp16/fp32, or INT8 weight-only).
+"""Fused MoE in Triton: grouped GEMMs over the routed experts (bf16/fp16/fp32, or INT8 / MXFP4 weight-only).
 
     moe_align ──> gate_up GEMM + bias + act(gate) * up ──> down GEMM + bias, * routing weight ──> sum over A
                   inter [T*A, I]                            out [T*A, H]                         [T, H]
@@ -9,7 +9,9 @@ added before the activation (``moe_experts_lora``); ``gate_up`` / ``down`` launc
 Both GEMMs walk BLOCK_M-row blocks of pairs sorted by expert (one expert per block, so one weight tile per
 program). Programs are ordered in groups of GROUP_M blocks per column block for L2 reuse; blocks past the
 padded pair count leave at once. INT8 weights are widened in registers and the per-output-channel scale is
-applied to the fp32 accumulator (dequantisation fused). The pair count is not a compile-time constant.
+applied to the fp32 accumulator (dequantisation fused). MXFP4 weights (uint8: two K elements a byte, W_MXFP4)
+are decoded to a weight tile in the K loop (``mxfp4_dequant``), their per-32 E8M0 scales on the tile. The pair
+count is not a compile-time constant.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import triton.language as tl
 from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
 from loraplex.kernels.moe_align import moe_align
+from loraplex.kernels.mxfp4_dequant import load_mxfp4_tile
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
 ACT_CODES = {"silu": 0, "swiglu_clamp": 1}
@@ -37,10 +40,11 @@ def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N] ([T*A, 2N] if ACT_NONE); tables
+    # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N] ([T*A, 2N] if ACT_NONE); tables;
+    # MXFP4: w13 [E, 2N, K/2] uint8, scale [E, 2N, K/32] uint8
     num_pairs, num_m, N, K, alpha, limit,
-    stride_xt, stride_we, stride_wn, stride_se, stride_be, stride_ot,
-    TOP_K: tl.constexpr, ACT: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ot,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, W_INT8: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
@@ -55,12 +59,28 @@ def _moe_gate_up_kernel(
     col_ok = cols < N
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
-    wg_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
+    if W_MXFP4:  # two K elements a byte, one scale byte per 32 K
+        wg_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + tl.arange(0, BLOCK_K // 2)[:, None]
+        sg_ptrs = scale_ptr + expert * stride_se + cols[None, :] * stride_sn + tl.arange(0, BLOCK_K // 32)[:, None]
+    else:
+        wg_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
+        sg_ptrs = scale_ptr
     wu_ptrs = wg_ptrs + N * stride_wn
+    su_ptrs = sg_ptrs + N * stride_sn
+    W_STEP: tl.constexpr = BLOCK_K // 2 if W_MXFP4 else BLOCK_K  # weight elements (MXFP4: bytes) per K step
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if W_MXFP4:
+            if EVEN_K:
+                xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                xt = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + k < K)[None, :], other=0.0)
+            wg = load_mxfp4_tile(wg_ptrs, sg_ptrs, k0, K, col_ok, EVEN_K, BLOCK_K, BLOCK_N)
+            wu = load_mxfp4_tile(wu_ptrs, su_ptrs, k0, K, col_ok, EVEN_K, BLOCK_K, BLOCK_N)
+            sg_ptrs += BLOCK_K // 32
+            su_ptrs += BLOCK_K // 32
+        elif EVEN_K:
             xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             wg = tl.load(wg_ptrs, mask=col_ok[None, :], other=0)
             wu = tl.load(wu_ptrs, mask=col_ok[None, :], other=0)
@@ -72,8 +92,8 @@ def _moe_gate_up_kernel(
         acc_g += dot(xt, wg.to(xt.dtype))
         acc_u += dot(xt, wu.to(xt.dtype))
         x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
+        wg_ptrs += W_STEP
+        wu_ptrs += W_STEP
     # ---- epilogue: dequant scale, bias, activation
     if W_INT8:
         acc_g *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
@@ -99,10 +119,11 @@ def _moe_gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_down_kernel(
     h_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # h [T*A, K]; w2 [E, N, K]; scale [E, N]; bias [E, N]; topk_weights [T*A]; out [T*A, N]; tables
+    # h [T*A, K]; w2 [E, N, K]; scale [E, N]; bias [E, N]; topk_weights [T*A]; out [T*A, N]; tables;
+    # MXFP4: w2 [E, N, K/2] uint8, scale [E, N, K/32] uint8
     num_pairs, num_m, N, K,
-    stride_ht, stride_we, stride_wn, stride_se, stride_be, stride_ot,
-    W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ot,
+    W_INT8: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
@@ -117,10 +138,23 @@ def _moe_down_kernel(
     col_ok = cols < N
     k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pairs64[:, None] * stride_ht + k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
+    if W_MXFP4:  # two K elements a byte, one scale byte per 32 K
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + tl.arange(0, BLOCK_K // 2)[:, None]
+        ws_ptrs = scale_ptr + expert * stride_se + cols[None, :] * stride_sn + tl.arange(0, BLOCK_K // 32)[:, None]
+    else:
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
+        ws_ptrs = scale_ptr
+    W_STEP: tl.constexpr = BLOCK_K // 2 if W_MXFP4 else BLOCK_K  # weight elements (MXFP4: bytes) per K step
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if W_MXFP4:
+            if EVEN_K:
+                ht = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                ht = tl.load(h_ptrs, mask=row_ok[:, None] & (k0 + k < K)[None, :], other=0.0)
+            wt = load_mxfp4_tile(w_ptrs, ws_ptrs, k0, K, col_ok, EVEN_K, BLOCK_K, BLOCK_N)
+            ws_ptrs += BLOCK_K // 32
+        elif EVEN_K:
             ht = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
             wt = tl.load(w_ptrs, mask=col_ok[None, :], other=0)
         else:
@@ -129,7 +163,7 @@ def _moe_down_kernel(
             wt = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0)
         acc += dot(ht, wt.to(ht.dtype))
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += W_STEP
     # ---- epilogue: dequant scale, bias, routing weight
     if W_INT8:
         acc *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
@@ -151,9 +185,11 @@ def check_moe(x, w13, w2, topk_weights, topk_ids, activation: str) -> None:
         raise ValueError(f"unknown activation {activation!r}; expected 'silu' or 'swiglu_clamp'")
     num_tokens, hidden = x.shape
     num_experts, two_i, h13 = w13.shape
-    if h13 != hidden or w2.shape != (num_experts, hidden, two_i // 2):
+    pack = 2 if w13.dtype == torch.uint8 else 1  # MXFP4 blocks: two K elements a byte
+    if h13 * pack != hidden or w2.shape != (num_experts, hidden, two_i // 2 // pack):
         raise ValueError(f"expert weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match x "
-                         f"[T, {hidden}]: expected w13 [E, 2I, H] and w2 [E, H, I]")
+                         f"[T, {hidden}]: expected w13 [E, 2I, H] and w2 [E, H, I]"
+                         f"{' (uint8 MXFP4 blocks: K halved)' if pack > 1 else ''}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
                          f"both be [T={num_tokens}, A]")
@@ -164,7 +200,8 @@ def check_moe(x, w13, w2, topk_weights, topk_ids, activation: str) -> None:
 
 def moe_config(op: str, x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
                config: dict | None = None) -> dict:
-    """``config``, else the tuned config of ``op`` ("fused_moe" / "fused_moe_int8") at this shape and M."""
+    """``config``, else the tuned config of ``op`` ("fused_moe" / "fused_moe_int8" / "fused_moe_mxfp4") at this
+    shape and M."""
     return dict(config) if config else tuning.get_config(op, shape_of(x, w13, topk_ids), x.shape[0],
                                                          DEFAULT_CONFIG)
 
@@ -186,15 +223,19 @@ def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13
     if sorted_ids.shape[0] != num_m * bm:
         raise ValueError(f"align tables were made with block size {sorted_ids.shape[0] // max(num_m, 1)} but the "
                          f"config's BLOCK_M is {bm}")
-    int8 = w13_scale is not None
+    mxfp4 = w13.dtype == torch.uint8  # MXFP4 blocks; w13_scale their E8M0 scales
+    if mxfp4 and (w13_scale is None or bk < 32 or bk & (bk - 1)):
+        raise ValueError(f"MXFP4 weights need their scales and BLOCK_K a power of two >= 32, got BLOCK_K {bk}")
+    int8 = w13_scale is not None and not mxfp4
     out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
     num_n = triton.cdiv(inter, bn)
     _moe_gate_up_kernel[(num_m * num_n,)](
-        x, w13, w13_scale if int8 else x, b13 if b13 is not None else x, out, sorted_ids, expert_ids,
+        x, w13, w13_scale if w13_scale is not None else x, b13 if b13 is not None else x, out, sorted_ids, expert_ids,
         num_post, num_pairs, num_m, inter, hidden, float(alpha), float(limit),
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if int8 else 0,
+        x.stride(0), w13.stride(0), w13.stride(1), *(w13_scale.stride()[:2] if w13_scale is not None else (0, 0)),
         b13.stride(0) if b13 is not None else 0, out.stride(0),
-        TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, W_INT8=int8, HAS_BIAS=b13 is not None,
+        TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, W_INT8=int8, W_MXFP4=mxfp4,
+        HAS_BIAS=b13 is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0, **launch)
     return out
 
@@ -206,23 +247,26 @@ def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None) -> to
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
     num_m = expert_ids.shape[0]
-    int8 = w2_scale is not None
+    mxfp4 = w2.dtype == torch.uint8  # MXFP4 blocks; w2_scale their E8M0 scales
+    if mxfp4 and (w2_scale is None or bk < 32 or bk & (bk - 1)):
+        raise ValueError(f"MXFP4 weights need their scales and BLOCK_K a power of two >= 32, got BLOCK_K {bk}")
+    int8 = w2_scale is not None and not mxfp4
     out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     num_n = triton.cdiv(hidden, bn)
     weights = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(num_m * num_n,)](
-        h, w2, w2_scale if int8 else h, b2 if b2 is not None else h, weights, out, sorted_ids,
+        h, w2, w2_scale if w2_scale is not None else h, b2 if b2 is not None else h, weights, out, sorted_ids,
         expert_ids, num_post, num_pairs, num_m, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if int8 else 0,
+        h.stride(0), w2.stride(0), w2.stride(1), *(w2_scale.stride()[:2] if w2_scale is not None else (0, 0)),
         b2.stride(0) if b2 is not None else 0, out.stride(0),
-        W_INT8=int8, HAS_BIAS=b2 is not None,
+        W_INT8=int8, W_MXFP4=mxfp4, HAS_BIAS=b2 is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=inter % bk == 0, **launch)
     return out
 
 
 def run_moe(x, w13, w2, topk_weights, topk_ids, *, activation, b13, b2, alpha, limit, w13_scale=None,
             w2_scale=None, config: dict | None = None, op: str = "fused_moe") -> torch.Tensor:
-    """Both fused MoE launchers end here (``w*_scale`` given: INT8 weights)."""
+    """Every fused MoE launcher ends here (``w*_scale`` given: INT8 weights, or MXFP4 for uint8 ones)."""
     check_moe(x, w13, w2, topk_weights, topk_ids, activation)
     num_tokens, top_k = topk_ids.shape
     if num_tokens * top_k == 0:

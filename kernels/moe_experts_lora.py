@@ -2,10 +2,10 @@
 on shapes only, so a CUDA graph can capture it (same contract as ``reference_lora.moe_experts_lora``).
 
     moe_align (base BLOCK_M), moe_align_lora (LoRA BLOCK_M, shared by both LoRA calls)
-                                 gate_up GEMM + bias (+ INT8 scale) ─> pre [T*A, 2I]  (pre-activation)
+                                 gate_up GEMM + bias (+ INT8 / MXFP4 dequant) ─> pre [T*A, 2I]  (pre-activation)
                                  fused_moe_lora(pre, x, A13, B13)                   (delta added in place)
                                  act(gate) * up ─> h [T*A, I]
-                                 down GEMM + bias (+ INT8 scale), * routing weight ─> out [T*A, H]
+                                 down GEMM + bias (+ INT8 / MXFP4 dequant), * routing weight ─> out [T*A, H]
                                  fused_moe_lora(out, h, A2, B2, topk_weights)       (routing-weighted delta)
                                  sum over A ─> [T, H]
 
@@ -23,7 +23,7 @@ from loraplex.kernels import fused_moe_lora as fml
 from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.moe_align import moe_align, moe_align_lora
-from loraplex.kernels.reference_lora import check_int8_weights
+from loraplex.kernels.reference_lora import check_int8_weights, check_mxfp4_weights
 
 
 class _Shape:
@@ -46,16 +46,21 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     """Same contract as ``reference_lora.moe_experts_lora``. ``config`` overrides the base GEMMs' tuned config,
     ``lora_config_override`` both LoRA calls' (tests and the tuner)."""
     check_moe(x, w13, w2, topk_weights, topk_ids, activation)
-    int8 = w13_scale is not None or w2_scale is not None
-    if int8:
+    quantized = w13_scale is not None or w2_scale is not None
+    mxfp4 = quantized and w13.dtype == torch.uint8  # MXFP4 blocks + E8M0 scales (else INT8 + per-channel scales)
+    if mxfp4:
+        check_mxfp4_weights(w13, w13_scale, w2, w2_scale)
+        w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    elif quantized:
         check_int8_weights(w13, w13_scale, w2, w2_scale)
         w13_scale, w2_scale = w13_scale.float().contiguous(), w2_scale.float().contiguous()
     num_tokens, top_k = topk_ids.shape
     if num_tokens * top_k == 0:
         return torch.zeros_like(x)
-    num_experts, two_i, hidden = w13.shape
+    num_experts, two_i, hidden = w13.shape[0], w13.shape[1], x.shape[1]
     num_pairs = num_tokens * top_k
-    cfg = moe_config("fused_moe_int8" if int8 else "fused_moe", x, w13, topk_ids, config)
+    op = "fused_moe_mxfp4" if mxfp4 else "fused_moe_int8" if quantized else "fused_moe"
+    cfg = moe_config(op, x, w13, topk_ids, config)
     align = moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
     cfgs = {}  # LoRA config of each target with LoRA this call
     if token_lora_idx is not None:

@@ -48,7 +48,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                                          sliding_window=sliding_window, sinks=sinks)
 
 
-# ---- multi-LoRA, MoE alignment and INT8 MoE (references and layouts in ``reference_lora.py``)
+# ---- multi-LoRA, MoE alignment and INT8 / MXFP4 MoE (references and layouts in ``reference_lora.py``)
 
 
 def _resolve_ext(name: str, tensor: torch.Tensor):
@@ -62,6 +62,13 @@ def fused_moe_int8(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights, topk_ids, 
                    b2=None, alpha=1.702, limit=7.0):
     return _resolve_ext("fused_moe_int8", x)(x, w13_q, w13_scale, w2_q, w2_scale, topk_weights, topk_ids,
                                              activation=activation, b13=b13, b2=b2, alpha=alpha, limit=limit)
+
+
+def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids, *, activation="silu",
+                    b13=None, b2=None, alpha=1.702, limit=7.0):
+    return _resolve_ext("fused_moe_mxfp4", x)(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights,
+                                              topk_ids, activation=activation, b13=b13, b2=b2, alpha=alpha,
+                                              limit=limit)
 
 
 def lora_segments(token_lora_idx: torch.Tensor, max_loras: int):
@@ -108,8 +115,9 @@ def fused_moe_lora(y, x, lora_a, lora_b, topk_ids, token_lora_idx, scaling, topk
 
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
                      activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None):
-    """fused_moe with expert LoRA (either target may be None) and optionally INT8 weights (``w*_scale`` given:
-    w13 / w2 are int8). On CUDA one graph-capturable composition of Triton kernels (``moe_experts_lora.py``)."""
+    """fused_moe with expert LoRA (either target may be None) and optionally quantised weights (``w*_scale``
+    given: w13 / w2 int8 with per-channel scales, or uint8 MXFP4 blocks with E8M0 scales). On CUDA one
+    graph-capturable composition of Triton kernels (``moe_experts_lora.py``)."""
     return _resolve_ext("moe_experts_lora", x)(
         x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, w13_lora=w13_lora, w2_lora=w2_lora,
         activation=activation, b13=b13, b2=b2, alpha=alpha, limit=limit, w13_scale=w13_scale, w2_scale=w2_scale)

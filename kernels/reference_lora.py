@@ -1,4 +1,4 @@
-"""Torch references of the multi-LoRA, MoE-alignment and INT8-MoE ops (the spec their Triton launchers match).
+"""Torch references of the multi-LoRA, MoE-alignment and INT8 / MXFP4-MoE ops (the spec their Triton launchers match).
 
 Shape legend: T tokens, A activated experts per token, E experts, L adapter slots (max_loras), R max rank
 (every adapter zero-padded to R), K input features, N output features, S output slices of a fused target.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.mxfp4 import check_mxfp4, dequantize_mxfp4
 from loraplex.kernels.reference import act_and_mul
 
 # ------------------------------------------------------------------------------------------ dense LoRA
@@ -180,7 +181,9 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; b13 [E, 2I]; b2 [E, H]; topk_* [T, A]; scaling [L];
     w13_lora = (lora_a [L, E, R, H], lora_b [L, E, 2I, R]); w2_lora = (lora_a [L, E, R, I], lora_b [L, E, H, R]);
     either may be None. ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] given: w13 / w2 are int8 and each expert's
-    weight is ``(q * scale).to(x.dtype)`` (INT8 weight-only). -> [T, H].
+    weight is ``(q * scale).to(x.dtype)`` (INT8 weight-only); with uint8 w13 / w2 they are MXFP4 instead: blocks
+    w13 [E, 2I, H/2], w2 [E, H, I/2] and E8M0 scales w13_scale [E, 2I, H/32], w2_scale [E, H, I/32], each
+    expert's weight ``dequantize_mxfp4(blocks, scales, x.dtype)``. -> [T, H].
 
     Per-expert GEMMs over the pairs sorted by expert, in the model dtype; each delta is added in float32 to the
     GEMM's output and rounded back, then the routing weight multiplies the pair's output.
@@ -188,7 +191,7 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if activation not in ("silu", "swiglu_clamp"):
         raise ValueError(f"unknown activation {activation!r}; expected 'silu' or 'swiglu_clamp'")
     if w13_scale is not None or w2_scale is not None:
-        check_int8_weights(w13, w13_scale, w2, w2_scale)
+        (check_mxfp4_weights if w13.dtype == torch.uint8 else check_int8_weights)(w13, w13_scale, w2, w2_scale)
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs p = t*A + a sorted by expert
@@ -208,14 +211,20 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 def _grouped_linear(x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, counts: list[int], w: torch.Tensor,
                     b: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
     """out[pairs[j]] = w[e] @ x[rows[j]] + b[e] for the j-th sorted pair of expert e (w dequantised per expert
-    when ``scale`` is given). x [M, K]; rows, pairs [P] (sorted by expert); w [E, N, K]; b [E, N] -> [P, N]."""
+    when ``scale`` is given: INT8, or MXFP4 for uint8 w). x [M, K]; rows, pairs [P] (sorted by expert);
+    w [E, N, K]; b [E, N] -> [P, N]."""
     out = torch.empty(pairs.numel(), w.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         sel = slice(start, start + n)
-        we = w[e] if scale is None else (w[e].float() * scale[e, :, None].float()).to(x.dtype)
+        if scale is None:
+            we = w[e]
+        elif w.dtype == torch.uint8:
+            we = dequantize_mxfp4(w[e], scale[e], x.dtype)
+        else:
+            we = (w[e].float() * scale[e, :, None].float()).to(x.dtype)
         out[pairs[sel]] = F.linear(x[rows[sel]], we, None if b is None else b[e])
         start += n
     return out
@@ -258,6 +267,49 @@ def fused_moe_int8(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
             continue
         w13 = (w13_q[e].float() * w13_scale[e].float()[:, None])
         w2 = (w2_q[e].float() * w2_scale[e].float()[:, None])
+        h = F.linear(x[tok].float(), w13, None if b13 is None else b13[e].float())
+        h = act_and_mul(h, activation, alpha, limit)
+        h = F.linear(h, w2, None if b2 is None else b2[e].float())
+        out.index_add_(0, tok, (h * topk_weights[tok, slot, None].float()).to(out.dtype))
+    return out
+
+
+# -------------------------------------------------------------------------------------------- MXFP4 MoE
+
+
+def check_mxfp4_weights(w13_blocks: torch.Tensor, w13_scales: torch.Tensor | None, w2_blocks: torch.Tensor,
+                        w2_scales: torch.Tensor | None) -> None:
+    """MXFP4 expert weights (``mxfp4.py``): w13 blocks [E, 2I, H/2] / scales [E, 2I, H/32], w2 blocks [E, H, I/2]
+    / scales [E, H, I/32], all uint8, both scales given (H and I multiples of 32 by construction)."""
+    if w13_scales is None or w2_scales is None:
+        raise ValueError("MXFP4 experts need both w13_scale and w2_scale (uint8 E8M0 scales)")
+    check_mxfp4(w13_blocks, w13_scales, "w13")
+    check_mxfp4(w2_blocks, w2_scales, "w2")
+    num_experts, two_i, _ = w13_blocks.shape
+    if w2_blocks.shape != (num_experts, 2 * w13_blocks.shape[2], two_i // 4):
+        raise ValueError(f"MXFP4 expert blocks w13 {tuple(w13_blocks.shape)} / w2 {tuple(w2_blocks.shape)} do "
+                         f"not match: expected w13 [E, 2I, H/2] and w2 [E, H, I/2]")
+
+
+def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
+                    w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                    activation: str = "silu", b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """fused_moe with MXFP4 weight-only experts: each expert's weights dequantised, then the float path.
+
+    x [T, H]; w13_blocks [E, 2I, H/2] uint8, w13_scales [E, 2I, H/32] uint8; w2_blocks [E, H, I/2] uint8,
+    w2_scales [E, H, I/32] uint8; H and I multiples of 32 -> [T, H].
+    """
+    check_mxfp4_weights(w13_blocks, w13_scales, w2_blocks, w2_scales)
+    if w13_blocks.shape[2] * 2 != x.shape[1]:
+        raise ValueError(f"x [T, {x.shape[1]}] does not match w13_blocks {tuple(w13_blocks.shape)} ([E, 2I, H/2])")
+    out = torch.zeros_like(x)
+    for e in range(w13_blocks.shape[0]):
+        tok, slot = torch.where(topk_ids == e)
+        if tok.numel() == 0:
+            continue
+        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e])
+        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e])
         h = F.linear(x[tok].float(), w13, None if b13 is None else b13[e].float())
         h = act_and_mul(h, activation, alpha, limit)
         h = F.linear(h, w2, None if b2 is None else b2[e].float())

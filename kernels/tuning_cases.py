@@ -7,7 +7,7 @@ benchmark and the GPU check also run: the one-kernel and PDL paths of the LoRA o
 Shape legend: M tokens, H hidden, E experts, A top-k, I expert intermediate, L adapter slots, R rank.
 
 Byte model (``nbytes``, the least an op must move; bandwidth = nbytes / CUDA-graph replay time):
-- expert GEMMs: the weights (and int8 scales) of the experts the batch activates, x read, the intermediate
+- expert GEMMs: the weights (and int8 / MXFP4 scales) of the experts the batch activates, x read, the intermediate
   written and read, the output written;
 - LoRA: A and B of the adapters the batch uses (dense) or of the distinct (adapter, expert) pairs it routes to
   (expert LoRA: R x (K + N) elements per pair), x read, y read and written (the fused add), and for the dense
@@ -102,6 +102,9 @@ MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
     # prefill sizes (M in the thousands: compute-bound tiles)
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
     (128, 64, 64, 8, 4, 4)])
+# MXFP4 reads a quarter of bf16's bytes per K row: longer K steps keep the loads as wide (BLOCK_K >= 32 always)
+MXFP4_MOE_SPACE = MOE_SPACE + _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), [
+    (16, 32, 512, 1, 4, 3), (16, 64, 512, 1, 8, 3)])
 SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [
     (16, 64, 16, 2, 3), (16, 64, 8, 2, 3), (16, 32, 16, 2, 3), (16, 64, 16, 4, 2), (16, 128, 8, 4, 3),
     (16, 32, 32, 2, 2), (16, 64, 1, 4, 2), (16, 128, 1, 4, 3), (16, 256, 1, 4, 3), (16, 128, 4, 4, 3),
@@ -164,37 +167,51 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def moe_cases(s: ModelShapes, m: int, dtype, device, *, int8: bool = False) -> list[Case]:
+def moe_cases(s: ModelShapes, m: int, dtype, device, *, weights: str = "float") -> list[Case]:
+    """The fused MoE op at M tokens with ``weights`` "float" (the model dtype), "int8" or "mxfp4" experts (none
+    for mxfp4 when H or I is not a multiple of 32: such a model cannot use the format)."""
     from loraplex.kernels import reference, reference_lora
     from loraplex.kernels.fused_moe import DEFAULT_CONFIG, fused_moe, shape_of
     from loraplex.kernels.fused_moe_int8 import fused_moe_int8
+    from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+    from loraplex.kernels.mxfp4 import quantize_mxfp4
 
     h, e, i = s.hidden, s.num_experts, s.moe_intermediate
+    if weights == "mxfp4" and (h % 32 or i % 32):
+        return []
     x = torch.randn(m, h, device=device, dtype=dtype)
     w13 = (torch.randn(e, 2 * i, h, device=device) / h ** 0.5).to(dtype)
     w2 = (torch.randn(e, h, i, device=device) / i ** 0.5).to(dtype)
     b13 = torch.randn(e, 2 * i, device=device, dtype=dtype) * 0.1 if s.expert_bias else None
     b2 = torch.randn(e, h, device=device, dtype=dtype) * 0.1 if s.expert_bias else None
-    weights, ids = _routing(m, e, s.top_k, device)
+    topk_weights, ids = _routing(m, e, s.top_k, device)
     active = int(ids.unique().numel())
     kw = dict(activation=s.activation, b13=b13, b2=b2)
     act_bytes = _nbytes(x) * 2 + m * s.top_k * i * x.element_size() * 2
-    if not int8:
+    if weights == "float":
         return [Case("fused_moe", "fused_moe", m, shape_of(x, w13, ids),
-                     lambda cfg: fused_moe(x, w13, w2, weights, ids, config=cfg, **kw),
-                     lambda: rel_error(fused_moe(x, w13, w2, weights, ids, **kw),
-                                       reference.fused_moe(x, w13, w2, weights, ids, **kw)),
+                     lambda cfg: fused_moe(x, w13, w2, topk_weights, ids, config=cfg, **kw),
+                     lambda: rel_error(fused_moe(x, w13, w2, topk_weights, ids, **kw),
+                                       reference.fused_moe(x, w13, w2, topk_weights, ids, **kw)),
                      nbytes=active * (w13[0].numel() + w2[0].numel()) * w13.element_size() + act_bytes,
                      default=DEFAULT_CONFIG, space=MOE_SPACE)]
-    q13, s13 = reference_lora.quantize_int8_per_channel(w13)
-    q2, s2 = reference_lora.quantize_int8_per_channel(w2)
+    if weights == "int8":
+        q13, s13 = reference_lora.quantize_int8_per_channel(w13)
+        q2, s2 = reference_lora.quantize_int8_per_channel(w2)
+        op, ref, space = fused_moe_int8, reference_lora.fused_moe_int8, MOE_SPACE
+    elif weights == "mxfp4":  # 4 bits a weight plus one byte per 32: 4.25 bits
+        q13, s13 = quantize_mxfp4(w13)
+        q2, s2 = quantize_mxfp4(w2)
+        op, ref, space = fused_moe_mxfp4, reference_lora.fused_moe_mxfp4, MXFP4_MOE_SPACE
+    else:
+        raise ValueError(f"weights {weights!r}: expected 'float', 'int8' or 'mxfp4'")
     del w13, w2
-    args = (x, q13, s13, q2, s2, weights, ids)
-    return [Case("fused_moe_int8", "fused_moe_int8", m, shape_of(x, q13, ids),
-                 lambda cfg: fused_moe_int8(*args, config=cfg, **kw),
-                 lambda: rel_error(fused_moe_int8(*args, **kw), reference_lora.fused_moe_int8(*args, **kw)),
-                 nbytes=active * (q13[0].numel() + q2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
-                 + act_bytes, default=DEFAULT_CONFIG, space=MOE_SPACE)]
+    args = (x, q13, s13, q2, s2, topk_weights, ids)
+    name = f"fused_moe_{weights}"
+    return [Case(name, name, m, shape_of(x, q13, ids), lambda cfg: op(*args, config=cfg, **kw),
+                 lambda: rel_error(op(*args, **kw), ref(*args, **kw)),
+                 nbytes=active * _nbytes(q13[0], q2[0], s13[0], s2[0]) + act_bytes, default=DEFAULT_CONFIG,
+                 space=space)]
 
 
 def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device, *,
@@ -470,7 +487,8 @@ def shared_metadata_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dty
 
 
 def tunable_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
-    return (moe_cases(s, m, dtype, device) + moe_cases(s, m, dtype, device, int8=True)
+    return (moe_cases(s, m, dtype, device) + moe_cases(s, m, dtype, device, weights="int8")
+            + moe_cases(s, m, dtype, device, weights="mxfp4")
             + dense_lora_cases(s, m, max_loras, rank, dtype, device)
             + moe_lora_cases(s, m, max_loras, rank, dtype, device))
 

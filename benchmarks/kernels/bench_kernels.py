@@ -15,8 +15,9 @@ per MoE layer, shared by gate_up and down). Rows "... (variant)" run a named con
 "two kernels+PDL" (shrink and expand with programmatic dependent launch), "fused" / "fused+PDL" (one kernel),
 and "PDL" for lora_expand; their speed-up column is against the default too.
 
-Bytes (``tuning_cases`` byte model): the least an op must move: activated expert weights; A and B of the
-adapters used (dense) or of the distinct (adapter, expert) pairs routed to (expert LoRA: R x (K + N) per pair);
+Bytes (``tuning_cases`` byte model): the least an op must move: activated expert weights (bf16; INT8 plus fp32
+channel scales; MXFP4 codes plus E8M0 block scales, 4.25 bits a weight); A and B of the adapters used (dense)
+or of the distinct (adapter, expert) pairs routed to (expert LoRA: R x (K + N) per pair);
 activations read, y read and written by the fused adds; KV of every context token. L2 re-reads and metadata
 are not counted. Roofline: the 4.2 TB/s device-to-device copy. "tuned" reads tuning_configs/<device>/ (or
 LORAPLEX_TUNING_DIR); ops without tuned configs print "-".

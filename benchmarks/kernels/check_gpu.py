@@ -1,7 +1,9 @@
-"""GPU correctness at real shapes: every Triton op against its torch reference in bf16 (rel. error <= 1e-2),
+"""GPU correctness at real shapes: every Triton op against its torch reference in bf16 (rel. error <= 1e-2; the
+quantised MoE ops, fused_moe_int8 and fused_moe_mxfp4, against the float path on their dequantised weights),
 each LoRA op also in its named variants (fused_moe_lora's one kernel and PDL launches, lora_expand with PDL),
-rotary_embedding and moe_route captured in one CUDA graph and replayed on new positions / logits, plus the
-compile-once check (changing the token count reuses the compiled kernel).
+rotary_embedding and moe_route captured in one CUDA graph and replayed on new positions / logits, expert LoRA on
+MXFP4 base weights (eager and in a CUDA graph), plus the compile-once check (changing the token count reuses
+the compiled kernel).
 
     python3 benchmarks/kernels/check_gpu.py --model gpt-oss-20b --m 1,33,256
 Exit status 1 if any op misses the tolerance.
@@ -156,6 +158,59 @@ def rope_and_route_graph_check() -> list[str]:
     return lines
 
 
+def mxfp4_experts_lora_check() -> list[str]:
+    """Expert LoRA on MXFP4 base weights (``moe_experts_lora`` with uint8 blocks + E8M0 scales, as
+    ``LoRAFusedExperts`` runs it over ``Mxfp4FusedExperts``) at GPT-OSS shapes, 8 adapters of rank 32, some tokens
+    without one: eager at M = 1 and 16, then one CUDA graph replayed on new inputs, against the reference."""
+    from loraplex.kernels import reference_lora
+    from loraplex.kernels.moe_experts_lora import moe_experts_lora
+    from loraplex.kernels.mxfp4 import quantize_mxfp4
+    from loraplex.kernels.tuning_cases import rel_error
+
+    torch.manual_seed(13)
+    s = PRESETS["gpt-oss-20b"]
+    e, h, i, a, num_loras, rank = s.num_experts, s.hidden, s.moe_intermediate, s.top_k, 8, 32
+    dev, bf16 = "cuda", torch.bfloat16
+    q13, s13 = quantize_mxfp4((torch.randn(e, 2 * i, h, device=dev) / h ** 0.5).to(bf16))
+    q2, s2 = quantize_mxfp4((torch.randn(e, h, i, device=dev) / i ** 0.5).to(bf16))
+    kw = dict(w13_scale=s13, w2_scale=s2, activation=s.activation,
+              b13=torch.randn(e, 2 * i, device=dev, dtype=bf16) * 0.1,
+              b2=torch.randn(e, h, device=dev, dtype=bf16) * 0.1,
+              w13_lora=(torch.randn(num_loras, e, rank, h, device=dev, dtype=bf16) / h ** 0.5,
+                        torch.randn(num_loras, e, 2 * i, rank, device=dev, dtype=bf16) * 0.02),
+              w2_lora=(torch.randn(num_loras, e, rank, i, device=dev, dtype=bf16) / i ** 0.5,
+                       torch.randn(num_loras, e, h, rank, device=dev, dtype=bf16) * 0.02))
+    scaling = torch.rand(num_loras, device=dev) + 0.5
+    lines = []
+
+    def inputs(m):
+        x = torch.randn(m, h, device=dev, dtype=bf16)
+        weights, ids = torch.topk(torch.randn(m, e, device=dev).softmax(-1), a, dim=-1)
+        idx = (torch.arange(m, device=dev) % (num_loras + 1) - 1).to(torch.int32)  # -1: no adapter
+        return x, q13, q2, weights, ids, idx, scaling
+
+    for m in (1, 16):
+        args = inputs(m)
+        err = rel_error(moe_experts_lora(*args, **kw), reference_lora.moe_experts_lora(*args, **kw))
+        lines.append(f"{'ok  ' if err <= TOLERANCE else 'FAIL'} moe_experts_lora[mxfp4 base] M={m:<3d} "
+                     f"rel_err={err:.2e}")
+    args = inputs(16)
+    out = moe_experts_lora(*args, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts_lora(*args, **kw)
+    for dst, src in zip(args, inputs(16)):  # new x, routing and adapters into the captured inputs
+        if dst is not src:
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    err = rel_error(out, reference_lora.moe_experts_lora(*args, **kw))
+    lines.append(f"{'ok  ' if err <= TOLERANCE else 'FAIL'} moe_experts_lora[mxfp4 base] CUDA graph replayed at new "
+                 f"inputs rel_err={err:.2e}")
+    return lines
+
+
 def copy_blocks_and_dispatch_check() -> list[str]:
     """copy_blocks (not graph-capturable, so not in the cases) and that CUDA tensors dispatch to Triton."""
     from loraplex.kernels import dispatch, reference
@@ -227,6 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"FAIL rope/route graph check crashed: {type(e).__name__}: {e}")
         failed.append("rope/route graph")
+    try:
+        for line in mxfp4_experts_lora_check():
+            print(line, flush=True)
+            if line.startswith("FAIL"):
+                failed.append(line)
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL MXFP4 expert-LoRA check crashed: {type(e).__name__}: {e}")
+        failed.append("mxfp4 expert LoRA")
     try:
         for line in copy_blocks_and_dispatch_check():
             print(line)

@@ -15,7 +15,7 @@ A wrapper does no LoRA work when the step has no adapter (``state.token_lora_idx
 the step's slots holds weights for its targets (unless ``state.always_on``: CUDA-graph capture); the expert
 wrapper then calls the fused base kernel. With LoRA, the expert wrapper runs ``ops.moe_experts_lora`` (on CUDA a
 graph-capturable composition of Triton kernels, no host sync), on the int8 weights directly when its base is
-``Int8FusedExperts``.
+``Int8FusedExperts`` and on the MXFP4 blocks and scales when it is ``Mxfp4FusedExperts``.
 """
 from __future__ import annotations
 
@@ -109,6 +109,8 @@ class LoRAFusedExperts(_LoRAWrapper):
         w13_scale = getattr(base, "w13_scale", None)  # Int8FusedExperts: int8 weights + per-channel scales
         if w13_scale is not None:
             w13, w2, w2_scale = base.w13_q, base.w2_q, base.w2_scale
+        elif hasattr(base, "w13_blocks"):  # Mxfp4FusedExperts: uint8 blocks + E8M0 scales
+            w13, w13_scale, w2, w2_scale = base.w13_blocks, base.w13_scales, base.w2_blocks, base.w2_scales
         else:
             w13, w2, w2_scale = base.w13, base.w2, None
         return ops.moe_experts_lora(x, w13, w2, topk_weights, topk_ids, self.state.token_lora_idx, self.state.scaling,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.engine.lora.layers import LoRAFusedExperts
 from loraplex.engine.models.layers.moe import FusedExperts
+from loraplex.engine.quantization.replace import replace_experts
 from loraplex.kernels import ops
 from loraplex.kernels.reference_lora import quantize_int8_per_channel
 
@@ -82,41 +82,9 @@ class Int8FusedExperts(FusedExperts):
 
 @torch.no_grad()
 def quantize_experts_int8(model: nn.Module, lora_slots=None) -> int:
-    """Replace every FusedExperts of ``model`` by an Int8FusedExperts, in place; returns how many.
-
-    Works before and after multi-LoRA is attached: a ``LoRAFusedExperts`` wrapper gets the quantised module as
-    its base and drops its references to the float weights. ``lora_slots`` (the ``LoRASlots`` attached to the
-    model, e.g. ``engine.runner.lora``) keeps the unwrapped modules for ``detach``; pass it so those become the
-    quantised ones too, or the float weights stay referenced there. The LoRA slot buffers are not touched.
-    Call ``torch.cuda.empty_cache()`` afterwards to return the freed memory."""
-    count = 0
-    replaced: dict[int, Int8FusedExperts] = {}
-    # (parent, child name) pairs and wrappers only: holding the float modules themselves (e.g. a list of
-    # model.modules()) would keep every layer's float weights alive until the end
-    wrappers = [m for m in model.modules() if isinstance(m, LoRAFusedExperts)]
-    sites = [(parent, name) for parent in model.modules() if not isinstance(parent, LoRAFusedExperts)
-             for name, child in parent.named_children()
-             if isinstance(child, FusedExperts) and not isinstance(child, Int8FusedExperts)]
-    for wrapper in wrappers:
-        if isinstance(wrapper.base, Int8FusedExperts):
-            continue
-        q = Int8FusedExperts.from_float(wrapper.base)
-        replaced[id(wrapper.base)] = q
-        wrapper._base = (q,)  # the wrapper has no public setter for its base
-        for name in ("w13", "w2"):
-            wrapper._parameters.pop(name, None)  # the wrapper mirrored the base's parameters
-        count += 1
-    for parent, name in sites:
-        q = Int8FusedExperts.from_float(getattr(parent, name))
-        replaced[id(getattr(parent, name))] = q
-        setattr(parent, name, q)  # the float module (and its weights) is freed here, one layer at a time
-        count += 1
-    if count == 0:
-        raise ValueError("quantize_experts_int8 found no FusedExperts to quantise (already INT8, or not a MoE "
-                         "model)")
-    if lora_slots is not None:
-        lora_slots._originals = [(p, n, replaced.get(id(m), m)) for p, n, m in lora_slots._originals]
-    return count
+    """Replace every float FusedExperts of ``model`` by an Int8FusedExperts, in place; returns how many.
+    Before or after multi-LoRA is attached; ``lora_slots``: see ``replace.replace_experts``."""
+    return replace_experts(model, Int8FusedExperts.from_float, lora_slots=lora_slots, what="int8")
 
 
 __all__ = ["Int8FusedExperts", "quantize_experts_int8"]

@@ -36,7 +36,7 @@ from loraplex.bench.workload import MIXES, SCALES, request_plan, write_model_con
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "mxfp4")
 WARMUP_OUTPUT_LEN = 8
 
 
@@ -56,7 +56,7 @@ class ServeBenchConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     base_only: bool = True                # also run the base-only scenario
-    quantization: str | None = None       # "int8": the engine's experts are INT8 from the start (one phase)
+    quantization: str | None = None       # "int8" / "mxfp4": the engine's experts quantised from the start (one phase)
     int8: bool = False                    # after the float phase, a second engine with INT8 experts, same scenarios
     tensor_parallel_size: int = 1
     enforce_eager: bool = False           # no CUDA graphs (engines that have them)

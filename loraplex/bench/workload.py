@@ -30,9 +30,9 @@ GPT_OSS_20B: dict = dict(
     eos_token_id=200002, pad_token_id=199999, torch_dtype="bfloat16", use_cache=True,
 )
 
-# Same family and features at toy sizes (CPU smoke runs and tests).
+# Same family and features at toy sizes (CPU smoke runs and tests); H and I multiples of 32 (MXFP4 experts).
 GPT_OSS_TINY: dict = dict(
-    GPT_OSS_20B, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    GPT_OSS_20B, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
     vocab_size=512, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
     max_position_embeddings=1024, eos_token_id=1, pad_token_id=0, torch_dtype="float32",

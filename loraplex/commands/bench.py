@@ -5,6 +5,7 @@
     loraplex bench serve --num-requests 16 --output-len 256 --int8 --hf-baseline --out $OUT
     loraplex bench serve --tensor-parallel-size 2 --enforce-eager --out $OUT/tp2      # two GPUs (NCCL)
     loraplex bench serve --quantization int8 --work-dir /tmp/w   # INT8 experts only, adapters of an earlier stage
+    loraplex bench serve --quantization mxfp4 --out $OUT          # MXFP4 experts only (GPT-OSS's native format)
     loraplex bench serve --hf-only --hf-output-len 32            # the HF transformers (+ PEFT) baseline only
     loraplex bench combine --out $OUT a/bench_serve.json b/bench_serve.json   # one table of several runs
 
@@ -46,8 +47,8 @@ def register(subparsers) -> None:
     s.add_argument("--no-warmup", action="store_true", help="skip the per-scenario warm-up")
     s.add_argument("--int8", action="store_true",
                    help="then start a second engine with INT8 experts and run the scenarios again")
-    s.add_argument("--quantization", choices=("int8",), default=None,
-                   help="run the engine with INT8 experts only (no float phase)")
+    s.add_argument("--quantization", choices=("int8", "mxfp4"), default=None,
+                   help="run the engine with INT8 or MXFP4 experts only (no float phase)")
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks (GPUs 0..N-1 on CUDA; CPU processes over gloo otherwise)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")

@@ -28,8 +28,9 @@ def register(subparsers) -> None:
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     s.add_argument("--cuda-graph-max-batch-size", type=int, default=64,
                    help="largest decode batch captured as a CUDA graph (larger batches run eagerly)")
-    s.add_argument("--quantization", choices=("int8",), default=None,
-                   help="int8: INT8 weight-only expert weights, quantised at load")
+    s.add_argument("--quantization", choices=("int8", "mxfp4"), default=None,
+                   help="weight-only expert weights, quantised at load: int8 (per channel) or mxfp4 (4.25 bits, "
+                        "GPT-OSS's format; hidden and expert intermediate sizes multiples of 32)")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step n+1 before step n's tokens are read (default: on when decode steps "
                         "replay CUDA graphs)")
