@@ -260,13 +260,21 @@ def fused_moe_int8(x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor
 
     x [T, H]; w13_q [E, 2I, H] int8, w13_scale [E, 2I]; w2_q [E, H, I] int8, w2_scale [E, H] -> [T, H].
     """
+    return _dequantised_moe(x, w13_q.shape[0], lambda e: (w13_q[e].float() * w13_scale[e].float()[:, None],
+                                                          w2_q[e].float() * w2_scale[e].float()[:, None]),
+                            topk_weights, topk_ids, activation, b13, b2, alpha, limit)
+
+
+def _dequantised_moe(x, num_experts, weights_of, topk_weights, topk_ids, activation, b13, b2, alpha,
+                     limit) -> torch.Tensor:
+    """The float32 expert loop of the quantised references: ``weights_of(e)`` -> (w13 [2I, H], w2 [H, I])
+    dequantised to float32, one expert at a time."""
     out = torch.zeros_like(x)
-    for e in range(w13_q.shape[0]):
+    for e in range(num_experts):
         tok, slot = torch.where(topk_ids == e)
         if tok.numel() == 0:
             continue
-        w13 = (w13_q[e].float() * w13_scale[e].float()[:, None])
-        w2 = (w2_q[e].float() * w2_scale[e].float()[:, None])
+        w13, w2 = weights_of(e)
         h = F.linear(x[tok].float(), w13, None if b13 is None else b13[e].float())
         h = act_and_mul(h, activation, alpha, limit)
         h = F.linear(h, w2, None if b2 is None else b2[e].float())
@@ -303,15 +311,6 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     check_mxfp4_weights(w13_blocks, w13_scales, w2_blocks, w2_scales)
     if w13_blocks.shape[2] * 2 != x.shape[1]:
         raise ValueError(f"x [T, {x.shape[1]}] does not match w13_blocks {tuple(w13_blocks.shape)} ([E, 2I, H/2])")
-    out = torch.zeros_like(x)
-    for e in range(w13_blocks.shape[0]):
-        tok, slot = torch.where(topk_ids == e)
-        if tok.numel() == 0:
-            continue
-        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e])
-        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e])
-        h = F.linear(x[tok].float(), w13, None if b13 is None else b13[e].float())
-        h = act_and_mul(h, activation, alpha, limit)
-        h = F.linear(h, w2, None if b2 is None else b2[e].float())
-        out.index_add_(0, tok, (h * topk_weights[tok, slot, None].float()).to(out.dtype))
-    return out
+    return _dequantised_moe(x, w13_blocks.shape[0], lambda e: (dequantize_mxfp4(w13_blocks[e], w13_scales[e]),
+                                                               dequantize_mxfp4(w2_blocks[e], w2_scales[e])),
+                            topk_weights, topk_ids, activation, b13, b2, alpha, limit)

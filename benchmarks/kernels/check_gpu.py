@@ -266,38 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'ok  ' if ok else 'FAIL'} {label:48s} M={m:<4d} rel_err={err:.2e}", flush=True)
         del cases
         torch.cuda.empty_cache()
-    try:
-        for line in split_kv_check():
-            print(line, flush=True)
-            if line.startswith("FAIL"):
-                failed.append(line)
-    except Exception as e:  # noqa: BLE001
-        print(f"FAIL split-KV check crashed: {type(e).__name__}: {e}")
-        failed.append("split-KV")
-    try:
-        for line in rope_and_route_graph_check():
-            print(line, flush=True)
-            if line.startswith("FAIL"):
-                failed.append(line)
-    except Exception as e:  # noqa: BLE001
-        print(f"FAIL rope/route graph check crashed: {type(e).__name__}: {e}")
-        failed.append("rope/route graph")
-    try:
-        for line in mxfp4_experts_lora_check():
-            print(line, flush=True)
-            if line.startswith("FAIL"):
-                failed.append(line)
-    except Exception as e:  # noqa: BLE001
-        print(f"FAIL MXFP4 expert-LoRA check crashed: {type(e).__name__}: {e}")
-        failed.append("mxfp4 expert LoRA")
-    try:
-        for line in copy_blocks_and_dispatch_check():
-            print(line)
-            if line.startswith("FAIL"):
-                failed.append(line)
-    except Exception as e:  # noqa: BLE001
-        print(f"FAIL copy_blocks/dispatch check crashed: {type(e).__name__}: {e}")
-        failed.append("copy_blocks")
+    for name, check in (("split-KV", split_kv_check), ("rope/route graph", rope_and_route_graph_check),
+                        ("MXFP4 expert-LoRA", mxfp4_experts_lora_check),
+                        ("copy_blocks/dispatch", copy_blocks_and_dispatch_check)):
+        _run_check(name, check, failed)
     try:
         for line in compile_once_check():
             print(line)
@@ -305,6 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compile-once check crashed: {type(e).__name__}: {e}")
     print(f"worst rel. error {worst:.2e}; {'all within' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0
+
+
+def _run_check(name: str, check, failed: list[str]) -> None:
+    """Print the lines of ``check()``; its FAIL lines, or a crash, go into ``failed``."""
+    try:
+        for line in check():
+            print(line, flush=True)
+            if line.startswith("FAIL"):
+                failed.append(line)
+    except Exception as e:  # noqa: BLE001  (a crash is a failure; go on with the other checks)
+        print(f"FAIL {name} check crashed: {type(e).__name__}: {e}")
+        failed.append(name)
 
 
 if __name__ == "__main__":

@@ -18,66 +18,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.engine.models.layers.moe import FusedExperts
+from loraplex.engine.quantization.quantized_experts import QuantizedFusedExperts
 from loraplex.engine.quantization.replace import replace_experts
 from loraplex.kernels import ops
 from loraplex.kernels.reference_lora import quantize_int8_per_channel
 
 
-class Int8FusedExperts(FusedExperts):
+class Int8FusedExperts(QuantizedFusedExperts):
     """FusedExperts with INT8 weight-only w13/w2 (per output channel scales). Built by ``from_float``."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str,
-                 alpha: float, limit: float, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)  # FusedExperts.__init__ would allocate float w13 / w2
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.activation, self.alpha, self.limit = activation, alpha, limit
-        self.dtype = dtype  # the float model's dtype: dequantised weights and outputs use it
-        self.b13: nn.Parameter | None = None
-        self.b2: nn.Parameter | None = None
+    BUFFERS = ("q", "scale")
+    FORMAT = "int8"
 
-    @classmethod
-    @torch.no_grad()
-    def from_float(cls, experts: FusedExperts) -> "Int8FusedExperts":
-        """Quantise ``experts`` (its float weights are not modified; drop them to free memory)."""
-        if isinstance(experts, Int8FusedExperts):
-            raise TypeError("experts are already INT8; quantize_experts_int8 applies once")
-        if not isinstance(experts, FusedExperts):
-            raise TypeError(f"expected FusedExperts, got {type(experts).__name__}")
-        q = cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, activation=experts.activation,
-                alpha=experts.alpha, limit=experts.limit, dtype=experts.w13.dtype)
-        for name in ("w13", "w2"):
-            w = getattr(experts, name)
-            # one expert at a time: the float32 temporaries of quantize_int8_per_channel stay one expert large
-            parts = [quantize_int8_per_channel(w[e]) for e in range(w.shape[0])]
-            q.register_buffer(f"{name}_q", torch.stack([p[0] for p in parts]))          # [E, N, K] int8
-            q.register_buffer(f"{name}_scale", torch.stack([p[1] for p in parts]))      # [E, N] float32
-        q.b13, q.b2 = experts.b13, experts.b2
-        return q
+    @staticmethod
+    def quantize_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8_per_channel(w)  # [N, K] int8, [N] float32
 
-    # Inspection and tests: dequantised on access, never stored (no engine path reads them).
-    @property
-    def w13(self) -> torch.Tensor:
-        return self._dequant(self.w13_q, self.w13_scale)
-
-    @property
-    def w2(self) -> torch.Tensor:
-        return self._dequant(self.w2_q, self.w2_scale)
-
-    def _dequant(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
-        for e in range(q.shape[0]):  # float32 temporaries one expert large
-            out[e] = (q[e].float() * scale[e, :, None]).to(self.dtype)
-        return out
+    def dequantize_expert(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (q.float() * scale[:, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights [T, A] float32; topk_ids [T, A] -> [T, H]."""
         return ops.fused_moe_int8(x, self.w13_q, self.w13_scale, self.w2_q, self.w2_scale, topk_weights,
                                   topk_ids, activation=self.activation, b13=self.b13, b2=self.b2,
                                   alpha=self.alpha, limit=self.limit)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", int8 weight-only"
 
 
 @torch.no_grad()

@@ -21,63 +21,35 @@ import torch
 from torch import nn
 
 from loraplex.engine.models.layers.moe import FusedExperts
+from loraplex.engine.quantization.quantized_experts import QuantizedFusedExperts
 from loraplex.engine.quantization.replace import replace_experts
 from loraplex.kernels import ops
 from loraplex.kernels.mxfp4 import check_mxfp4_k, dequantize_mxfp4, quantize_mxfp4
 
 
-class Mxfp4FusedExperts(FusedExperts):
+class Mxfp4FusedExperts(QuantizedFusedExperts):
     """FusedExperts with MXFP4 weight-only w13/w2 (uint8 blocks + E8M0 scales). Built by ``from_float``."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str,
-                 alpha: float, limit: float, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)  # FusedExperts.__init__ would allocate float w13 / w2
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.activation, self.alpha, self.limit = activation, alpha, limit
-        self.dtype = dtype  # the float model's dtype: dequantised weights and outputs use it
-        self.b13: nn.Parameter | None = None
-        self.b2: nn.Parameter | None = None
+    BUFFERS = ("blocks", "scales")
+    FORMAT = "mxfp4"
 
     @classmethod
-    @torch.no_grad()
-    def from_float(cls, experts: FusedExperts) -> "Mxfp4FusedExperts":
-        """Quantise ``experts`` (its float weights are not modified; drop them to free memory)."""
-        if type(experts) is not FusedExperts:
-            raise TypeError(f"expected float FusedExperts, got {type(experts).__name__} (MXFP4 quantises the float "
-                            f"weights once)")
+    def check_float(cls, experts: FusedExperts) -> None:
         check_mxfp4_k(experts.hidden_size, "hidden_size (K of w13)")
         check_mxfp4_k(experts.w2.shape[-1], "the expert intermediate size per rank (K of w2)")
-        q = cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, activation=experts.activation,
-                alpha=experts.alpha, limit=experts.limit, dtype=experts.w13.dtype)
-        for name in ("w13", "w2"):
-            w = getattr(experts, name)
-            # one expert at a time: the float32 temporaries of quantize_mxfp4 stay one expert large
-            parts = [quantize_mxfp4(w[e]) for e in range(w.shape[0])]
-            q.register_buffer(f"{name}_blocks", torch.stack([p[0] for p in parts]))  # [E, N, K/2] uint8
-            q.register_buffer(f"{name}_scales", torch.stack([p[1] for p in parts]))  # [E, N, K/32] uint8
-        q.b13, q.b2 = experts.b13, experts.b2
-        return q
 
-    # Inspection and tests: dequantised on access, never stored (no engine path reads them).
-    @property
-    def w13(self) -> torch.Tensor:
-        return self._dequant(self.w13_blocks, self.w13_scales)
+    @staticmethod
+    def quantize_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_mxfp4(w)  # [N, K/2] uint8 codes, [N, K/32] uint8 scales
 
-    @property
-    def w2(self) -> torch.Tensor:
-        return self._dequant(self.w2_blocks, self.w2_scales)
-
-    def _dequant(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return torch.stack([dequantize_mxfp4(blocks[e], scales[e], self.dtype) for e in range(blocks.shape[0])])
+    def dequantize_expert(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return dequantize_mxfp4(blocks, scales, self.dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights [T, A] float32; topk_ids [T, A] -> [T, H]."""
         return ops.fused_moe_mxfp4(x, self.w13_blocks, self.w13_scales, self.w2_blocks, self.w2_scales,
                                    topk_weights, topk_ids, activation=self.activation, b13=self.b13, b2=self.b2,
                                    alpha=self.alpha, limit=self.limit)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", mxfp4 weight-only"
 
 
 @torch.no_grad()

@@ -62,7 +62,7 @@ def test_dequantised_weights_are_within_int8_rounding(tiny_checkpoint):
     step = q.w13_scale[..., None]  # one int8 step per output channel
     assert torch.all(err <= 0.5 * step + 1e-7)
     assert err.max() > 0  # it did round
-    with pytest.raises(TypeError, match="already INT8"):
+    with pytest.raises(TypeError, match="int8 quantises the float weights once"):
         Int8FusedExperts.from_float(q)
 
 
