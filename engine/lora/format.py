@@ -287,6 +287,10 @@ def read_safetensors_header(source: str | os.PathLike | BinaryIO, *,
         raise AdapterFormatError("safetensors header is not a JSON object; save the adapter again with safetensors",
                                  code="not_safetensors")
     metadata = d.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise AdapterFormatError("safetensors header field __metadata__ must be a JSON object of strings, got "
+                                 f"{type(metadata).__name__}; save the adapter again with safetensors",
+                                 code="not_safetensors")
     data_start, data_len = 8 + n, size - 8 - n
     tensors: dict[str, TensorInfo] = {}
     for name, t in d.items():

@@ -272,6 +272,17 @@ def test_truncated_file(bases, tmp_path):
     assert e.value.code == "truncated"
 
 
+@pytest.mark.parametrize("metadata", [True, 3, "text", ["a"]])
+def test_metadata_that_is_not_an_object_is_refused(tmp_path, metadata):
+    """__metadata__ must be a JSON object (found by the fuzzer: `true` crashed with AttributeError, a 500)."""
+    path = tmp_path / "a.safetensors"
+    header = json.dumps({"__metadata__": metadata}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(AdapterFormatError, match="__metadata__ must be a JSON object") as e:
+        read_safetensors_header(str(path))
+    assert e.value.code == "not_safetensors"
+
+
 def test_header_length_bomb(tmp_path):
     path = tmp_path / "a.safetensors"
     path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
