@@ -10,6 +10,19 @@ import triton.language as tl
 
 
 @triton.jit
+def gated_act(gate, up, ACT: tl.constexpr, alpha, limit):
+    """act(gate) * up on float32 tiles: ACT 0 = SiLU-and-mul, 1 = GPT-OSS's clamped SwiGLU (alpha, limit). Shared
+    with the fused MoE gate_up epilogue."""
+    if ACT == 0:
+        y = gate * tl.sigmoid(gate) * up
+    else:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        y = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    return y
+
+
+@triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr,  # x [T, 2I]; out [T, I]
     I, stride_x, stride_out, alpha, limit,
@@ -21,12 +34,7 @@ def _act_and_mul_kernel(
     mask = cols < I
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        y = gate * tl.sigmoid(gate) * up
-    else:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        y = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    y = gated_act(gate, up, ACT, alpha, limit)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

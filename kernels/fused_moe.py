@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels import tuning
+from loraplex.kernels.activation import gated_act
 from loraplex.kernels.dot import dot
 from loraplex.kernels.moe_align import moe_align
 from loraplex.kernels.mxfp4_dequant import load_mxfp4_tile
@@ -107,12 +108,7 @@ def _moe_gate_up_kernel(
         tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptrs + N, acc_u.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        if ACT == 0:
-            h = acc_g * tl.sigmoid(acc_g) * acc_u
-        else:
-            g = tl.minimum(acc_g, limit)
-            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-            h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+        h = gated_act(acc_g, acc_u, ACT, alpha, limit)
         tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
