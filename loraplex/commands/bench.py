@@ -66,7 +66,8 @@ def register(subparsers) -> None:
     s.add_argument("--total-time", type=float, default=None,
                    help="hard limit in seconds for the whole run (running requests are aborted, later skipped)")
     s.add_argument("--profile-steps", type=int, default=0,
-                   help="profile this many decode steps per scenario (torch profiler; profile_*.txt in --out)")
+                   help="profile this many decode steps per scenario, then one arrival (a new prompt's prefill "
+                        "mixed with the decodes; torch profiler + cProfile; profile_*.txt in --out)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
                    help="engine log level (start-up: KV pool, CUDA graph capture, tensor-parallel workers)")
     s.add_argument("--seed", type=int, default=0)
