@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
 from loraplex.engine.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from loraplex.engine.model_runner import ModelRunner
+    from loraplex.engine.lora.slots import LoRASlots
     from loraplex.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,20 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return [s for s in sizes if s < max_batch_size] + [max_batch_size]
 
 
+class DecodeRunner(Protocol):
+    """What the padded decode path needs of the model runner that owns it (``ModelRunner`` satisfies it)."""
+
+    device: torch.device
+    block_size: int
+    model: nn.Module
+    kv_caches: list[Any]
+    lora: "LoRASlots | None"
+
+
 class DecodeGraphs:
     """The padded decode path of one ``ModelRunner``: static buffers, buckets and (``capture=True``) graphs."""
 
-    def __init__(self, runner: "ModelRunner", max_batch_size: int, max_model_len: int, *, capture: bool) -> None:
+    def __init__(self, runner: DecodeRunner, max_batch_size: int, max_model_len: int, *, capture: bool) -> None:
         if capture and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use capture=False for the eager padded path")
         self.runner = runner

@@ -14,16 +14,12 @@ import shutil
 from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
+from loraplex.engine.lora.fetch_errors import AdapterFetchError, AdapterFetchUnavailableError
+
+__all__ = ["ADAPTER_FILES", "AdapterFetchError", "AdapterFetchUnavailableError", "Fetcher", "FileFetcher",
+           "default_fetchers", "file_uri"]
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-class AdapterFetchError(RuntimeError):
-    """The adapter's bytes could not be fetched (missing file, unknown scheme, transport error)."""
-
-
-class AdapterFetchUnavailableError(AdapterFetchError):
-    """The blob store could not be reached or failed (connection, timeout, 5xx): the same fetch may succeed
-    later, so the next request for the adapter tries again and clients get a retryable 503."""
 
 
 @runtime_checkable

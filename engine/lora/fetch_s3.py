@@ -15,7 +15,7 @@ import json
 import os
 from urllib.parse import unquote, urlparse
 
-from loraplex.engine.lora.fetch import AdapterFetchError, AdapterFetchUnavailableError
+from loraplex.engine.lora.fetch_errors import AdapterFetchError, AdapterFetchUnavailableError
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
