@@ -249,13 +249,8 @@ def _text_forcer(engine):
 
 
 def _deliver_step(ae, outs) -> None:
-    """AsyncEngine._run's routing of one step's outputs (through the real hand-off method when it has one)."""
-    deliver_many = getattr(ae, "_deliver_step", None)
-    if deliver_many is not None:
-        deliver_many(outs)
-        return
-    for out in outs:
-        ae._deliver(out.request_id, out)
+    """AsyncEngine._run's routing of one step's outputs (its own hand-off method)."""
+    ae._deliver_step(outs)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Issue 6's bf16 check: the engine in bfloat16 on the GPU (CUDA graphs, Triton kernels, two PEFT adapters mixed
+"""bf16 top-1 agreement: the engine in bfloat16 on the GPU (CUDA graphs, Triton kernels, two PEFT adapters mixed
 with base requests) against transformers + PEFT in float32 on the CPU, for every tiny family: the share of the
 first 64 generated positions where the GPU's greedy token is the CPU reference's top-1 token, teacher-forced on
 the GPU's own tokens (so one flipped near-tie does not change every later position). Column "HF bf16": the same

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session on one H200, at most TOTAL_S (default 345 s) wall: kernel correctness at real shapes (every op
-# and the LoRA variants: fused_moe_lora one-kernel / PDL, lora_expand PDL), the decode benchmark with the
-# committed configs, LoRA tuning, the benchmark again with the tuned configs, and the tuned configs' check.
+# The kernels at GPT-OSS-20B shapes in one device run on one H200 (kind nvidia-h200), at most TOTAL_S (default
+# 345 s) wall: kernel correctness at real shapes (every op and the LoRA variants: fused_moe_lora one-kernel / PDL,
+# lora_expand PDL), the decode benchmark with the committed configs, LoRA tuning, the benchmark again with the
+# tuned configs, and the tuned configs' check.
 # Every stage runs under its own timeout, capped by what is left of TOTAL_S; a failed stage is logged and the
 # next one runs. Writes under $OUT (8 files, the most that come back):
 #   env.txt  check.txt (check + tuned check)  bench.md bench.json (committed configs)  tune.txt

@@ -1,4 +1,5 @@
-"""Several ``bench_serve.json`` reports (the stages of a device script) as one table, with issue 6's targets.
+"""Several ``bench_serve.json`` reports (the stages of a device script) as one table, with the targets of the
+GPT-OSS-20B multi-LoRA serving workload.
 
     combined = combine_reports(["bf16=out/s1/bench_serve.json", "out/s2/bench_serve.json"])
     text = write_combined(combined, out_dir)     # bench_combined.json + bench_combined.md; returns the Markdown
@@ -70,7 +71,7 @@ def combine_reports(specs: list[str]) -> dict:
     return dict(runs=[dict(label=r["label"], command=r["report"].get("command"), env=r["report"].get("env"),
                            engine=r["report"].get("engine"), skipped=r["report"].get("skipped"),
                            notes=r["report"].get("notes")) for r in runs],
-                rows=rows, setup_s=setup, checks=issue6_checks(rows), tp=tp_comparison(rows), missing=missing,
+                rows=rows, setup_s=setup, checks=serving_checks(rows), tp=tp_comparison(rows), missing=missing,
                 reports={r["label"]: r["report"] for r in runs})
 
 
@@ -100,7 +101,9 @@ def _check(name: str, value: float | None, target: float, higher: bool, detail: 
     return dict(check=name, value=value, target=target, verdict="PASS" if ok else "FAIL", detail=detail)
 
 
-def issue6_checks(rows: list[dict]) -> list[dict]:
+def serving_checks(rows: list[dict]) -> list[dict]:
+    """The serving workload's targets (docs/performance.md, "GPT-OSS-20B multi-LoRA serving workload") against the
+    figures of ``rows``; TP = 1 engine rows only."""
     eng = [r for r in rows if r["kind"] == "engine" and (r["tp"] in (None, 1))]
     bf16_lora = _first(eng, lambda r: r["scenario"].startswith("bf16") and r["adapters"])
     bf16_base = _first(eng, lambda r: r["scenario"].startswith("bf16") and not r["adapters"]
@@ -168,7 +171,7 @@ def to_markdown(combined: dict) -> str:
             lines.append(f"| {c['scenario']} | {c['tp_run']} (TP {c['tp']}) | {c['tp1_run']} | "
                          f"{_fmt(c['per_request_output'], 2)} | {_fmt(c['output_throughput'], 2)} | "
                          f"{_fmt(c['ttft_p50'], 2)} |")
-    lines += ["", "| issue 6 check | value | target | verdict | from |", "|---|---:|---:|---|---|"]
+    lines += ["", "| serving target | value | target | verdict | from |", "|---|---:|---:|---|---|"]
     for c in combined["checks"]:
         lines.append(f"| {c['check']} | {_fmt(c['value'], 2)} | {c['target']} | {c['verdict']} | {c['detail']} |")
     return "\n".join(lines) + "\n"

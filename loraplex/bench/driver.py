@@ -7,10 +7,13 @@ returns (the step's tokens are on the host then). ``soft_deadline``: no new requ
 ``hard_deadline``: requests still running are aborted and the run is marked truncated. ``stagger_s``: client k
 sends its first request k * stagger_s seconds after the start (with equal output lengths, clients that start
 together stay in step and every wave's prompts arrive at once; a stagger of about e2e / C spreads them).
+``clock`` and ``sleep`` default to ``time.monotonic`` and ``time.sleep`` (the tests pass a simulated clock).
 """
 from __future__ import annotations
 
 import time
+
+from typing import Callable
 
 from loraplex.bench.stats import RequestTiming
 from loraplex.bench.workload import PlannedRequest
@@ -18,7 +21,9 @@ from loraplex.bench.workload import PlannedRequest
 
 def closed_loop(engine, plan: list[PlannedRequest], adapter_refs: list, *, concurrency: int, output_len: int,
                 prefix: str = "r", soft_deadline: float | None = None, hard_deadline: float | None = None,
-                stagger_s: float = 0.0, counters: dict | None = None) -> tuple[list[RequestTiming], bool]:
+                stagger_s: float = 0.0, counters: dict | None = None,
+                clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> tuple[list[RequestTiming], bool]:
     """Run ``plan`` at ``concurrency`` in flight; returns (timings of every started request, truncated).
     ``counters["steps"]`` (when given) counts the engine steps taken."""
     from loraplex.engine import SamplingParams
@@ -34,27 +39,27 @@ def closed_loop(engine, plan: list[PlannedRequest], adapter_refs: list, *, concu
         req = queue.pop(0)
         rid = f"{prefix}{req.index}"
         adapter = adapter_refs[req.adapter] if req.adapter is not None else None
-        now = time.monotonic()
+        now = clock()
         timings[rid] = RequestTiming(rid, req.adapter, len(req.prompt), arrival=now)
         engine.add_request(rid, req.prompt, params, adapter=adapter, arrival_time=now)
 
-    start = time.monotonic()
+    start = clock()
     first_sends = [start + k * stagger_s for k in range(min(concurrency, len(queue)))]  # one per client
     while first_sends and first_sends[0] <= start:
         first_sends.pop(0)
         submit()
     while engine.has_unfinished_requests() or first_sends:
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, first_sends[0] - time.monotonic()))
-        while first_sends and first_sends[0] <= time.monotonic() and queue:
+            sleep(max(0.0, first_sends[0] - clock()))
+        while first_sends and first_sends[0] <= clock() and queue:
             first_sends.pop(0)
             submit()
-        if not queue or (soft_deadline is not None and time.monotonic() >= soft_deadline):
+        if not queue or (soft_deadline is not None and clock() >= soft_deadline):
             first_sends.clear()  # finished clients took the remaining requests
         if not engine.has_unfinished_requests():
             continue
         outputs = engine.step()
-        now = time.monotonic()
+        now = clock()
         if counters is not None:
             counters["steps"] = counters.get("steps", 0) + 1
         for out in outputs:

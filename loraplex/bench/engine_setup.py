@@ -1,18 +1,14 @@
-"""The bench's engine: EngineConfig keywords for the workload, the optional engine features it asks for, and what
-the started engine reports about itself (KV pool, CUDA graphs, tensor parallelism, quantization).
+"""The bench's engine: EngineConfig keywords for the workload and what the started engine reports about itself
+(KV pool, CUDA graphs, tensor parallelism, quantization).
 
-    kw, in_place, notes = engine_kwargs(cfg, work_dir, device="cuda", dtype="bfloat16", quantization="int8")
+    kw = engine_kwargs(cfg, work_dir, device="cuda", dtype="bfloat16", quantization="int8")
     with timed_model_load(setup_s, "model_load"):
         engine = LLMEngine.from_pretrained(model_folder, **kw)
     use_in_place_fetcher(engine)          # file:// adapters are read where they are (no copy into the cache)
     info = engine_info(engine)            # {"kv_blocks": ..., "cuda_graphs": ..., ...}
-
-``quantization`` and ``enforce_eager`` are EngineConfig fields of newer engines; when the running engine lacks
-one, the bench falls back (INT8: transform the built model in place, eager only) and says so in ``notes``.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from contextlib import contextmanager
@@ -20,80 +16,38 @@ from contextlib import contextmanager
 from loraplex.engine.lora.fetch import AdapterFetchError
 
 
-def engine_fields() -> set[str]:
-    from loraplex.engine.engine_config import EngineConfig
-
-    return {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: str | None) -> tuple[dict, bool, list]:
-    """(EngineConfig keywords, whether INT8 must be applied in place after the start, notes).
+def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: str | None) -> dict:
+    """EngineConfig keywords of the workload ``cfg`` (a ServeBenchConfig).
 
     The KV pool is sized for the workload (``max(concurrency, adapters)`` full sequences + 64 blocks) rather
     than from free memory, so a run measures the same pool on any device and starts fast."""
-    fields = engine_fields()
     bs = cfg.block_size
     seqs = max(cfg.concurrency, cfg.num_adapters)
     per_seq = -(-(cfg.input_len + cfg.output_len + bs) // bs)
-    kw = dict(dtype=dtype, device=device, load_format="dummy", progress=False,
-              max_model_len=cfg.input_len + cfg.output_len + bs, max_num_seqs=seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=bs, num_kv_blocks=per_seq * seqs + 64,
-              swap_space_bytes=0, enable_prefix_caching=False, enable_lora=cfg.num_adapters > 0,
-              max_loras=max(1, cfg.num_adapters), max_lora_rank=cfg.rank, max_cpu_loras=max(16, cfg.num_adapters),
-              adapter_cache_dir=os.path.join(work_dir, "adapter-cache"))
-    notes: list[str] = []
-    if cfg.tensor_parallel_size != 1:
-        kw["tensor_parallel_size"] = cfg.tensor_parallel_size
-    if "enforce_eager" in fields:
-        kw["enforce_eager"] = cfg.enforce_eager
-    elif cfg.enforce_eager:
-        notes.append("this engine has no CUDA graphs (no EngineConfig.enforce_eager): --enforce-eager changes nothing")
-    if getattr(cfg, "async_scheduling", None) is not None:
-        if "async_scheduling" not in fields:
-            raise ValueError("this engine has no overlapped scheduling (no EngineConfig.async_scheduling); drop "
-                             "--async-scheduling / --no-async-scheduling")
-        kw["async_scheduling"] = cfg.async_scheduling
-    in_place = False
-    if quantization is not None:
-        if "quantization" in fields:
-            kw["quantization"] = quantization
-        elif cfg.tensor_parallel_size > 1:
-            raise ValueError("INT8 experts with tensor parallelism need EngineConfig.quantization (every rank "
-                             "quantises its shard at load); this engine has no such field")
-        else:
-            in_place = True
-            if "enforce_eager" in fields:
-                kw["enforce_eager"] = True  # graphs captured before an in-place swap would replay freed weights
-            notes.append("INT8 experts applied in place after the engine started (no EngineConfig.quantization); "
-                         "that engine runs eager")
-    return kw, in_place, notes
+    return dict(dtype=dtype, device=device, load_format="dummy", progress=False,
+                max_model_len=cfg.input_len + cfg.output_len + bs, max_num_seqs=seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=bs, num_kv_blocks=per_seq * seqs + 64,
+                swap_space_bytes=0, enable_prefix_caching=False, enable_lora=cfg.num_adapters > 0,
+                max_loras=max(1, cfg.num_adapters), max_lora_rank=cfg.rank, max_cpu_loras=max(16, cfg.num_adapters),
+                adapter_cache_dir=os.path.join(work_dir, "adapter-cache"),
+                tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
+                async_scheduling=cfg.async_scheduling, quantization=quantization)
 
 
 def engine_info(engine) -> dict:
-    """What the started engine is: KV pool, tensor parallelism, quantization, CUDA graphs (None: the engine does
-    not say; 0: none captured)."""
+    """What the started engine is: KV pool, tensor parallelism, quantization, CUDA graphs (0: none captured)."""
     runner, config = engine.runner, engine.config
     info = dict(kv_blocks=runner.num_blocks, kv_tokens=runner.num_blocks * runner.block_size,
                 kv_gib=runner.num_blocks * runner.bytes_per_block / 2**30,
-                tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
-                enforce_eager=getattr(config, "enforce_eager", None),
-                quantization=getattr(config, "quantization", None), cuda_graphs=cuda_graph_count(runner),
-                async_scheduling=getattr(engine, "async_scheduling", None))
-    graphs = getattr(runner, "decode_graphs", None)
+                tensor_parallel_size=config.tensor_parallel_size, enforce_eager=config.enforce_eager,
+                quantization=config.quantization, cuda_graphs=runner.num_cuda_graphs,
+                async_scheduling=engine.async_scheduling)
+    graphs = runner.decode_graphs
     if info["cuda_graphs"]:
-        info["cuda_graph_buckets"] = list(getattr(runner, "cuda_graph_buckets", []) or [])
-        for name in ("capture_seconds", "graph_memory_bytes"):
-            if getattr(graphs, name, None) is not None:
-                info[f"cuda_graph_{name}"] = getattr(graphs, name)
+        info["cuda_graph_buckets"] = runner.cuda_graph_buckets
+        info["cuda_graph_capture_seconds"] = graphs.capture_seconds
+        info["cuda_graph_memory_bytes"] = graphs.graph_memory_bytes
     return info
-
-
-def cuda_graph_count(runner) -> int | None:
-    """Graphs the runner captured (``num_cuda_graphs``); None when the engine has no such notion."""
-    n = getattr(runner, "num_cuda_graphs", None)
-    if callable(n):
-        n = n()
-    return int(n) if n is not None else None
 
 
 @contextmanager

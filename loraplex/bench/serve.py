@@ -1,6 +1,6 @@
-"""``loraplex bench serve``: the issue-6 serving workload against the in-process engine, base-only and with N
-adapters in the same invocation (optionally INT8 experts, tensor parallelism and an HF transformers + PEFT
-baseline).
+"""``loraplex bench serve``: the GPT-OSS-20B multi-LoRA serving workload against the in-process engine, base-only
+and with N adapters in the same invocation (optionally INT8 / MXFP4 experts, tensor parallelism and an HF
+transformers + PEFT baseline).
 
     report = run_serve_bench(ServeBenchConfig(scale="tiny", out_dir="/tmp/bench"))    # CPU smoke run
     report = run_serve_bench(ServeBenchConfig(scale="full", num_requests=64))          # H200
@@ -59,7 +59,7 @@ class ServeBenchConfig:
     quantization: str | None = None       # "int8" / "mxfp4": the engine's experts quantised from the start (one phase)
     int8: bool = False                    # after the float phase, a second engine with INT8 experts, same scenarios
     tensor_parallel_size: int = 1
-    enforce_eager: bool = False           # no CUDA graphs (engines that have them)
+    enforce_eager: bool = False           # no CUDA graphs for decode steps
     async_scheduling: bool | None = None  # overlapped decode steps; None: the engine's default (on with graphs)
     hf_baseline: bool = False
     hf_only: bool = False                 # only the HF baseline (no engine scenarios)
@@ -195,26 +195,18 @@ class _Run:
         from loraplex.engine import LLMEngine
 
         self.close_engine()
-        kw, in_place, notes = engine_kwargs(self.cfg, self.work, device=self.device.type, dtype=self.dtype,
-                                            quantization=quantization)
-        self.notes += notes
+        kw = engine_kwargs(self.cfg, self.work, device=self.device.type, dtype=self.dtype, quantization=quantization)
         if self.cfg.tensor_parallel_size > 1 and self.is_cuda:
             self.notes.append("tensor parallel: peak GPU memory and memory after start are rank 0's GPU")
         t0 = time.monotonic()
         with timed_model_load(self.setup_s, f"model_load_{phase}"):
             self.engine = LLMEngine.from_pretrained(self.folder, **kw)
         use_in_place_fetcher(self.engine)
-        if in_place:
-            from loraplex.engine.quantization import quantize_experts_int8
-
-            quantize_experts_int8(self.engine.runner.model, lora_slots=self.engine.runner.lora)
-            if self.is_cuda:
-                torch.cuda.empty_cache()
         self._sync()
         self.setup_s[f"engine_start_{phase}"] = time.monotonic() - t0
         info = engine_info(self.engine)
         info["memory_after_start_gib"] = (torch.cuda.memory_allocated(self.device) / 2**30) if self.is_cuda else None
-        if info.get("cuda_graph_capture_seconds") is not None:
+        if info["cuda_graphs"]:
             self.setup_s[f"graph_capture_{phase}"] = info["cuda_graph_capture_seconds"]
         self.engine_info[phase] = info
         print(f"[bench] engine {phase}: started in {self.setup_s[f'engine_start_{phase}']:.1f} s (weights "
@@ -222,7 +214,7 @@ class _Run:
               f"{self.setup_s.get(f'graph_capture_{phase}', 0.0):.1f} s); TP "
               f"{info['tensor_parallel_size']}, CUDA graphs {info['cuda_graphs']}, async scheduling "
               f"{info.get('async_scheduling')}, quantization "
-              f"{info['quantization'] or ('int8 (in place)' if in_place else None)}, KV {info['kv_blocks']} blocks "
+              f"{info['quantization']}, KV {info['kv_blocks']} blocks "
               f"({info['kv_gib']:.2f} GiB)", flush=True)
 
     def close_engine(self) -> None:
@@ -259,8 +251,8 @@ class _Run:
         self._sync()
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        graphs = getattr(self.engine.runner, "decode_graphs", None)
-        graph_steps0 = getattr(graphs, "num_steps", None)
+        graphs = self.engine.runner.decode_graphs
+        graph_steps0 = graphs.num_steps if graphs is not None else None
         counters: dict = {}
         start = time.monotonic()
         soft = hard = None

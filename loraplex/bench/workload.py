@@ -1,4 +1,5 @@
-"""The serving workload of issue 6: a model shape written as config.json, random PEFT adapters, random prompts.
+"""The GPT-OSS-20B multi-LoRA serving workload: a model shape written as config.json, random PEFT adapters, random
+prompts.
 
     folder = write_model_config(tmp, GPT_OSS_20B)                  # config.json only: load_format="dummy"
     adapters = write_random_adapters(tmp, folder, n=8, rank=32)   # PEFT folders (attention + experts)

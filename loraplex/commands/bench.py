@@ -1,4 +1,9 @@
-"""``loraplex bench serve``: the issue-6 serving benchmark against the in-process engine.
+"""``loraplex bench serve``: the GPT-OSS-20B multi-LoRA serving workload against the in-process engine.
+
+The workload: the GPT-OSS-20B shape with dummy bf16 weights, N random PEFT adapters of rank r on attention and
+experts (default 8 of rank 32, an even mix), random prompts of 1600 tokens, 600 output tokens each (EOS ignored),
+a closed loop of C = 16 clients (``--stagger``: client k starts k * STAGGER s in), base-only and with adapters on
+one engine. Method, targets and current figures: docs/performance.md.
 
     loraplex bench serve                                   # GPT-OSS-20B shape, 8 adapters r32, C=16, 64 requests
     loraplex bench serve --scale tiny --out /tmp/bench     # CPU smoke run (tiny model, short prompts)
@@ -28,7 +33,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks of the engine", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="bench_command", required=True)
-    s = sub.add_parser("serve", help="closed-loop serving benchmark (issue 6 workload)", description=__doc__,
+    s = sub.add_parser("serve", help="closed-loop serving benchmark (GPT-OSS-20B multi-LoRA workload)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--scale", choices=("full", "tiny"), default="full",
                    help="full: GPT-OSS-20B shape; tiny: toy model and workload for a CPU smoke run")
@@ -75,7 +80,8 @@ def register(subparsers) -> None:
     s.add_argument("--work-dir", default=None,
                    help="where config.json and adapters go (default: temp); adapters already there are reused")
     s.set_defaults(func=run_serve)
-    c = sub.add_parser("combine", help="one table of several bench_serve.json reports (device scripts)")
+    c = sub.add_parser("combine", help="one table of several bench_serve.json reports, checked against the serving "
+                                       "workload's targets")
     c.add_argument("reports", nargs="+", help="bench_serve.json files; LABEL=PATH names a run (default: folder)")
     c.add_argument("--out", default=None, help="folder for bench_combined.json / bench_combined.md")
     c.set_defaults(func=run_combine)

@@ -1,4 +1,4 @@
-"""``EngineNotifier``: the control plane tells engines to drop an adapter version it deleted. The gateway issue
+"""``EngineNotifier``: the control plane tells engines to drop an adapter version it deleted. The gateway
 wires an implementation that reaches real engine replicas; the default does nothing, the in-memory one records."""
 from __future__ import annotations
 

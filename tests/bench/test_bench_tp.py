@@ -1,6 +1,6 @@
 """``loraplex bench serve --tensor-parallel-size 2`` at tiny scale on the CPU (rank 0 here, one gloo worker spawned):
 the run completes with adapters and INT8 experts on both ranks, reports the engine it ran, and stops its worker.
-Also the bench's engine set-up: adapter reuse across invocations, the in-place fetcher, INT8 fallbacks."""
+Also the bench's engine set-up: adapter reuse across invocations, the in-place fetcher, the engine keywords."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 
-from loraplex.bench import engine_setup
 from loraplex.bench.engine_setup import InPlaceFileFetcher, engine_kwargs
 from loraplex.bench.serve import ServeBenchConfig, prepare_adapters
 from loraplex.bench.workload import GPT_OSS_TINY
@@ -74,19 +73,16 @@ def test_in_place_fetcher_returns_the_source_folder(tmp_path):
         InPlaceFileFetcher().fetch("s3://bucket/key", str(dest))
 
 
-def test_int8_without_the_engine_field_falls_back_in_place_or_refuses_tp(monkeypatch, tmp_path):
-    cfg = ServeBenchConfig(scale="tiny", tensor_parallel_size=1)
-    kw, in_place, notes = engine_kwargs(cfg, str(tmp_path), device="cpu", dtype="float32", quantization="int8")
-    assert kw["quantization"] == "int8" and not in_place and notes == []
-    assert kw["num_kv_blocks"] == -(-(1600 + 600 + 16) // 16) * 16 + 64
-    fields = engine_setup.engine_fields() - {"quantization"}
-    monkeypatch.setattr(engine_setup, "engine_fields", lambda: fields)
-    kw, in_place, notes = engine_kwargs(cfg, str(tmp_path), device="cpu", dtype="float32", quantization="int8")
-    assert in_place and "quantization" not in kw and kw["enforce_eager"] is True
-    assert "applied in place" in notes[0]
-    cfg.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="INT8 experts with tensor parallelism need EngineConfig.quantization"):
-        engine_kwargs(cfg, str(tmp_path), device="cpu", dtype="float32", quantization="int8")
+def test_engine_kwargs_are_an_engine_config_of_the_workload(tmp_path):
+    from loraplex.engine.engine_config import EngineConfig
+
+    cfg = ServeBenchConfig(scale="full", tensor_parallel_size=2, enforce_eager=True, async_scheduling=False)
+    kw = engine_kwargs(cfg, str(tmp_path), device="cpu", dtype="float32", quantization="int8")
+    config = EngineConfig(model=str(tmp_path), **kw)     # every keyword is a field the engine validates
+    assert (config.quantization, config.tensor_parallel_size, config.enforce_eager) == ("int8", 2, True)
+    assert config.async_scheduling is False and config.load_format == "dummy" and config.max_loras == 8
+    assert config.num_kv_blocks == -(-(1600 + 600 + 16) // 16) * 16 + 64   # 16 full sequences + 64 blocks
+    assert config.max_model_len == 1600 + 600 + 16 and config.max_lora_rank == 32
 
 
 def test_new_options_are_validated():

@@ -1,12 +1,12 @@
-"""``loraplex bench combine``: several reports in one table, TP ratios, and issue 6's checks (n/a without figures,
-never a pass)."""
+"""``loraplex bench combine``: several reports in one table, TP ratios, and the serving workload's targets (n/a
+without figures, never a pass)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from loraplex.bench.combine import combine_reports, issue6_checks
+from loraplex.bench.combine import combine_reports, serving_checks
 
 
 def _scenario(name, tok_s, tpot, ttft=100.0):
@@ -63,4 +63,4 @@ def test_nothing_to_combine_and_no_figures():
         main(["bench", "combine", "/nonexistent/bench_serve.json"])
     with pytest.raises(ValueError, match="no report to combine"):
         combine_reports(["x=/nonexistent.json"])
-    assert {c["verdict"] for c in issue6_checks([])} == {"n/a"}
+    assert {c["verdict"] for c in serving_checks([])} == {"n/a"}

@@ -1,4 +1,4 @@
-"""Issue 8's acceptance, end to end on CPU: PostgreSQL, Redis, moto's S3 server, two ``loraplex engine serve``
+"""The gateway end to end on CPU: PostgreSQL, Redis, moto's S3 server, two ``loraplex engine serve``
 processes with LoRA, the platform in front, the official ``openai`` client. Tests run in file order: the last one
 kills an engine."""
 from __future__ import annotations

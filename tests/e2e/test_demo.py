@@ -6,17 +6,16 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_demo_runs_the_whole_platform(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}  # embedded defaults only
-    t0 = time.monotonic()
+    # the README promises the demo within two minutes: the timeout is that bound (a run takes about 20 s on two
+    # shared cores; subprocess.TimeoutExpired fails the test)
     proc = subprocess.run([sys.executable, "-m", "loraplex.cli", "demo", "--work-dir", str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
     answers = [(m, a) for m, _, a in re.findall(r"^\[(.+?)\] (['\"])(.*)\2$", proc.stdout, flags=re.M)]
     assert [m for m, _ in answers] == ["tiny-qwen3_moe", "poet", "pirate"], proc.stdout
@@ -26,4 +25,3 @@ def test_demo_runs_the_whole_platform(tmp_path):
                      r"http://127\.0\.0\.1:\1/admin/dashboard\?login=\d+\.[\w-]+\.[0-9a-f]{64}", proc.stdout, flags=re.M), \
         proc.stdout
     assert "uploaded adapter poet v1" in proc.stdout and "uploaded adapter pirate v1" in proc.stdout
-    assert elapsed < 120

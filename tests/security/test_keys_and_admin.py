@@ -1,8 +1,7 @@
-"""API keys: a revoked key (and a disabled tenant) stops working within 1 s on every tenant endpoint, inference
-included (the gateway's auth cache must not keep it alive); admin endpoints refuse tenant keys."""
+"""API keys: a revoked key (and a disabled tenant) is refused on the next request to every tenant endpoint,
+inference included (the gateway's auth cache must not keep it alive; other gateway processes learn within
+AUTH_CACHE_S <= 1 s); admin endpoints refuse tenant keys."""
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -16,39 +15,30 @@ def infer(server, key: str):
                                                      "max_tokens": 1}, headers=bearer(key))
 
 
-def test_revoked_key_stops_working_within_one_second(tenants):
+def test_revoked_key_is_refused_on_the_next_request(tenants):
     server = tenants.server
     tid = tenants.other_id
     r = server.http.post(f"/admin/tenants/{tid}/keys", json={"name": "short-lived"}, headers=bearer(ADMIN_KEY))
     key, key_id = r.json()["key"], r.json()["id"]
     assert infer(server, key).status_code == 200          # the key is now in the gateway's auth cache
     assert server.http.get("/v1/adapters", headers=bearer(key)).status_code == 200
-    t = time.monotonic()
     assert server.http.delete(f"/admin/tenants/{tid}/keys/{key_id}", headers=bearer(ADMIN_KEY)).status_code == 200
-    while True:
-        r = infer(server, key)
-        if r.status_code == 401:
-            break
-        assert r.status_code == 200 and time.monotonic() - t < 5, r.text
-        time.sleep(0.02)
-    elapsed = time.monotonic() - t
-    assert elapsed <= REVOKE_BAR_S, f"the revoked key kept working for {elapsed:.2f} s"
-    assert r.json()["error"]["code"] == "invalid_api_key"
+    # the process that served the revoke drops its auth cache: the very next request is refused (other gateway
+    # processes within AUTH_CACHE_S, see test_auth_cache_ttl_default_is_at_most_one_second)
+    r = infer(server, key)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
     r = server.http.get("/v1/adapters", headers=bearer(key))
     assert r.status_code == 401 and r.json()["detail"]
 
 
-def test_disabled_tenant_stops_within_one_second_and_comes_back(tenants):
+def test_disabled_tenant_is_refused_on_the_next_request_and_comes_back(tenants):
     server, tid = tenants.server, tenants.other_id
     key = tenants.other_key
     assert infer(server, key).status_code == 200
-    t = time.monotonic()
     assert server.http.post(f"/admin/tenants/{tid}/disable", headers=bearer(ADMIN_KEY)).status_code == 200
     try:
         r = infer(server, key)
-        elapsed = time.monotonic() - t
-        assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_disabled", (elapsed, r.text)
-        assert elapsed <= REVOKE_BAR_S
+        assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_disabled", r.text
     finally:
         assert server.http.post(f"/admin/tenants/{tid}/enable", headers=bearer(ADMIN_KEY)).status_code == 200
     assert infer(server, key).status_code == 200

@@ -63,7 +63,10 @@ def test_writer_batches_by_size_and_flushes_on_stop(serve, tmp_path):
         assert writer.written == 0 and writer.pending == 9
         for i in range(9, 25):
             writer.record(event(i))
-        await asyncio.sleep(0.3)        # max_rows reached: everything queued goes, in batches of <= 10
+        for _ in range(200):            # max_rows reached: everything queued goes, in batches of <= 10
+            if writer.written == 25:    # (polled: how long 3 INSERTs take is the machine's business)
+                break
+            await asyncio.sleep(0.05)
         assert writer.written == 25 and writer.pending == 0 and writer.batches == 3
         for i in range(25, 29):
             writer.record(event(i))

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Issue 10: TP=2 against TP=1 on two H200s (NCCL), in one device call (kind nvidia-h200-x2, <= 8 minutes wall).
+# Tensor parallelism on the GPT-OSS-20B multi-LoRA serving workload: TP=2 against TP=1 on two H200s (NCCL).
+# Device kind: nvidia-h200-x2. Wall time: at most BUDGET + ~40 s (default BUDGET=440: under 8 minutes).
 #   phase A, in parallel:  TP=1 eager on GPU 0  |  TP=1 with CUDA graphs on GPU 1 (graphs need TP=1)
 #   phase B:               TP=2 eager on GPUs 0+1 (rank 0 here, one worker process; activations over NCCL, step
 #                          metadata over gloo), reading the adapters phase A wrote
-# Workload: issue 6's shape (GPT-OSS-20B, dummy bf16, 8 adapters r32, 1600 in / 600 out, C=16, even mix, clients
-# STAGGER s apart), reduced to the adapter scenario and REQUESTS (48) requests, each scenario starting no new request
-# after SCEN (40) s, so the three engines fit; the base-only scenario is left out (issue 10 asks for the served
-# workload, which is the adapter mix).
-# Writes under $OUT (4 files): env.txt, log.txt, bench_combined.md (table + TP=2 / TP=1 ratios), bench_combined.json.
+# Workload (docs/performance.md, "GPT-OSS-20B multi-LoRA serving workload"): GPT-OSS-20B shape, dummy bf16, 8
+# adapters r32, 1600 in / 600 out, C=16, even mix, clients STAGGER s apart; the adapter scenario only (the served
+# mix), REQUESTS (48) requests, each scenario starting no new request after SCEN (40) s, so the three engines fit.
+# Writes under $OUT (4 files): env.txt, log.txt, bench_combined.md (table + TP=2 / TP=1 ratios of per-request
+# tok/s, output tok/s and TTFT p50), bench_combined.json.
 # Env: BUDGET (s, default 440), STAGGER (0.4), REQUESTS (48), SCEN (40), ARGS (extra flags for every run, last
 # wins), PYTHON (python3). CPU dry run (gloo instead of NCCL; CUDA graphs off): PYTHON=.venv/bin/python
 # ARGS="--scale tiny --device cpu --input-len 24 --output-len 6 --num-requests 5 --num-adapters 2 --rank 4"
-# bash benchmarks/serve/device_run_tp.sh
+# bash benchmarks/serve/run_tp_h200.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/loraplex_out}
