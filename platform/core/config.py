@@ -43,10 +43,10 @@ class Settings(BaseSettings):
 
     # quotas (enforced by the gateway through Redis; None = in-process store)
     redis_url: str | None = None
-    default_requests_per_minute: int | None = None
-    default_tokens_per_minute: int | None = None
-    default_max_concurrency: int | None = None
-    default_tokens_per_day: int | None = None
+    default_requests_per_minute: int | None = Field(default=None, ge=1)   # null: unlimited
+    default_tokens_per_minute: int | None = Field(default=None, ge=1)
+    default_max_concurrency: int | None = Field(default=None, ge=1)
+    default_tokens_per_day: int | None = Field(default=None, ge=1)
 
     quota_fail_open: bool = False  # Redis unreachable: admit without checks (True) or answer 503 (False)
     quota_timeout_s: float = Field(default=0.5, gt=0)

@@ -46,7 +46,7 @@ def test_adapter_routes_answer_404_for_another_tenants_adapter(tenants, method, 
             assert_not_found(r, f"{method} {path}")
             missing = http.request(method, template.format(name="no-such-adapter", n=n, alias="prod"),
                                    headers=bearer(t.other_key), json={"version": n} if body else None)
-            assert missing.status_code == 404 and missing.json()["code"] == r.json()["code"]  # indistinguishable
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == r.json()["error"]["code"]  # indistinguishable
     # nothing happened to the owner's adapter
     r = http.get(f"/v1/adapters/{t.adapter}", headers=bearer(t.owner_key))
     assert r.status_code == 200 and [v["number"] for v in r.json()["versions"]] == [1, 2]

@@ -5,7 +5,7 @@ import re
 import tempfile
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Header, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.platform.api.deps import (BaseModelDep, BlobStoreDep, CurrentTenant, NotifierDep, SessionDep,
@@ -15,6 +15,7 @@ from loraplex.platform.crud import adapters as crud
 from loraplex.platform.db.models import Adapter, AdapterStatus, AdapterVersion
 from loraplex.platform.schemas.adapters import (ALIAS_PATTERN, NAME_PATTERN, AdapterPublic, AdaptersPublic,
                                                 AdapterSummary, AdapterVersionPublic, AliasPublic, AliasUpdate)
+from loraplex.platform.schemas.types import Limit, Offset, VersionNumber
 from loraplex.platform.uploads.deletion import delete_versions, delete_whole_adapter
 from loraplex.platform.uploads.errors import UploadError
 from loraplex.platform.uploads.intake import spool_multipart
@@ -37,9 +38,9 @@ ERRORS = {
     413: {"description": "over the size cap, or an archive that expands past it"},
     415: {"description": "not multipart/form-data"},
     422: {"description": "the adapter does not fit this deployment; the detail says what to fix",
-          "content": {"application/json": {"example": {
-              "detail": "rank 128 exceeds this deployment's limit of 64; retrain with r <= 64",
-              "code": "rank_too_high"}}}},
+          "content": {"application/json": {"example": {"error": {
+              "message": "r: rank 128 exceeds this deployment's limit of 16; retrain with r <= 16",
+              "type": "invalid_request_error", "param": None, "code": "rank_too_high"}}}}},
     503: {"description": "blob store or registry unavailable; nothing was stored, retry"},
 }
 
@@ -79,8 +80,7 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
 
 
 @router.get("", response_model=AdaptersPublic)
-def list_adapters(session: SessionDep, tenant: CurrentTenant, offset: Annotated[int, Query(ge=0)] = 0,
-                  limit: Annotated[int, Query(ge=1, le=100)] = 50) -> AdaptersPublic:
+def list_adapters(session: SessionDep, tenant: CurrentTenant, offset: Offset = 0, limit: Limit = 50) -> AdaptersPublic:
     rows, count = crud.list_adapters(session=session, tenant=tenant, offset=offset, limit=limit)
     data = []
     for a in rows:
@@ -123,7 +123,7 @@ def delete_adapter(session: SessionDep, adapter: TenantAdapter, store: BlobStore
 
 @router.delete("/{name}/versions/{number}", status_code=204)
 def delete_version(session: SessionDep, adapter: TenantAdapter, store: BlobStoreDep, notifier: NotifierDep,
-                   number: int) -> None:
+                   number: VersionNumber) -> None:
     """Deletes one version (its aliases go; ``latest`` moves to the newest ready version)."""
     version = crud.get_version(session=session, adapter=adapter, number=number)
     if version is None:

@@ -1,15 +1,18 @@
-"""``GET /v1/models`` (OpenAI-compatible): the base model and the caller's adapters, each ready version as
-``name:<n>``, each alias as ``name:<alias>``, and ``name`` itself (= ``name:latest``)."""
+"""``GET /v1/models`` and ``GET /v1/models/{model}`` (OpenAI-compatible): the base model and the caller's adapters,
+each ready version as ``name:<n>``, each alias as ``name:<alias>``, and ``name`` itself (= ``name:latest``).
+An unknown model, or another tenant's adapter, is OpenAI's 404 ``model_not_found``."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.platform.api.routes.inference import gateway_of
+from loraplex.platform.api.routes.inference import ERRORS, gateway_of
 from loraplex.platform.db.models import Adapter, AdapterAlias, AdapterStatus, AdapterVersion
 from loraplex.platform.gateway.pipeline import authenticate
 from loraplex.platform.gateway.state import Gateway
+from loraplex.platform.inference.errors import model_not_found
+from loraplex.platform.inference.model_name import MAX_MODEL_CHARS, ModelNameError, parse_model
 from loraplex.platform.inference.protocol import ModelCard, ModelList, now_s
 
 router = APIRouter(prefix="/v1", tags=["inference"])
@@ -45,3 +48,24 @@ async def list_models(request: Request) -> ModelList:
     tenant = await authenticate(gw, request.headers.get("authorization"))
     base = ModelCard(id=gw.model_name, created=0, owned_by="loraplex")
     return ModelList(data=[base, *await run_in_threadpool(_adapter_cards, gw, tenant.id, tenant.name)])
+
+
+@router.get("/models/{model}", response_model=ModelCard, summary="One model this key can use (OpenAI-compatible)",
+            responses={k: ERRORS[k] for k in (401, 404)})
+async def retrieve_model(request: Request, model: str = Path(max_length=MAX_MODEL_CHARS,
+                                                             examples=["support-bot:prod"])) -> ModelCard:
+    """OpenAI's ``models.retrieve``: the base model, or one of the caller's ready adapter references."""
+    gw = gateway_of(request)
+    tenant = await authenticate(gw, request.headers.get("authorization"))
+    try:
+        target = parse_model(model, base_names=gw.base_names)
+    except ModelNameError:
+        raise model_not_found(model) from None
+    if target.base:
+        return ModelCard(id=gw.model_name, created=0, owned_by="loraplex")
+    cards = await run_in_threadpool(_adapter_cards, gw, tenant.id, tenant.name)
+    wanted = model.strip()
+    for card in cards:
+        if card.id == wanted:
+            return card
+    raise model_not_found(model)
