@@ -306,7 +306,8 @@ def load_json(raw: bytes | str, *, what: str, code: str, max_depth: int | None =
 
 
 def _check_json_tree(value: Any, what: str, *, max_depth: int = MAX_CONFIG_DEPTH, code: str = "config_invalid") -> None:
-    """Iteratively: nesting at most ``max_depth`` and no lone surrogate in any string (they cannot be stored)."""
+    """Iteratively: nesting at most ``max_depth``, no lone surrogate in any string and no number that overflowed
+    to infinity (``1e999``): neither can be stored as JSON."""
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
@@ -318,9 +319,12 @@ def _check_json_tree(value: Any, what: str, *, max_depth: int = MAX_CONFIG_DEPTH
                 _check_text(k, what, code)
                 stack.append((v, depth + 1))
         elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list, str)))
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list, str, float)))
         elif isinstance(node, str):
             _check_text(node, what, code)
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise AdapterFormatError(f"{what} holds a number too large for a float (it reads as {node}); write a "
+                                     "finite number", code=code)
 
 
 def _check_text(text: Any, what: str, code: str) -> None:
@@ -547,6 +551,30 @@ def _module_dims(model: ModelConfig, layer: int, target: str) -> tuple[int, int]
         "mlp.gate_proj": (h, i_dense), "mlp.up_proj": (h, i_dense), "mlp.down_proj": (i_dense, h),
         "mlp.experts.gate_up_proj": (h, 2 * i_moe), "mlp.experts.down_proj": (i_moe, h),
     }[target]
+
+
+def serving_targets(model: ModelConfig) -> tuple[str, ...]:
+    """The LoRA targets an engine on ``model`` serves: attention always, dense MLP targets if any layer is dense,
+    fused-expert targets if any layer is a mixture of experts."""
+    layers = range(model.num_layers)
+    moe = [model.is_moe_layer(i) for i in layers] if model.is_moe else [False] * model.num_layers
+    return (ATTENTION_TARGETS + (DENSE_MLP_TARGETS if not all(moe) else ())
+            + (EXPERT_TARGETS if any(moe) else ()))
+
+
+def max_adapter_bytes(model: ModelConfig, *, max_rank: int, targets: tuple[str, ...] | None = None) -> int:
+    """The largest ``adapter_model.safetensors`` an engine can hold: every target of every layer at ``max_rank``,
+    in F32 (the widest accepted dtype), plus a header of ``MAX_HEADER_BYTES``."""
+    targets = serving_targets(model) if targets is None else targets
+    total = 0
+    for layer in range(model.num_layers):
+        moe = model.is_moe and model.is_moe_layer(layer)
+        for target in targets:
+            if (target in EXPERT_TARGETS) != moe and target not in ATTENTION_TARGETS:
+                continue
+            fan_in, fan_out = _module_dims(model, layer, target)
+            total += max_rank * (fan_in + fan_out) * (model.num_experts if target in EXPERT_TARGETS else 1)
+    return 8 + MAX_HEADER_BYTES + 4 * total
 
 
 def check_adapter(config: LoraConfig, header: SafetensorsHeader, model: ModelConfig, *, max_rank: int,

@@ -297,10 +297,15 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object, plus ``servable``: false (with ``unservable_reason``) for an adapter version that no
+    engine of the deployment can serve (its rank, targets or dtype are past what the engines report)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    servable: bool = True
+    unservable_reason: str | None = None
 
 
 class ModelList(BaseModel):

@@ -1,15 +1,18 @@
 """Tenant API: upload, list, read, alias and delete adapters. Every route is scoped to the caller's tenant."""
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
-from typing import Annotated
+from typing import Annotated, Any, Callable
+
+import anyio
 
 from fastapi import APIRouter, Header, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.platform.api.deps import (BaseModelDep, BlobStoreDep, CurrentTenant, NotifierDep, SessionDep,
-                                        SettingsDep, TenantAdapter)
+from loraplex.platform.api.deps import (BaseModelDep, BlobStoreDep, CurrentTenant, NotifierDep, ServingLimitsDep,
+                                        SessionDep, SettingsDep, TenantAdapter)
 from loraplex.platform.api.errors import ApiError
 from loraplex.platform.crud import adapters as crud
 from loraplex.platform.db.models import Adapter, AdapterStatus, AdapterVersion
@@ -45,6 +48,16 @@ ERRORS = {
 }
 
 
+async def off_loop(request: Request, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn`` in a worker thread of the upload pool: at most ``UPLOAD_VALIDATION_THREADS`` validations (archive
+    unpacking, header and pattern checks, the NaN/Inf scan) at once, apart from the threads other routes use."""
+    limiter = getattr(request.app.state, "upload_limiter", None)
+    if limiter is None:
+        limiter = request.app.state.upload_limiter = anyio.CapacityLimiter(
+            request.app.state.settings.upload_validation_threads)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=limiter)
+
+
 def version_public(adapter: Adapter, version: AdapterVersion) -> AdapterVersionPublic:
     return AdapterVersionPublic.model_validate({**{c: getattr(version, c) for c in AdapterVersionPublic.model_fields
                                                   if c != "adapter"}, "adapter": adapter.name})
@@ -52,7 +65,7 @@ def version_public(adapter: Adapter, version: AdapterVersion) -> AdapterVersionP
 
 @router.post("", status_code=201, response_model=AdapterVersionPublic, openapi_extra=UPLOAD_BODY, responses=ERRORS)
 async def upload_adapter(request: Request, response: Response, session: SessionDep, settings: SettingsDep,
-                         tenant: CurrentTenant, store: BlobStoreDep, model: BaseModelDep,
+                         tenant: CurrentTenant, store: BlobStoreDep, model: BaseModelDep, limits: ServingLimitsDep,
                          idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> AdapterVersionPublic:
     """Uploads a new version of adapter ``name`` (created on first upload). It is validated before anything is
     stored; on success it is ``ready`` and the ``latest`` alias names it. With ``Idempotency-Key``, a repeated
@@ -71,9 +84,9 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
             response.status_code = 200
             response.headers["Idempotent-Replayed"] = "true"
             return version_public(previous.adapter, previous)
-        config_path, weights_path = await run_in_threadpool(peft_files, form, work, settings)
-        validated = await run_in_threadpool(validate_adapter, config_path, weights_path, settings=settings,
-                                            model=model)
+        config_path, weights_path = await off_loop(request, peft_files, form, work, settings)
+        validated = await off_loop(request, validate_adapter, config_path, weights_path, settings=settings,
+                                   model=model, limits=limits)
         version = await run_in_threadpool(register_upload, session=session, store=store, tenant=tenant, name=name,
                                           adapter=validated, idempotency_key=idempotency_key)
     return version_public(version.adapter, version)
