@@ -1,4 +1,5 @@
-"""The OpenAPI schema says what the API answers: every 4xx/5xx response has OpenAI's error body (``ErrorBody``),
+"""The OpenAPI schema says what the API answers: every 4xx/5xx response (and the ``default`` response of every
+operation: any status it does not list) has OpenAI's error body (``ErrorBody``),
 and request validation is documented as the 400 it is (FastAPI's default documents a 422 ``HTTPValidationError``
 that this API never sends)."""
 from __future__ import annotations
@@ -36,8 +37,9 @@ def install_openapi(app: FastAPI) -> None:
                         == VALIDATION_REF:
                     del responses["422"]
                     responses.setdefault("400", {"description": "invalid parameter (the message names it)"})
+                responses.setdefault("default", {"description": "an error, in OpenAI's shape (ErrorBody)"})
                 for status, response in responses.items():
-                    if status[:1] in ("4", "5"):
+                    if status[:1] in ("4", "5") or status == "default":
                         example = response.get("content", {}).get("application/json", {}).get("example")
                         response["content"] = _error_content()
                         if example is not None:

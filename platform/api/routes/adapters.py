@@ -35,6 +35,8 @@ UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-dat
                                  "wrote them, or one .tar.gz / .zip of that folder"}}},
     "encoding": {"files": {"contentType": "application/octet-stream"}}}}}}
 ERRORS = {
+    200: {"model": AdapterVersionPublic, "description": "a repeated request with the same Idempotency-Key: the "
+                                                         "version the first one made (Idempotent-Replayed: true)"},
     400: {"description": "malformed upload or archive (path traversal, links, corrupt)"},
     401: {"description": "missing or invalid API key"},
     409: {"description": "an upload with this Idempotency-Key is in progress"},

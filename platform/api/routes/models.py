@@ -57,7 +57,7 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[base, *await run_in_threadpool(_adapter_cards, gw, tenant.id, tenant.name)])
 
 
-@router.get("/models/{model}", response_model=ModelCard, response_model_exclude_none=True, summary="One model this key can use (OpenAI-compatible)",
+@router.get("/models/{model:path}", response_model=ModelCard, response_model_exclude_none=True, summary="One model this key can use (OpenAI-compatible)",
             responses={k: ERRORS[k] for k in (401, 404)})
 async def retrieve_model(request: Request, model: str = Path(max_length=MAX_MODEL_CHARS,
                                                              examples=["support-bot:prod"])) -> ModelCard:
