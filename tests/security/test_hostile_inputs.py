@@ -176,6 +176,10 @@ API = {
     "models_retrieve_other_tenant": api("GET", "/v1/models/theirs", status=404),
     "models_retrieve_unknown": api("GET", "/v1/models/nope:3", status=404),
     "no_api_key": api("GET", "/v1/adapters", status=401, headers={"Authorization": ""}),
+    "dashboard_cookie_superscript_digit": api("GET", "/admin/dashboard/data", status=401, headers={
+        "Authorization": "", "Cookie": "loraplex_dashboard=\u00b2.abc".encode("latin-1")}),
+    "dashboard_cookie_past_digit_limit": api("GET", "/admin/dashboard/data", status=401, headers={
+        "Authorization": "", "Cookie": "loraplex_dashboard=" + "9" * 5000 + ".abc"}),
 }
 
 CASES = {**UPLOADS, **INFERENCE, **API}
