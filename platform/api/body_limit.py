@@ -23,8 +23,8 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(request_id_of(HTTPConnection(scope)), 413,
-                                  f"the request body is larger than {self.max_bytes} bytes (LORAPLEX_MAX_REQUEST_BYTES); "
-                                  "send a smaller request", code="request_too_large",
+                                  f"the request body is larger than {self.max_bytes} bytes "
+                                  "(LORAPLEX_MAX_REQUEST_BYTES); send a smaller request", code="request_too_large",
                                   headers={"Connection": "close"})
         await response(scope, receive, send)
 

@@ -158,5 +158,5 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unhandled(request: Request, e: Exception) -> ErrorJSONResponse:
         rid = request_id_of(request)
         logger.error("unhandled error in %s %s (request %s)", request.method, request.url.path, rid, exc_info=e)
-        return error_response(rid, 500, f"internal error; nothing was changed unless the answer said so — report "
-                              f"request id {rid} to the operator", code="internal_error")
+        return error_response(rid, 500, f"internal error; report request id {rid} to the operator (the details "
+                              "are in the log under it)", code="internal_error")

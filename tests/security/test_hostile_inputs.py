@@ -52,7 +52,8 @@ UPLOADS = {
     "r_string": config_case(r="2"),
     "r_past_int_digit_limit": raw_config_case(b'{"peft_type": "LORA", "r": ' + b"9" * 5000 +
                                               b', "target_modules": ["q_proj"]}'),
-    "lora_alpha_nan": raw_config_case(b'{"peft_type": "LORA", "r": 2, "lora_alpha": NaN, "target_modules": ["q_proj"]}'),
+    "lora_alpha_nan": raw_config_case(b'{"peft_type": "LORA", "r": 2, "lora_alpha": NaN, '
+                                      b'"target_modules": ["q_proj"]}'),
     "lora_alpha_infinity": raw_config_case(b'{"peft_type": "LORA", "r": 2, "lora_alpha": Infinity, '
                                            b'"target_modules": ["q_proj"]}'),
     "lora_alpha_overflows_to_inf": raw_config_case(b'{"peft_type": "LORA", "r": 2, "lora_alpha": 1e999, '

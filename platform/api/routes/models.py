@@ -57,8 +57,8 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[base, *await run_in_threadpool(_adapter_cards, gw, tenant.id, tenant.name)])
 
 
-@router.get("/models/{model:path}", response_model=ModelCard, response_model_exclude_none=True, summary="One model this key can use (OpenAI-compatible)",
-            responses={k: ERRORS[k] for k in (401, 404)})
+@router.get("/models/{model:path}", response_model=ModelCard, response_model_exclude_none=True,
+            summary="One model this key can use (OpenAI-compatible)", responses={k: ERRORS[k] for k in (401, 404)})
 async def retrieve_model(request: Request, model: str = Path(max_length=MAX_MODEL_CHARS,
                                                              examples=["support-bot:prod"])) -> ModelCard:
     """OpenAI's ``models.retrieve``: the base model, or one of the caller's ready adapter references."""
