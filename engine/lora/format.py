@@ -96,12 +96,18 @@ class LoraConfig:
         if self.alpha_pattern and not self._alpha_matchers:
             object.__setattr__(self, "_alpha_matchers", _matchers(self.alpha_pattern, "alpha_pattern"))
 
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)   # (map, key) -> value
+
     def rank_for(self, key: str) -> int:
         """Rank of the module or parameter ``key`` (``model.layers.0.self_attn.q_proj``), after ``rank_pattern``."""
-        return int(_pattern_value(self._rank_matchers, key, self.r))
+        if ("r", key) not in self._memo:
+            self._memo["r", key] = int(_pattern_value(self._rank_matchers, key, self.r))
+        return self._memo["r", key]
 
     def alpha_for(self, key: str) -> float:
-        return float(_pattern_value(self._alpha_matchers, key, self.alpha))
+        if ("alpha", key) not in self._memo:
+            self._memo["alpha", key] = float(_pattern_value(self._alpha_matchers, key, self.alpha))
+        return self._memo["alpha", key]
 
     def scaling_for(self, key: str) -> float:
         return lora_scaling(self.alpha_for(key), self.rank_for(key), self.use_rslora)

@@ -61,7 +61,7 @@ def parse_model(model: str, *, base_names: Iterable[str]) -> ModelTarget:
     if suffix.isascii() and suffix.isdigit():
         version = int(suffix) if len(suffix) <= 10 else MAX_VERSION + 1   # never past int's digit limit
         if not 1 <= version <= MAX_VERSION:
-            raise ModelNameError(f"the model {model!r} does not exist: versions are 1 to {MAX_VERSION}")
+            raise ModelNameError(f"the model {model!r} does not exist: versions start at 1 (up to {MAX_VERSION})")
         return ModelTarget(adapter=name, version=version)
     if not ALIAS_RE.match(suffix):
         raise ModelNameError(f"the model {model!r} does not exist: after ':' put a version number or an alias "
