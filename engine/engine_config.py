@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_MAX_MODEL_LEN_CAP = 8192   # max_model_len unset: the model's max_position_embeddings, capped here
+MAX_LORA_RANK = 4096               # as loraplex.engine.lora.format.MAX_RANK_ABSOLUTE
 
 
 @dataclass
@@ -101,3 +103,38 @@ class EngineConfig:
         cap = self.adapter_cache_max_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise ValueError(f"adapter_cache_max_bytes must be None (unbounded) or an integer >= 0, got {cap!r}")
+
+
+class EngineSettingsError(ValueError):
+    """A setting the model cannot honour; the one-line message names the setting, the model's limit and the fix.
+    Raised at engine start, before any weight is loaded."""
+
+
+def check_against_model(config: EngineConfig, model) -> int:
+    """Checks ``config`` against the model's ``ModelConfig``; returns the ``max_model_len`` the engine runs with
+    (the setting, or the model's ``max_position_embeddings`` capped at ``DEFAULT_MAX_MODEL_LEN_CAP``).
+
+    Refused: a ``max_model_len`` past the positions the rotary table has (the first step that reached it failed
+    deep in the model); chunked prefill off with a token budget smaller than one full prompt (such prompts could
+    never be scheduled); weight-only expert quantization on a dense model (nothing to quantise); LoRA slots for a
+    rank above ``MAX_LORA_RANK``. (mxfp4's block sizes are checked where the weights are quantised, per rank.)"""
+    positions = model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > positions:
+        raise EngineSettingsError(
+            f"max_model_len={config.max_model_len} is above the model's max_position_embeddings ({positions}): "
+            f"positions past it have no rotary embedding; set max_model_len <= {positions}")
+    max_model_len = config.max_model_len or min(positions, DEFAULT_MAX_MODEL_LEN_CAP)
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise EngineSettingsError(
+            f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len={max_model_len} with "
+            "chunked prefill off: a prompt longer than the budget could never be scheduled; raise "
+            "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
+    if config.quantization is not None:
+        if not model.is_moe:
+            raise EngineSettingsError(
+                f"quantization={config.quantization!r} quantises mixture-of-experts expert weights, but the model "
+                f"({model.family}) is dense; leave quantization unset")
+    if config.enable_lora and config.max_lora_rank > MAX_LORA_RANK:
+        raise EngineSettingsError(f"max_lora_rank={config.max_lora_rank} is above {MAX_LORA_RANK}, the largest rank "
+                                  "an adapter may have; lower it")
+    return max_model_len

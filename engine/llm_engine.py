@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.engine_config import EngineConfig
+from loraplex.engine.engine_config import EngineConfig, check_against_model
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager, is_transient_failure
 from loraplex.engine.lora.ref import AdapterRef
@@ -43,7 +43,6 @@ from loraplex.engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 @dataclass
@@ -111,8 +110,7 @@ class LLMEngine:
 
         self.config = config
         model_config = ModelConfig.from_pretrained(config.model)
-        self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings,
-                                                         DEFAULT_MAX_MODEL_LEN_CAP)
+        self.max_model_len = check_against_model(config, model_config)   # EngineSettingsError before any load
         if config.tensor_parallel_size > 1:
             from loraplex.engine.distributed.executor import start_tensor_parallel
 

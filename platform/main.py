@@ -1,6 +1,6 @@
 """The platform's FastAPI app. Only wiring: settings, state (registry, blobs, engine notifier, base model), the
 inference gateway (engine replicas, router, quotas, usage writer; started and stopped by the lifespan), routers,
-error handlers, Prometheus metrics (``GET /metrics``; each engine replica becomes a stats source of the poller
+error handlers (OpenAI's error shape everywhere), x-request-id and body-size middleware, Prometheus metrics (``GET /metrics``; each engine replica becomes a stats source of the poller
 when the gateway starts) and the admin dashboard (``/admin/dashboard``).
 
     uvicorn --factory loraplex.platform.main:create_app      # or: loraplex serve
@@ -14,9 +14,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from loraplex.engine.config import ModelConfig
+from loraplex.platform.api.body_limit import BodyLimitMiddleware
 from loraplex.platform.api.errors import install_error_handlers
+from loraplex.platform.api.openapi import install_openapi
+from loraplex.platform.api.request_id import RequestIdMiddleware
 from loraplex.platform.api.router import api_router
-from loraplex.platform.api.routes.inference import install_inference_error_handler
 from loraplex.platform.blobs import BlobStore, make_blob_store
 from loraplex.platform.core.config import Settings, get_settings
 from loraplex.platform.dashboard import install_dashboard
@@ -76,8 +78,10 @@ def create_app(settings: Settings | None = None, *, blob_store: BlobStore | None
     app.state.base_model = ModelConfig.from_pretrained(settings.base_model_path) if settings.base_model_path else None
     app.state.gateway = None
     app.include_router(api_router)
-    install_error_handlers(app)
-    install_inference_error_handler(app)
+    install_error_handlers(app)  # every error in OpenAI's shape, with x-request-id
     install_metrics(app)       # app.state.metrics, app.state.engine_stats_poller, GET /metrics, upload counts
     install_dashboard(app)     # /admin/dashboard (admin key), reads app.state.metrics
+    install_openapi(app)       # the schema documents the error shape (400, not FastAPI's 422)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestIdMiddleware)   # outermost: every answer has x-request-id
     return app

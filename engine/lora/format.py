@@ -30,8 +30,19 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from loraplex.engine.config import ModelConfig
+from loraplex.engine.lora.patterns import MAX_PATTERNS, PatternError, check_full_pattern, compile_suffix_pattern
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+# Bounds on what an adapter's files may declare, checked before any work grows with them.
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_CONFIG_DEPTH = 32            # PEFT's configs nest 3 deep (loftq_config, eva_config)
+MAX_RANK_ABSOLUTE = 4096         # whatever the deployment allows: r, rank_pattern values
+MAX_LORA_SCALING = 1024.0        # |alpha / r| (alpha / sqrt(r) for rsLoRA); see docs/adapters.md, "Limits"
+MAX_TARGETS = 64                 # entries of target_modules / target_parameters
+MAX_TENSORS = 65536              # tensors in one safetensors header (a 128-layer model with 9 targets has 2,304)
+MAX_TENSOR_NAME_CHARS = 512
+MAX_TENSOR_DIMS = 8
+MAX_TENSOR_DIM = 1 << 40
 ATTENTION_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 DENSE_MLP_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -76,13 +87,27 @@ class LoraConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
+    _rank_matchers: tuple = field(default=(), repr=False, compare=False)   # ((matcher, rank), ...) in file order
+    _alpha_matchers: tuple = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rank_pattern and not self._rank_matchers:
+            object.__setattr__(self, "_rank_matchers", _matchers(self.rank_pattern, "rank_pattern"))
+        if self.alpha_pattern and not self._alpha_matchers:
+            object.__setattr__(self, "_alpha_matchers", _matchers(self.alpha_pattern, "alpha_pattern"))
+
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)   # (map, key) -> value
 
     def rank_for(self, key: str) -> int:
         """Rank of the module or parameter ``key`` (``model.layers.0.self_attn.q_proj``), after ``rank_pattern``."""
-        return int(_pattern_value(self.rank_pattern, key, self.r))
+        if ("r", key) not in self._memo:
+            self._memo["r", key] = int(_pattern_value(self._rank_matchers, key, self.r))
+        return self._memo["r", key]
 
     def alpha_for(self, key: str) -> float:
-        return float(_pattern_value(self.alpha_pattern, key, self.alpha))
+        if ("alpha", key) not in self._memo:
+            self._memo["alpha", key] = float(_pattern_value(self._alpha_matchers, key, self.alpha))
+        return self._memo["alpha", key]
 
     def scaling_for(self, key: str) -> float:
         return lora_scaling(self.alpha_for(key), self.rank_for(key), self.use_rslora)
@@ -93,59 +118,68 @@ def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
-def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
-    # Same matching rule as PEFT: the pattern must match a dotted suffix of the key.
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
+def _matchers(patterns: dict[str, Any], where: str) -> tuple:
+    try:
+        return tuple((compile_suffix_pattern(p, where=where), v) for p, v in patterns.items())
+    except PatternError as e:
+        raise AdapterFormatError(str(e), code="bad_pattern") from None
+
+
+def _pattern_value(matchers: tuple, key: str, default: Any) -> Any:
+    # Same rule as PEFT: the first pattern (in file order) that matches a dotted suffix of the key (patterns.py).
+    for matches, value in matchers:
+        if matches(key):
             return value
     return default
 
 
 def parse_adapter_config(data: bytes | str | dict, *, max_rank: int | None = None) -> LoraConfig:
-    """Parses and checks a PEFT ``adapter_config.json`` (bytes, text or the parsed dict)."""
+    """Parses and checks a PEFT ``adapter_config.json`` (bytes, text or the parsed dict).
+
+    Bounded before parsing work grows: at most ``MAX_CONFIG_BYTES``, nesting ``MAX_CONFIG_DEPTH``; duplicate keys,
+    NaN / Infinity and lone surrogates are refused; ``r`` and ``rank_pattern`` values are integers in
+    [1, ``MAX_RANK_ABSOLUTE``] (and ``max_rank``), ``lora_alpha`` and ``alpha_pattern`` values finite and positive
+    with a scaling of at most ``MAX_LORA_SCALING``; patterns are matched in linear time (``patterns.py``)."""
     if isinstance(data, dict):
         d = data
+        _check_json_tree(d, "adapter_config.json")
     else:
-        try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise AdapterFormatError(f"adapter_config.json is not valid JSON ({e}); upload the file PEFT's "
-                                     "save_pretrained wrote", code="config_invalid") from None
+        if len(data) > MAX_CONFIG_BYTES:
+            raise AdapterFormatError(f"adapter_config.json is {len(data)} bytes, over the {MAX_CONFIG_BYTES}-byte "
+                                     "limit; upload the file PEFT's save_pretrained wrote", code="config_invalid")
+        d = load_json(data, what="adapter_config.json", code="config_invalid", max_depth=MAX_CONFIG_DEPTH)
     if not isinstance(d, dict):
         raise AdapterFormatError("adapter_config.json must be a JSON object", code="config_invalid")
-    peft_type = str(d.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise AdapterFormatError(f"peft_type is {d.get('peft_type')!r}; only LoRA adapters (peft_type \"LORA\") "
+    peft_type = d.get("peft_type", "")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise AdapterFormatError(f"peft_type is {_short(peft_type)}; only LoRA adapters (peft_type \"LORA\") "
                                  "are supported", code="config_unsupported")
     for flag, advice in _REFUSED_FLAGS.items():
         if d.get(flag):
             code = "dora" if flag == "use_dora" else "config_unsupported"
-            raise AdapterFormatError(f"{flag}={d[flag]!r}: {advice}", code=code)
+            raise AdapterFormatError(f"{flag}={_short(d[flag])}: {advice}", code=code)
     bias = d.get("bias", "none")
     if bias != "none":
-        raise AdapterFormatError(f"bias={bias!r}: trained biases are not supported; retrain with bias=\"none\"",
-                                 code="config_unsupported")
-    r, alpha = d.get("r"), d.get("lora_alpha", d.get("r"))
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise AdapterFormatError(f"r must be a positive integer, got {r!r}", code="config_invalid")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise AdapterFormatError(f"lora_alpha must be a positive number, got {alpha!r}", code="config_invalid")
-    rank_pattern = _number_map(d.get("rank_pattern"), "rank_pattern", int)
-    alpha_pattern = _number_map(d.get("alpha_pattern"), "alpha_pattern", float)
-    if max_rank is not None:
-        worst = max([r, *rank_pattern.values()])
-        if worst > max_rank:
-            raise AdapterFormatError(f"rank {worst} exceeds this deployment's limit of {max_rank}; retrain with "
-                                     f"r <= {max_rank}", code="rank_too_high")
+        raise AdapterFormatError(f"bias={_short(bias)}: trained biases are not supported; retrain with "
+                                 "bias=\"none\"", code="config_unsupported")
+    use_rslora = d.get("use_rslora", False)
+    if use_rslora is not None and not isinstance(use_rslora, bool):
+        raise AdapterFormatError(f"use_rslora must be true or false, got {_short(use_rslora)}", code="config_invalid")
+    use_rslora = bool(use_rslora)
+    r = _rank(d.get("r"), "r", max_rank)
+    alpha = _alpha(d.get("lora_alpha", r), "lora_alpha", r, use_rslora)
+    rank_pattern = _pattern_map(d.get("rank_pattern"), "rank_pattern",
+                                lambda v, key: _rank(v, f"rank_pattern[{key!r}]", max_rank))
+    alpha_pattern = _pattern_map(d.get("alpha_pattern"), "alpha_pattern",
+                                 lambda v, key: _alpha(v, f"alpha_pattern[{key!r}]", None, use_rslora))
     target_modules = d.get("target_modules") or ()
     if isinstance(target_modules, str):
         try:
-            re.compile(target_modules)
-        except re.error as e:
-            raise AdapterFormatError(f"target_modules regex {target_modules!r} does not compile: {e}",
-                                     code="config_invalid") from None
+            check_full_pattern(target_modules, where="target_modules")
+        except PatternError as e:
+            raise AdapterFormatError(str(e), code="bad_pattern") from None
     else:
-        target_modules = tuple(str(t) for t in target_modules)
+        target_modules = _name_list(target_modules, "target_modules")
         for t in target_modules:
             if not _is_known_module_target(t):
                 raise AdapterFormatError(
@@ -153,7 +187,7 @@ def parse_adapter_config(data: bytes | str | dict, *, max_rank: int | None = Non
                     f"{', '.join(t.rsplit('.', 1)[-1] for t in ATTENTION_TARGETS + DENSE_MLP_TARGETS)} "
                     "(and mlp.experts.gate_up_proj / mlp.experts.down_proj through target_parameters)",
                     code="unsupported_target")
-    target_parameters = tuple(str(t) for t in (d.get("target_parameters") or ()))
+    target_parameters = _name_list(d.get("target_parameters") or (), "target_parameters")
     for t in target_parameters:
         if _expert_param(t) is None:
             raise AdapterFormatError(f"unsupported target {t!r} in target_parameters; supported: "
@@ -162,18 +196,150 @@ def parse_adapter_config(data: bytes | str | dict, *, max_rank: int | None = Non
         raise AdapterFormatError("adapter_config.json names no target_modules and no target_parameters",
                                  code="config_invalid")
     base = d.get("base_model_name_or_path")
-    return LoraConfig(r=r, alpha=float(alpha), use_rslora=bool(d.get("use_rslora", False)),
-                      target_modules=target_modules, target_parameters=target_parameters,
-                      rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-                      base_model_name_or_path=str(base) if base else None)
+    if base is not None and not isinstance(base, str):
+        raise AdapterFormatError(f"base_model_name_or_path must be a string, got {_short(base)}",
+                                 code="config_invalid")
+    return LoraConfig(r=r, alpha=alpha, use_rslora=use_rslora, target_modules=target_modules,
+                      target_parameters=target_parameters, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+                      base_model_name_or_path=base or None)
 
 
-def _number_map(value: Any, name: str, kind: type) -> dict:
-    if not value:
+def _short(value: Any) -> str:
+    """``repr`` of a tenant's value for a message, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _rank(value: Any, name: str, max_rank: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise AdapterFormatError(f"{name} must be a positive integer, got {_short(value)}", code="config_invalid")
+    limit = min(max_rank, MAX_RANK_ABSOLUTE) if max_rank is not None else MAX_RANK_ABSOLUTE
+    if value > limit:
+        raise AdapterFormatError(f"{name}: rank {value if value < 10**12 else _short(value)} exceeds this "
+                                 f"deployment's limit of {limit}; retrain with r <= {limit}", code="rank_too_high")
+    return value
+
+
+def _alpha(value: Any, name: str, rank: int | None, use_rslora: bool) -> float:
+    """A positive finite alpha; with ``rank``, its scaling alpha / r (alpha / sqrt(r) with rsLoRA) must be at most
+    MAX_LORA_SCALING (a pattern's alpha is checked per module, where its rank is known: ``check_adapter``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AdapterFormatError(f"{name} must be a positive number, got {_short(value)}", code="config_invalid")
+    try:
+        alpha = float(value)
+    except OverflowError:
+        alpha = math.inf
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterFormatError(f"{name} must be a positive finite number, got {_short(value)}",
+                                 code="config_invalid")
+    if rank is not None:
+        check_scaling(lora_scaling(alpha, rank, use_rslora), f"{name}={alpha:g} with r={rank}")
+    return alpha
+
+
+def check_scaling(scaling: float, what: str) -> None:
+    if not math.isfinite(scaling) or not 0 < scaling <= MAX_LORA_SCALING:
+        raise AdapterFormatError(f"{what} gives a LoRA scaling of {scaling:g}, outside (0, {MAX_LORA_SCALING:g}]; "
+                                 "lora_alpha is usually r or 2*r (scaling 1-2): retrain or fix lora_alpha",
+                                 code="config_invalid")
+
+
+def _pattern_map(value: Any, name: str, check) -> dict:
+    if value is None or value == {}:
         return {}
-    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in value.values()):
-        raise AdapterFormatError(f"{name} must map patterns to positive numbers", code="config_invalid")
-    return {str(k): kind(v) for k, v in value.items()}
+    if not isinstance(value, dict):
+        raise AdapterFormatError(f"{name} must map module patterns to numbers, got {_short(value)}",
+                                 code="config_invalid")
+    if len(value) > MAX_PATTERNS:
+        raise AdapterFormatError(f"{name} has {len(value)} patterns, over the limit of {MAX_PATTERNS}; merge them "
+                                 "into fewer patterns", code="config_invalid")
+    return {str(k): check(v, k) for k, v in value.items()}
+
+
+def _name_list(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) and 0 < len(t) <= 256 for t in value):
+        raise AdapterFormatError(f"{name} must be a list of module names (or one pattern string), got "
+                                 f"{_short(value)}", code="config_invalid")
+    if len(value) > MAX_TARGETS:
+        raise AdapterFormatError(f"{name} lists {len(value)} entries, over the limit of {MAX_TARGETS}",
+                                 code="config_invalid")
+    return tuple(value)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _NonFiniteNumber(ValueError):
+    pass
+
+
+def _unique_pairs(pairs: list) -> dict:
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _DuplicateKey(k)
+        d[k] = v
+    return d
+
+
+def _no_constant(name: str):
+    raise _NonFiniteNumber(name)
+
+
+def load_json(raw: bytes | str, *, what: str, code: str, max_depth: int | None = None,
+              duplicate_code: str | None = None) -> Any:
+    """``json.loads`` for a tenant's file: malformed text, a duplicate key, NaN / Infinity, integers past Python's
+    digit limit and nesting too deep for the parser's recursion (or past ``max_depth``, with lone surrogates in
+    any string, when given) are ``AdapterFormatError(code)`` naming ``what``."""
+    try:
+        value = json.loads(raw, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
+    except _DuplicateKey as e:
+        raise AdapterFormatError(f"{what} has the key {_short(e.args[0])} twice; a JSON object names each key once "
+                                 "(save the file again)", code=duplicate_code or code) from None
+    except _NonFiniteNumber as e:
+        raise AdapterFormatError(f"{what} holds {e.args[0]}, which is not a JSON number; write a finite number",
+                                 code=code) from None
+    except RecursionError:
+        raise AdapterFormatError(f"{what} nests too deep to parse; upload the file as PEFT / safetensors wrote it",
+                                 code=code) from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and int() past sys.get_int_max_str_digits()
+        raise AdapterFormatError(f"{what} is not valid JSON ({str(e)[:200]}); upload the file PEFT's "
+                                 "save_pretrained wrote", code=code) from None
+    if max_depth is not None:
+        _check_json_tree(value, what, max_depth=max_depth, code=code)
+    return value
+
+
+def _check_json_tree(value: Any, what: str, *, max_depth: int = MAX_CONFIG_DEPTH, code: str = "config_invalid") -> None:
+    """Iteratively: nesting at most ``max_depth``, no lone surrogate in any string and no number that overflowed
+    to infinity (``1e999``): neither can be stored as JSON."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise AdapterFormatError(f"{what} nests deeper than {max_depth} levels; upload the file PEFT wrote",
+                                     code=code)
+        if isinstance(node, dict):
+            for k, v in node.items():
+                _check_text(k, what, code)
+                stack.append((v, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list, str, float)))
+        elif isinstance(node, str):
+            _check_text(node, what, code)
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise AdapterFormatError(f"{what} holds a number too large for a float (it reads as {node}); write a "
+                                     "finite number", code=code)
+
+
+def _check_text(text: Any, what: str, code: str) -> None:
+    if isinstance(text, str) and not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise AdapterFormatError(f"{what} holds the string {_short(text)} with a lone surrogate (an unpaired "
+                                     "\\ud800-\\udfff escape); write valid UTF-8", code=code) from None
 
 
 def _is_known_module_target(t: str) -> bool:
@@ -279,8 +445,10 @@ def read_safetensors_header(source: str | os.PathLike | BinaryIO, *,
                      f"file has {size - 8} after the length; upload the complete file", "truncated")
     raw = f.read(n)
     try:
-        d = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        d = load_json(raw, what="the safetensors header", code="not_safetensors", duplicate_code="duplicate_tensor")
+    except AdapterFormatError as e:
+        if e.code == "duplicate_tensor" and not looks_pickled:
+            raise
         raise refuse("adapter_model.safetensors does not start with a safetensors JSON header; "
                      "save the adapter with safe_serialization=True", "not_safetensors") from None
     if not isinstance(d, dict):
@@ -291,6 +459,15 @@ def read_safetensors_header(source: str | os.PathLike | BinaryIO, *,
         raise AdapterFormatError("safetensors header field __metadata__ must be a JSON object of strings, got "
                                  f"{type(metadata).__name__}; save the adapter again with safetensors",
                                  code="not_safetensors")
+    for k, v in metadata.items():
+        if not isinstance(v, str):
+            raise AdapterFormatError(f"safetensors __metadata__ value of {_short(k)} is a {type(v).__name__}, not a "
+                                     "string; save the adapter again with safetensors", code="not_safetensors")
+        _check_text(k, "the safetensors __metadata__", "not_safetensors")
+        _check_text(v, "the safetensors __metadata__", "not_safetensors")
+    if len(d) > MAX_TENSORS:
+        raise AdapterFormatError(f"the safetensors header lists {len(d)} tensors, over the limit of {MAX_TENSORS}; "
+                                 "this is not a LoRA adapter of a supported model", code="not_safetensors")
     data_start, data_len = 8 + n, size - 8 - n
     tensors: dict[str, TensorInfo] = {}
     for name, t in d.items():
@@ -305,20 +482,25 @@ def read_safetensors_header(source: str | os.PathLike | BinaryIO, *,
     if covered != data_len:  # covered < data_len: _tensor_info bounds every tensor by data_len
         raise AdapterFormatError(f"adapter_model.safetensors has {data_len - covered} bytes after the last tensor; "
                                  "upload the file exactly as safetensors wrote it", code="not_safetensors")
-    return SafetensorsHeader(header_bytes=n, file_size=size, tensors=tensors,
-                             metadata={str(k): str(v) for k, v in metadata.items()})
+    return SafetensorsHeader(header_bytes=n, file_size=size, tensors=tensors, metadata=dict(metadata))
 
 
 def _tensor_info(name: str, t: Any, data_start: int, data_len: int) -> TensorInfo:
+    if len(name) > MAX_TENSOR_NAME_CHARS:
+        raise AdapterFormatError(f"tensor name {name[:60]!r}... is {len(name)} characters, over the "
+                                 f"{MAX_TENSOR_NAME_CHARS}-character limit; this is not a PEFT tensor name",
+                                 code="not_safetensors")
     if not isinstance(t, dict):
-        raise AdapterFormatError(f"safetensors entry {name!r} is not an object", code="not_safetensors")
+        raise AdapterFormatError(f"safetensors entry {_short(name)} is not an object", code="not_safetensors")
     dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
-        raise AdapterFormatError(f"tensor {name!r} has unknown dtype {dtype!r}", code="not_safetensors")
-    if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise AdapterFormatError(f"tensor {_short(name)} has unknown dtype {_short(dtype)}", code="not_safetensors")
+    if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
+            or not all(type(s) is int and 0 <= s <= MAX_TENSOR_DIM for s in shape)
             or not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
-        raise AdapterFormatError(f"tensor {name!r} has a malformed shape or data_offsets", code="not_safetensors")
+            or not all(type(o) is int and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+        raise AdapterFormatError(f"tensor {_short(name)} has a malformed shape or data_offsets (at most "
+                                 f"{MAX_TENSOR_DIMS} non-negative dimensions)", code="not_safetensors")
     if offsets[1] > data_len:
         raise AdapterFormatError(f"adapter_model.safetensors is truncated: tensor {name!r} ends at data offset "
                                  f"{offsets[1]} but the file holds {data_len} bytes of data; upload the complete file",
@@ -377,6 +559,30 @@ def _module_dims(model: ModelConfig, layer: int, target: str) -> tuple[int, int]
     }[target]
 
 
+def serving_targets(model: ModelConfig) -> tuple[str, ...]:
+    """The LoRA targets an engine on ``model`` serves: attention always, dense MLP targets if any layer is dense,
+    fused-expert targets if any layer is a mixture of experts."""
+    layers = range(model.num_layers)
+    moe = [model.is_moe_layer(i) for i in layers] if model.is_moe else [False] * model.num_layers
+    return (ATTENTION_TARGETS + (DENSE_MLP_TARGETS if not all(moe) else ())
+            + (EXPERT_TARGETS if any(moe) else ()))
+
+
+def max_adapter_bytes(model: ModelConfig, *, max_rank: int, targets: tuple[str, ...] | None = None) -> int:
+    """The largest ``adapter_model.safetensors`` an engine can hold: every target of every layer at ``max_rank``,
+    in F32 (the widest accepted dtype), plus a header of ``MAX_HEADER_BYTES``."""
+    targets = serving_targets(model) if targets is None else targets
+    total = 0
+    for layer in range(model.num_layers):
+        moe = model.is_moe and model.is_moe_layer(layer)
+        for target in targets:
+            if (target in EXPERT_TARGETS) != moe and target not in ATTENTION_TARGETS:
+                continue
+            fan_in, fan_out = _module_dims(model, layer, target)
+            total += max_rank * (fan_in + fan_out) * (model.num_experts if target in EXPERT_TARGETS else 1)
+    return 8 + MAX_HEADER_BYTES + 4 * total
+
+
 def check_adapter(config: LoraConfig, header: SafetensorsHeader, model: ModelConfig, *, max_rank: int,
                   base_model_name: str | None = None, base_model_aliases: tuple[str, ...] = ()) -> AdapterSpec:
     """Checks a parsed config and safetensors header against the base model; returns the adapter's spec."""
@@ -402,7 +608,7 @@ def check_adapter(config: LoraConfig, header: SafetensorsHeader, model: ModelCon
             raise _unsupported_tensor(t.name)
         layer, module, depth, ab = int(m[1]), m[2], m[3].count("base_layer."), m[4]
         if layer >= model.num_layers:
-            raise AdapterFormatError(f"tensor {t.name!r} is for layer {layer} but the base model has "
+            raise AdapterFormatError(f"tensor {_short(t.name)} is for layer {_short(layer)} but the base model has "
                                      f"{model.num_layers} layers; is this adapter for another base model?",
                                      code="bad_shape")
         if module != "mlp.experts" and (depth or module not in ATTENTION_TARGETS + DENSE_MLP_TARGETS):
@@ -428,6 +634,7 @@ def check_adapter(config: LoraConfig, header: SafetensorsHeader, model: ModelCon
         if (mod.layer, mod.target) in seen:
             raise AdapterFormatError(f"layer {mod.layer} has two LoRA pairs for {mod.target}", code="bad_shape")
         seen.add((mod.layer, mod.target))
+        check_scaling(mod.scaling, f"{mod.target} of layer {mod.layer}: alpha={mod.alpha:g} with r={mod.rank}")
     worst = max(m.rank for m in modules)
     if worst > max_rank:
         raise AdapterFormatError(f"rank {worst} exceeds this deployment's limit of {max_rank}; retrain with "

@@ -1,7 +1,8 @@
 """The engine's internal HTTP API (FastAPI, imported here only). Routes over an ``EngineService`` (or
 ``NullEngineService``) that a ``ServiceHolder`` gets once the model is loaded:
 
-    GET  /health               200 {"ready": true, "model", ...} | 503 {"ready": false, "detail"} while loading
+    GET  /health               200 {"ready": true, "model", "limits": {max_lora_rank, targets, dtypes, ...}, ...}
+                               | 503 {"ready": false, "detail"} while loading (``protocol.limits_dict``)
     POST /v1/generate          GenerateRequest JSON -> NDJSON chunks (application/x-ndjson); errors before the
                                first token are plain JSON with status 400 / 422 / 503; a client that disconnects
                                aborts its request (its KV blocks are freed)

@@ -18,7 +18,8 @@ NULL_TOKEN_TEXT = " tok"
 class NullEngineService:
     """Same methods as ``EngineService``; adapters are only bookkeeping (instant loads)."""
 
-    def __init__(self, *, model_name: str = "null", num_tokens: int = 8, token_delay_s: float = 0.0) -> None:
+    def __init__(self, *, model_name: str = "null", num_tokens: int = 8, token_delay_s: float = 0.0,
+                 limits: dict | None = None) -> None:
         if num_tokens < 1 or token_delay_s < 0:
             raise ValueError(f"need num_tokens >= 1 and token_delay_s >= 0, got {num_tokens}, {token_delay_s}")
         self.model_name = model_name
@@ -29,6 +30,7 @@ class NullEngineService:
         self._pinned: set[str] = set()
         self._active: set[str] = set()
         self.num_requests = 0
+        self.limits = limits     # what /health reports as the engine's serving limits (None: none reported)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         max_tokens = request.sampling.get("max_tokens", self.num_tokens)
@@ -102,7 +104,8 @@ class NullEngineService:
         return {**empty_stats(), "requests_running": self.in_flight}
 
     def health(self) -> dict:
-        return {"ready": True, "model": self.model_name, "lora": True, "in_flight": self.in_flight, "null": True}
+        return {"ready": True, "model": self.model_name, "lora": True, "in_flight": self.in_flight, "null": True,
+                **({"limits": self.limits} if self.limits is not None else {})}
 
     async def close(self) -> None:
         return None

@@ -148,3 +148,24 @@ def error_dict(message: str, type_: str) -> dict:
     """``{"error": {"message", "type"}}``; ``type_`` is one of ``ERROR_TYPES``."""
     assert type_ in ERROR_TYPES, type_
     return {"error": {"message": message, "type": type_}}
+
+
+def limits_dict(model_config: Any, *, lora: bool, max_lora_rank: int, max_loras: int, max_model_len: int | None,
+                quantization: str | None, targets: tuple[str, ...] | None = None) -> dict:
+    """An engine's serving limits, as ``GET /health`` reports them under ``"limits"``:
+
+        {"lora": true, "max_lora_rank": 16, "max_loras": 4, "targets": ["self_attn.q_proj", ...],
+         "dtypes": ["F32", "F16", "BF16"], "quantization": null, "max_adapter_bytes": 17095176,
+         "max_model_len": 4096}
+
+    ``targets``: the LoRA targets the engine's slots hold that the model has (default: every one the model has);
+    ``max_adapter_bytes``: the largest adapter file those targets take at ``max_lora_rank`` in F32."""
+    from loraplex.engine.lora.format import ALLOWED_DTYPES, max_adapter_bytes, serving_targets
+
+    served = serving_targets(model_config)
+    if targets is not None:
+        served = tuple(t for t in served if t in targets)
+    return {"lora": lora, "max_lora_rank": max_lora_rank if lora else 0, "max_loras": max_loras if lora else 0,
+            "targets": list(served) if lora else [], "dtypes": list(ALLOWED_DTYPES), "quantization": quantization,
+            "max_adapter_bytes": max_adapter_bytes(model_config, max_rank=max_lora_rank, targets=served)
+            if lora else 0, "max_model_len": max_model_len}

@@ -137,10 +137,21 @@ class EngineService:
 
         return await asyncio.to_thread(engine_stats, self.engine.engine)
 
+    def limits(self) -> dict:
+        """What this engine can serve (``protocol.limits_dict``): the platform validates uploads against it."""
+        from loraplex.engine.server.protocol import limits_dict
+
+        llm = self.engine.engine
+        cfg = llm.config
+        slots = getattr(llm.adapters, "slots", None) if self.lora_enabled else None
+        return limits_dict(llm.model_config, lora=self.lora_enabled, max_lora_rank=cfg.max_lora_rank,
+                           max_loras=cfg.max_loras, max_model_len=llm.max_model_len, quantization=cfg.quantization,
+                           targets=getattr(slots, "targets", None))
+
     def health(self) -> dict:
         alive = self.engine.is_alive()
         return {"ready": alive, "model": self.model_name, "lora": self.lora_enabled,
-                "in_flight": self.engine.engine.num_unfinished_requests,
+                "in_flight": self.engine.engine.num_unfinished_requests, "limits": self.limits(),
                 **({} if alive else {"detail": "the engine loop has stopped"})}
 
     async def close(self) -> None:

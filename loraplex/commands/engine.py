@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 
 def register(subparsers) -> None:
@@ -23,6 +24,10 @@ def register(subparsers) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto")
     s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output); default: the model's max_position_embeddings, capped at "
+                        "8192; above max_position_embeddings it is refused")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs of the host (gloo processes on CPU)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
@@ -58,6 +63,13 @@ def _size(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _check_settings(model: str, kwargs: dict) -> None:
+    from loraplex.engine.config import ModelConfig
+    from loraplex.engine.engine_config import EngineConfig, check_against_model
+
+    check_against_model(EngineConfig(model=model, **kwargs), ModelConfig.from_pretrained(model))
+
+
 def run(args: argparse.Namespace) -> int:
     from loraplex.engine.server.serve import null_service, real_service, serve
 
@@ -68,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                                 token_delay_s=args.null_delay_ms / 1000)
     else:
         kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False,
+                      max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                       tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                       cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, quantization=args.quantization,
                       async_scheduling=args.async_scheduling)
@@ -75,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir,
                           adapter_cache_max_bytes=args.adapter_cache_max_bytes)
+
+        try:   # settings the model cannot honour: one line and exit, before the port opens or weights load
+            _check_settings(args.model, kwargs)
+        except ValueError as e:
+            print(f"loraplex engine serve: error: {e}", file=sys.stderr)
+            return 2
 
         def make():
             return real_service(args.model, model_name=args.model_name, **kwargs)

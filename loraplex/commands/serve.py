@@ -9,8 +9,19 @@ def register(subparsers) -> None:
     p.add_argument("--upgrade-db", action="store_true", help="run `loraplex db upgrade` first")
 
     def _main(args) -> int:
-        import uvicorn
+        import sys
 
+        import uvicorn
+        from pydantic import ValidationError
+
+        from loraplex.platform.core.config import get_settings
+        from loraplex.platform.gateway.engines import check_engine_settings
+
+        try:   # refused settings: one line, no traceback
+            check_engine_settings(get_settings())
+        except (ValidationError, ValueError) as e:
+            print(f"loraplex serve: error: {_one_line(e)}", file=sys.stderr)
+            return 2
         if args.upgrade_db:
             from loraplex.commands.db import run
 
@@ -20,3 +31,13 @@ def register(subparsers) -> None:
         return 0
 
     p.set_defaults(func=_main)
+
+
+def _one_line(e: Exception) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        errors = e.errors()
+        return "; ".join(f"LORAPLEX_{'_'.join(str(x) for x in err['loc']).upper() or 'SETTINGS'}: "
+                         f"{err['msg'].removeprefix('Value error, ')}" for err in errors)
+    return str(e)

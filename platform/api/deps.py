@@ -18,6 +18,7 @@ from loraplex.platform.crud import adapters as adapters_crud
 from loraplex.platform.crud import tenants as tenants_crud
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.db.models import Adapter, Tenant
+from loraplex.platform.engines.limits import EngineLimits
 from loraplex.platform.engines.notifier import EngineNotifier
 from loraplex.platform.schemas.adapters import NAME_PATTERN
 
@@ -42,6 +43,12 @@ def get_notifier(request: Request) -> EngineNotifier:
     return request.app.state.notifier
 
 
+def get_serving_limits(request: Request) -> EngineLimits | None:
+    """The engines' serving limits (None without a running gateway or before any engine reported them)."""
+    gateway = getattr(request.app.state, "gateway", None)
+    return gateway.serving_limits if gateway is not None else None
+
+
 def get_base_model(request: Request) -> ModelConfig:
     model = request.app.state.base_model
     if model is None:
@@ -55,6 +62,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 BlobStoreDep = Annotated[BlobStore, Depends(get_blob_store)]
 NotifierDep = Annotated[EngineNotifier, Depends(get_notifier)]
 BaseModelDep = Annotated[ModelConfig, Depends(get_base_model)]
+ServingLimitsDep = Annotated[EngineLimits | None, Depends(get_serving_limits)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 

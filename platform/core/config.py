@@ -43,10 +43,10 @@ class Settings(BaseSettings):
 
     # quotas (enforced by the gateway through Redis; None = in-process store)
     redis_url: str | None = None
-    default_requests_per_minute: int | None = None
-    default_tokens_per_minute: int | None = None
-    default_max_concurrency: int | None = None
-    default_tokens_per_day: int | None = None
+    default_requests_per_minute: int | None = Field(default=None, ge=1)   # null: unlimited
+    default_tokens_per_minute: int | None = Field(default=None, ge=1)
+    default_max_concurrency: int | None = Field(default=None, ge=1)
+    default_tokens_per_day: int | None = Field(default=None, ge=1)
 
     quota_fail_open: bool = False  # Redis unreachable: admit without checks (True) or answer 503 (False)
     quota_timeout_s: float = Field(default=0.5, gt=0)
@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     engine_null_tokens: int = Field(default=8, ge=1)
     max_model_len: int | None = None  # default: the base model's max_position_embeddings, capped at 8192
     residency_poll_s: float = Field(default=2.0, gt=0)  # how often replicas' resident adapters are polled
+    engine_limits_poll_s: float = Field(default=30.0, gt=0)  # how often engines' serving limits are re-read
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)  # inference request body cap (413 above)
     auth_cache_s: float = Field(default=1.0, ge=0)  # API key / adapter lookups are cached this long (0: off)
     adapter_dir: str | None = None  # local blob store: PEFT folders materialised for engines (<DATA_DIR>/peft)
@@ -85,6 +86,7 @@ class Settings(BaseSettings):
     max_rank: int = Field(default=64, gt=0)
     max_header_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     max_archive_members: int = Field(default=64, gt=0)
+    upload_validation_threads: int = Field(default=2, ge=1)  # uploads validated at once (CPU-bound, in threads)
     spool_dir: str | None = None  # where uploads are streamed before validation; default: the system temp dir
 
     @model_validator(mode="after")

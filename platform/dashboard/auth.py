@@ -48,9 +48,14 @@ def valid_session(settings: Settings, token: str | None, now: float | None = Non
     if not token or "." not in token:
         return False
     expires_text, signature = token.split(".", 1)
-    if not expires_text.isdigit() or int(expires_text) < (time.time() if now is None else now):
+    if not _epoch(expires_text) or int(expires_text) < (time.time() if now is None else now):
         return False
     return same_secret(signature, _signature(settings, int(expires_text)))
+
+
+def _epoch(text: str) -> bool:
+    """An epoch-seconds field: ASCII digits only ('²'.isdigit() is true) and short (int() has a digit limit)."""
+    return text.isascii() and text.isdigit() and len(text) <= 12
 
 
 def _link_signature(settings: Settings, expires: int, nonce: str) -> str:
@@ -73,7 +78,7 @@ class LinkRedeemer:
 
     def redeem(self, settings: Settings, token: str | None, now: float | None = None) -> bool:
         parts = (token or "").split(".")
-        if len(parts) != 3 or not parts[0].isdigit():
+        if len(parts) != 3 or not _epoch(parts[0]):
             return False
         expires, nonce, signature = int(parts[0]), parts[1], parts[2]
         now = time.time() if now is None else now

@@ -87,7 +87,9 @@ class InProcessEngineClient:
 class NullEngineClient(InProcessEngineClient):
     """No model: every request streams ``max_tokens`` (default ``num_tokens``) fixed tokens."""
 
-    def __init__(self, *, num_tokens: int = 8, token_delay_s: float = 0.0, model_name: str = "null") -> None:
+    def __init__(self, *, num_tokens: int = 8, token_delay_s: float = 0.0, model_name: str = "null",
+                 limits: dict | None = None) -> None:
         from loraplex.engine.server.null import NullEngineService
 
-        super().__init__(NullEngineService(model_name=model_name, num_tokens=num_tokens, token_delay_s=token_delay_s))
+        super().__init__(NullEngineService(model_name=model_name, num_tokens=num_tokens, token_delay_s=token_delay_s,
+                                           limits=limits))

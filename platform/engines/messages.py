@@ -157,12 +157,18 @@ class Residency:
 
 @dataclass(frozen=True)
 class EngineHealth:
+    """``ready`` once the model is loaded; ``limits`` what the engine can serve (``limits.EngineLimits``; None
+    when it reports none)."""
+
     ready: bool
     model: str | None = None
     detail: str | None = None
     in_flight: int | None = None
+    limits: Any = None
 
     @classmethod
     def from_wire(cls, d: dict) -> "EngineHealth":
+        from loraplex.platform.engines.limits import EngineLimits
+
         return cls(ready=bool(d.get("ready")), model=d.get("model"), detail=d.get("detail"),
-                   in_flight=d.get("in_flight"))
+                   in_flight=d.get("in_flight"), limits=EngineLimits.from_wire(d.get("limits")))

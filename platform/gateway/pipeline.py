@@ -24,6 +24,7 @@ import anyio
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.platform.engines.errors import AdapterLoadFailedError, EngineError, EngineUnavailableError
+from loraplex.platform.engines.limits import unservable_reason
 from loraplex.platform.engines.messages import AdapterReference, EngineChunk, EngineRequest
 from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter, version_is_ready
 from loraplex.platform.gateway.auth import TenantInfo
@@ -100,6 +101,10 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
         adapter = await run_in_threadpool(_resolve, gw, tenant.id, target)
         if adapter is None:
             raise model_not_found(body.model)
+        reason = unservable_reason(gw.serving_limits, rank=adapter.rank, targets=adapter.targets)
+        if reason is not None:   # stored under other limits: no engine loads it (GET /v1/models marks it)
+            raise InferenceError(400, f"the model `{body.model}` cannot be served by this deployment: {reason}",
+                                 param="model", code="adapter_not_servable")
     if kind == "chat":
         try:
             text = gw.tokenizer.chat_template.render(body.messages)

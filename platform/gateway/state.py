@@ -1,6 +1,6 @@
 """Gateway: everything the inference routes share, built from the settings and started in the app's lifespan.
 
-    replicas ──▶ Router ◀── ResidencyPoller (every RESIDENCY_POLL_S)
+    replicas ──▶ Router ◀── ResidencyPoller (every RESIDENCY_POLL_S)     LimitsWatcher (engines' serving limits)
     QuotaStore (Redis | in-process)    PromptTokenizer + chat template    TenantAuth (cached)
     AdapterReferences (PEFT folders / inline configs)    UsageWriter (batched SQL)    EngineFanoutNotifier
 """
@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.engine.engine_config import EngineSettingsError
 from loraplex.platform.core.config import Settings
+from loraplex.platform.engines.limits import EngineLimits, LimitsWatcher
 from loraplex.platform.engines.notifier import EngineNotifier, Eviction
 from loraplex.platform.gateway.adapters import AdapterReferences
 from loraplex.platform.gateway.auth import TenantAuth
@@ -45,7 +47,13 @@ class Gateway:
     engine_error: str | None = None    # why no engine replica could be built (inference answers 503 with it)
     poller: ResidencyPoller | None = None
     notifier: EngineFanoutNotifier | None = None
+    limits_watcher: LimitsWatcher | None = None   # the engines' serving limits (uploads, /v1/models)
     _closed: bool = field(default=False, repr=False)
+
+    @property
+    def serving_limits(self) -> EngineLimits | None:
+        """What every engine replica can serve; None until one reported (the settings' limits apply alone)."""
+        return self.limits_watcher.limits if self.limits_watcher is not None else None
 
     @classmethod
     def build(cls, settings: Settings, sessions: sessionmaker[Session], *,
@@ -66,6 +74,9 @@ class Gateway:
         if replicas is None:
             try:
                 replicas = build_replicas(settings, model_name=model_name)
+            except EngineSettingsError as e:   # a setting the model cannot honour: one line says which
+                logger.error("no engine replica: %s; inference answers 503 until this is fixed", e)
+                replicas, engine_error = [], str(e)
             except Exception as e:  # noqa: BLE001 - the control plane stays up; inference says why it cannot run
                 logger.exception("no engine replica could be built; inference answers 503 until this is fixed")
                 replicas, engine_error = [], f"{type(e).__name__}: {e}"
@@ -87,6 +98,10 @@ class Gateway:
             self.poller = ResidencyPoller(self.router, interval_s=self.settings.residency_poll_s)
             await self.poller.poll_once()
             self.poller.start()
+            self.limits_watcher = LimitsWatcher({rid: r.client for rid, r in self.router.replicas.items()},
+                                                interval_s=self.settings.engine_limits_poll_s)
+            await self.limits_watcher.refresh()
+            self.limits_watcher.start()
             self.notifier = EngineFanoutNotifier(self.router, asyncio.get_running_loop(), on_evict=self._forget)
 
     def _forget(self, eviction: Eviction) -> None:
@@ -99,6 +114,8 @@ class Gateway:
         self._closed = True
         if self.poller is not None:
             await self.poller.stop()
+        if self.limits_watcher is not None:
+            await self.limits_watcher.stop()
         await self.usage.stop()
         await self.quotas.close()
         if self.router is not None:

@@ -43,5 +43,6 @@ class InferenceError(Exception):
 
 def model_not_found(model: str) -> InferenceError:
     """OpenAI's answer for an unknown model (also for another tenant's adapter: 404, never 403)."""
-    return InferenceError(404, f"The model `{model}` does not exist or you do not have access to it.",
+    shown = model if len(model) <= 100 else model[:97] + "..."
+    return InferenceError(404, f"The model `{shown}` does not exist or you do not have access to it.",
                           code="model_not_found", param="model")

@@ -18,6 +18,8 @@ from typing import Iterable
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 ALIAS_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 DEFAULT_ALIAS = "latest"
+MAX_VERSION = 2**31 - 1      # the registry's version numbers are 32-bit
+MAX_MODEL_CHARS = 256
 
 
 class ModelNameError(ValueError):
@@ -44,6 +46,9 @@ def parse_model(model: str, *, base_names: Iterable[str]) -> ModelTarget:
     if not isinstance(model, str) or not model.strip():
         raise ModelNameError("'model' must be an adapter name (optionally ':<version>' or ':<alias>') or the base "
                              "model's name")
+    if len(model) > MAX_MODEL_CHARS:
+        raise ModelNameError(f"'model' is {len(model)} characters; adapter references are at most "
+                             f"{MAX_MODEL_CHARS}")
     model = model.strip()
     if model.lower() in {b.lower() for b in base_names if b}:
         return ModelTarget(base=True)
@@ -53,10 +58,10 @@ def parse_model(model: str, *, base_names: Iterable[str]) -> ModelTarget:
                              "'.', '_' and '-' (up to 64), optionally followed by ':<version>' or ':<alias>'")
     if not sep:
         return ModelTarget(adapter=name, alias=DEFAULT_ALIAS)
-    if suffix.isdigit():
-        version = int(suffix)
-        if version < 1:
-            raise ModelNameError(f"the model {model!r} does not exist: versions start at 1")
+    if suffix.isascii() and suffix.isdigit():
+        version = int(suffix) if len(suffix) <= 10 else MAX_VERSION + 1   # never past int's digit limit
+        if not 1 <= version <= MAX_VERSION:
+            raise ModelNameError(f"the model {model!r} does not exist: versions start at 1 (up to {MAX_VERSION})")
         return ModelTarget(adapter=name, version=version)
     if not ALIAS_RE.match(suffix):
         raise ModelNameError(f"the model {model!r} does not exist: after ':' put a version number or an alias "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,6 +21,10 @@ from loraplex.platform.inference.errors import InferenceError
 from loraplex.platform.inference.plan import MAX_N, ChoicePlan, plan_choices
 
 FinishReason = Literal["stop", "length"]
+MAX_INT32 = 2**31 - 1
+MAX_STOP_CHARS = 1024
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 # ---- requests ---------------------------------------------------------------------------------------------------
@@ -60,16 +64,16 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopText | list[StopText] | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = None
     # engine extensions (extra_body)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)
     ignore_eos: bool | None = None
 
     @property
@@ -97,8 +101,8 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
@@ -129,8 +133,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_INT32)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     suffix: str | None = None
@@ -293,10 +297,15 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object, plus ``servable``: false (with ``unservable_reason``) for an adapter version that no
+    engine of the deployment can serve (its rank, targets or dtype are past what the engines report)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    servable: bool = True
+    unservable_reason: str | None = None
 
 
 class ModelList(BaseModel):
@@ -313,7 +322,23 @@ def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
+        err = _most_specific(e.errors())
+        param = ".".join(str(x) for x in _field_path(err["loc"])) or None
         msg = err["msg"].removeprefix("Value error, ")
-        raise InferenceError(400, f"Invalid value for '{param}': {msg}" if param else msg, param=param) from None
+        raise InferenceError(400, f"Invalid value for '{param}': {msg}" if param else msg, param=param,
+                             code="invalid_value") from None
+
+
+def _field_path(loc: tuple) -> list:
+    """The field names and indices of an error location, without pydantic's union-member tags
+    (``("prompt", "list[int]", 3)`` -> ``["prompt", 3]``)."""
+    return [x for x in loc if isinstance(x, int) or not ("[" in x or x in ("str", "int", "float", "bool"))]
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """Of a union's errors, the one that is not merely "wrong type for this member" (its bound or format)."""
+    first_path = _field_path(errors[0]["loc"])[:1]
+    for err in errors:
+        if _field_path(err["loc"])[:1] == first_path and not err["type"].endswith("_type"):
+            return err
+    return errors[0]

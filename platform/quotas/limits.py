@@ -72,11 +72,15 @@ class QuotaLimits:
     @classmethod
     def resolve(cls, tenant: object, defaults: object | None = None, **kw) -> "QuotaLimits":
         """From a tenant row's ``requests_per_minute``/``tokens_per_minute``/``max_concurrency``/``tokens_per_day``,
-        each null one taken from ``defaults``' ``default_<name>`` (the platform Settings)."""
+        each null one taken from ``defaults``' ``default_<name>`` (the platform Settings). The admin API refuses
+        limits below 1; a stored 0 or less (written before it did) is read as 1, the most restrictive limit, rather
+        than failing every request of the tenant."""
         values = {}
         for name in ("requests_per_minute", "tokens_per_minute", "max_concurrency", "tokens_per_day"):
             value = getattr(tenant, name, None)
             if value is None and defaults is not None:
                 value = getattr(defaults, f"default_{name}", None)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                value = 1
             values[name] = value
         return cls(**values, **kw)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.db.models import AdapterStatus
-from loraplex.platform.schemas.types import UtcDatetime
+from loraplex.platform.schemas.types import MAX_INT32, UtcDatetime
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 ALIAS_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
@@ -53,7 +53,7 @@ class AdapterPublic(BaseModel):
 
 
 class AliasUpdate(BaseModel):
-    version: int = Field(ge=1, examples=[2])
+    version: int = Field(ge=1, le=MAX_INT32, examples=[2])
 
 
 class AliasPublic(BaseModel):

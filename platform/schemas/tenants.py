@@ -1,18 +1,27 @@
 """Tenants, their quotas and API keys, as the admin API sees them."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from loraplex.platform.schemas.types import UtcDatetime
+from loraplex.platform.schemas.types import MAX_INT32, MAX_INT64, Text, UtcDatetime
 
 
 class Quotas(BaseModel):
-    """Per-tenant limits enforced by the gateway; null means the deployment default."""
+    """Per-tenant limits enforced by the gateway; null means the deployment default. A limit is at least 1: to stop
+    a tenant's traffic, disable the tenant (0 would be ambiguous between "nothing" and "unlimited")."""
 
-    requests_per_minute: int | None = Field(default=None, ge=0, examples=[600])
-    tokens_per_minute: int | None = Field(default=None, ge=0, examples=[200_000])
-    max_concurrency: int | None = Field(default=None, ge=0, examples=[16])
-    tokens_per_day: int | None = Field(default=None, ge=0, examples=[50_000_000])
+    requests_per_minute: int | None = Field(default=None, ge=1, le=MAX_INT32, examples=[600])
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=MAX_INT32, examples=[200_000])
+    max_concurrency: int | None = Field(default=None, ge=1, le=MAX_INT32, examples=[16])
+    tokens_per_day: int | None = Field(default=None, ge=1, le=MAX_INT64, examples=[50_000_000])
+
+    @field_validator("requests_per_minute", "tokens_per_minute", "max_concurrency", "tokens_per_day", mode="before")
+    @classmethod
+    def _not_zero(cls, value):
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(f"a quota is at least 1, got {value}; send null for the deployment default, or disable "
+                             "the tenant (POST /admin/tenants/{id}/disable) to stop its traffic")
+        return value
 
 
 class TenantCreate(BaseModel):
@@ -36,7 +45,7 @@ class TenantsPublic(BaseModel):
 
 
 class ApiKeyCreate(BaseModel):
-    name: str = Field(default="", max_length=100, examples=["ci"])
+    name: Text = Field(default="", max_length=100, examples=["ci"])
 
 
 class ApiKeyPublic(BaseModel):

@@ -1,5 +1,7 @@
 """Streams a ``multipart/form-data`` request body to files in a spool folder, never holding a file in memory and
-stopping as soon as the body passes the size cap."""
+stopping as soon as the body passes the size cap: the files' bytes count against ``max_bytes`` and the whole body
+(boundaries, part headers, a preamble, anything after the closing boundary) against ``max_bytes`` plus
+``MULTIPART_SLACK``."""
 from __future__ import annotations
 
 import os
@@ -38,7 +40,8 @@ async def spool_multipart(body: AsyncIterator[bytes], content_type: str | None, 
         raise UploadError(415, "send the adapter as multipart/form-data: the files adapter_config.json and "
                                "adapter_model.safetensors, or one .tar.gz/.zip of the PEFT folder, plus a name "
                                "field", code="not_multipart")
-    if content_length and content_length.isdigit() and int(content_length) > max_bytes + MULTIPART_SLACK:
+    if content_length and content_length.isascii() and content_length.isdigit() \
+            and (len(content_length) > 18 or int(content_length) > max_bytes + MULTIPART_SLACK):
         raise too_large(max_bytes)
     form, state = SpooledForm(), _PartState()
     total = 0
@@ -95,8 +98,12 @@ async def spool_multipart(body: AsyncIterator[bytes], content_type: str | None, 
         on_part_begin=on_part_begin, on_header_field=on_header_field, on_header_value=on_header_value,
         on_header_end=on_header_end, on_headers_finished=on_headers_finished, on_part_data=on_part_data,
         on_part_end=on_part_end))
+    received = 0   # every byte of the body counts, the preamble and what follows the closing boundary too
     try:
         async for chunk in body:
+            received += len(chunk)
+            if received > max_bytes + MULTIPART_SLACK:
+                raise too_large(max_bytes)
             parser.write(chunk)
         parser.finalize()
     except UploadError:

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.lora.format import (AdapterFormatError, AdapterSpec, check_adapter, parse_adapter_config,
-                                         read_safetensors_header)
+from loraplex.engine.lora.format import (MAX_CONFIG_BYTES, AdapterFormatError, AdapterSpec, check_adapter,
+                                         parse_adapter_config, read_safetensors_header)
 from loraplex.platform.core.config import Settings
+from loraplex.platform.engines.limits import EngineLimits, unservable
 from loraplex.platform.uploads.archive import WANTED, extract_peft_files, is_archive
 from loraplex.platform.uploads.errors import UploadError
 from loraplex.platform.uploads.intake import SpooledForm
@@ -58,19 +59,28 @@ def peft_files(form: SpooledForm, work_dir: str, settings: Settings) -> tuple[st
     return found[CONFIG], found[WEIGHTS]
 
 
-def validate_adapter(config_path: str, weights_path: str, *, settings: Settings,
-                     model: ModelConfig) -> ValidatedAdapter:
-    """Config, header against the base model, then a full NaN/Inf scan and sha256 of the weights."""
+def validate_adapter(config_path: str, weights_path: str, *, settings: Settings, model: ModelConfig,
+                     limits: EngineLimits | None = None) -> ValidatedAdapter:
+    """Config, header against the base model and the engines' serving ``limits`` (the deployment's, learnt from
+    the engines; None: the settings' alone), then a full NaN/Inf scan and sha256 of the weights. CPU-bound:
+    the route runs it in a worker thread."""
+    max_rank = settings.max_rank if limits is None else max(1, min(settings.max_rank, limits.max_lora_rank))
     try:
-        if os.path.getsize(config_path) > 1024 * 1024:
-            raise AdapterFormatError(f"{CONFIG} is over 1 MiB; upload the file PEFT wrote", code="config_invalid")
+        if os.path.getsize(config_path) > MAX_CONFIG_BYTES:
+            raise AdapterFormatError(f"{CONFIG} is over {MAX_CONFIG_BYTES} bytes; upload the file PEFT wrote",
+                                     code="config_invalid")
         with open(config_path, "rb") as f:
             raw = f.read()
-        config = parse_adapter_config(raw, max_rank=settings.max_rank)
+        config = parse_adapter_config(raw, max_rank=max_rank)
         header = read_safetensors_header(weights_path, max_header_bytes=settings.max_header_bytes)
-        spec = check_adapter(config, header, model, max_rank=settings.max_rank,
-                             base_model_name=settings.served_model_name,
+        spec = check_adapter(config, header, model, max_rank=max_rank, base_model_name=settings.served_model_name,
                              base_model_aliases=tuple(settings.base_model_aliases))
+        refused = unservable(limits, rank=spec.rank, targets=spec.targets, dtype=spec.dtype,
+                             size_bytes=header.file_size)
+        if refused is not None:
+            code, reason = refused
+            raise UploadError(413 if code == "too_large" else 422, f"no engine of this deployment can serve this "
+                              f"adapter: {reason}", code=code)
         sha256 = hash_and_scan(weights_path, header)
     except AdapterFormatError as e:
         raise UploadError(422, str(e), code=e.code) from None

@@ -160,7 +160,7 @@ def _s3_outage(stack, http, tenant, files, infer, warm, cold, cold2, doomed) -> 
     t = time.time()
     r = upload(http, tenant["key"], f"new-{uuid.uuid4().hex[:6]}", files)
     upload_down_s = time.time() - t
-    assert r.status_code == 503 and "blob store is unavailable" in r.json()["detail"], r.text
+    assert r.status_code == 503 and "blob store is unavailable" in r.json()["error"]["message"], r.text
     warm_statuses = [infer(warm).status_code for _ in range(3)]
     assert warm_statuses == [200] * 3                     # resident adapters do not need S3
     t = time.time()
@@ -170,7 +170,7 @@ def _s3_outage(stack, http, tenant, files, infer, warm, cold, cold2, doomed) -> 
     assert r.status_code == 503 and "blob store is unreachable" in r.json()["error"]["message"], r.text
     cold_status, cold_code = r.status_code, r.json()["error"].get("code")
     r = http.delete(f"/v1/adapters/{doomed}", headers=headers)
-    assert r.status_code == 503 and r.json()["detail"], r.text
+    assert r.status_code == 503 and r.json()["error"]["message"], r.text
     stack.proxy.slow(0.3)
     t = time.time()
     r = upload(http, tenant["key"], f"slow-{uuid.uuid4().hex[:6]}", files)

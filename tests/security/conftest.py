@@ -68,3 +68,6 @@ def tenants(tmp_path_factory, tiny_llama) -> Tenants:
 
 def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
+
+
+from tests.security.live_stack import stack  # noqa: E402,F401  (PostgreSQL + Redis + S3 stack, one per session)

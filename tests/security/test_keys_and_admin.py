@@ -28,7 +28,7 @@ def test_revoked_key_is_refused_on_the_next_request(tenants):
     r = infer(server, key)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
     r = server.http.get("/v1/adapters", headers=bearer(key))
-    assert r.status_code == 401 and r.json()["detail"]
+    assert r.status_code == 401 and r.json()["error"]["message"]
 
 
 def test_disabled_tenant_is_refused_on_the_next_request_and_comes_back(tenants):

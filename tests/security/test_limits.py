@@ -65,5 +65,5 @@ def test_oversized_upload_is_413(tenants):
     limit = tenants.server.gateway.settings.max_upload_bytes
     files = [("files", ("adapter_config.json", b"{}")), ("files", ("adapter_model.safetensors", b"\0" * (limit + 1)))]
     r = tenants.server.http.post("/v1/adapters", data={"name": "huge"}, files=files, headers=bearer(tenants.owner_key))
-    assert r.status_code == 413 and r.json()["detail"], r.text[:300]
+    assert r.status_code == 413 and r.json()["error"]["message"], r.text[:300]
     assert tenants.server.http.get("/v1/adapters/huge", headers=bearer(tenants.owner_key)).status_code == 404

@@ -16,6 +16,7 @@ ADAPTER_ROUTES = [
     ("PUT", "/v1/adapters/{name}/aliases/{alias}", "alias"),
 ]
 LISTING_ROUTES = ["/v1/adapters", "/v1/models", "/v1/usage"]
+MODEL_ROUTE = "/v1/models/{model}"
 INFERENCE_ROUTES = ["/v1/chat/completions", "/v1/completions"]
 UPLOAD_ROUTE = "/v1/adapters"
 
@@ -41,12 +42,12 @@ def test_adapter_routes_answer_404_for_another_tenants_adapter(tenants, method, 
         for n in (1, 2):
             path = template.format(name=name, n=n, alias="prod")
             r = http.request(method, path, headers=bearer(t.other_key), json={"version": n} if body else None)
-            if name != t.adapter and r.status_code == 422:
+            if name != t.adapter and r.status_code == 400:
                 continue     # an id that is not a valid adapter name is refused by the path pattern first
             assert_not_found(r, f"{method} {path}")
             missing = http.request(method, template.format(name="no-such-adapter", n=n, alias="prod"),
                                    headers=bearer(t.other_key), json={"version": n} if body else None)
-            assert missing.status_code == 404 and missing.json()["code"] == r.json()["code"]  # indistinguishable
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == r.json()["error"]["code"]  # indistinguishable
     # nothing happened to the owner's adapter
     r = http.get(f"/v1/adapters/{t.adapter}", headers=bearer(t.owner_key))
     assert r.status_code == 200 and [v["number"] for v in r.json()["versions"]] == [1, 2]
@@ -67,6 +68,14 @@ def test_inference_answers_404_for_every_name_of_another_tenants_adapter(tenants
     # the owner itself is served
     body = {"model": f"{t.adapter}:prod", "prompt": "hi", "max_tokens": 1}
     assert http.post("/v1/completions", json=body, headers=bearer(t.owner_key)).status_code == 200
+
+
+def test_models_retrieve_answers_404_for_every_name_of_another_tenants_adapter(tenants):
+    t, http = tenants, tenants.server.http
+    for model in foreign_models(t):
+        r = http.get(MODEL_ROUTE.format(model=model), headers=bearer(t.other_key))
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", f"{model!r}: {r.text}"
+    assert http.get(MODEL_ROUTE.format(model=f"{t.adapter}:prod"), headers=bearer(t.owner_key)).status_code == 200
 
 
 def test_listings_never_show_another_tenants_adapters(tenants):
@@ -101,7 +110,7 @@ def test_every_tenant_route_is_covered(tenants):
                      if p.startswith("/v1/")}
     covered = {(m, p.replace("{n}", "{number}")) for m, p, _ in ADAPTER_ROUTES}
     covered |= {("GET", p) for p in LISTING_ROUTES} | {("POST", p) for p in INFERENCE_ROUTES}
-    covered |= {("POST", UPLOAD_ROUTE)}
+    covered |= {("POST", UPLOAD_ROUTE), ("GET", MODEL_ROUTE)}
     normalised = {(m, p) for m, p in tenant_routes}
     uncovered = {(m, p) for m, p in normalised
                  if (m, p) not in covered and (m, _generic(p)) not in {(cm, _generic(cp)) for cm, cp in covered}}

@@ -1,20 +1,24 @@
 """Tenant API: upload, list, read, alias and delete adapters. Every route is scoped to the caller's tenant."""
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
-from typing import Annotated
+from typing import Annotated, Any, Callable
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+import anyio
+
+from fastapi import APIRouter, Header, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.platform.api.deps import (BaseModelDep, BlobStoreDep, CurrentTenant, NotifierDep, SessionDep,
-                                        SettingsDep, TenantAdapter)
+from loraplex.platform.api.deps import (BaseModelDep, BlobStoreDep, CurrentTenant, NotifierDep, ServingLimitsDep,
+                                        SessionDep, SettingsDep, TenantAdapter)
 from loraplex.platform.api.errors import ApiError
 from loraplex.platform.crud import adapters as crud
 from loraplex.platform.db.models import Adapter, AdapterStatus, AdapterVersion
 from loraplex.platform.schemas.adapters import (ALIAS_PATTERN, NAME_PATTERN, AdapterPublic, AdaptersPublic,
                                                 AdapterSummary, AdapterVersionPublic, AliasPublic, AliasUpdate)
+from loraplex.platform.schemas.types import Limit, Offset, VersionNumber
 from loraplex.platform.uploads.deletion import delete_versions, delete_whole_adapter
 from loraplex.platform.uploads.errors import UploadError
 from loraplex.platform.uploads.intake import spool_multipart
@@ -31,17 +35,29 @@ UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-dat
                                  "wrote them, or one .tar.gz / .zip of that folder"}}},
     "encoding": {"files": {"contentType": "application/octet-stream"}}}}}}
 ERRORS = {
+    200: {"model": AdapterVersionPublic, "description": "a repeated request with the same Idempotency-Key: the "
+                                                         "version the first one made (Idempotent-Replayed: true)"},
     400: {"description": "malformed upload or archive (path traversal, links, corrupt)"},
     401: {"description": "missing or invalid API key"},
     409: {"description": "an upload with this Idempotency-Key is in progress"},
     413: {"description": "over the size cap, or an archive that expands past it"},
     415: {"description": "not multipart/form-data"},
     422: {"description": "the adapter does not fit this deployment; the detail says what to fix",
-          "content": {"application/json": {"example": {
-              "detail": "rank 128 exceeds this deployment's limit of 64; retrain with r <= 64",
-              "code": "rank_too_high"}}}},
+          "content": {"application/json": {"example": {"error": {
+              "message": "r: rank 128 exceeds this deployment's limit of 16; retrain with r <= 16",
+              "type": "invalid_request_error", "param": None, "code": "rank_too_high"}}}}},
     503: {"description": "blob store or registry unavailable; nothing was stored, retry"},
 }
+
+
+async def off_loop(request: Request, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn`` in a worker thread of the upload pool: at most ``UPLOAD_VALIDATION_THREADS`` validations (archive
+    unpacking, header and pattern checks, the NaN/Inf scan) at once, apart from the threads other routes use."""
+    limiter = getattr(request.app.state, "upload_limiter", None)
+    if limiter is None:
+        limiter = request.app.state.upload_limiter = anyio.CapacityLimiter(
+            request.app.state.settings.upload_validation_threads)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=limiter)
 
 
 def version_public(adapter: Adapter, version: AdapterVersion) -> AdapterVersionPublic:
@@ -51,7 +67,7 @@ def version_public(adapter: Adapter, version: AdapterVersion) -> AdapterVersionP
 
 @router.post("", status_code=201, response_model=AdapterVersionPublic, openapi_extra=UPLOAD_BODY, responses=ERRORS)
 async def upload_adapter(request: Request, response: Response, session: SessionDep, settings: SettingsDep,
-                         tenant: CurrentTenant, store: BlobStoreDep, model: BaseModelDep,
+                         tenant: CurrentTenant, store: BlobStoreDep, model: BaseModelDep, limits: ServingLimitsDep,
                          idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> AdapterVersionPublic:
     """Uploads a new version of adapter ``name`` (created on first upload). It is validated before anything is
     stored; on success it is ``ready`` and the ``latest`` alias names it. With ``Idempotency-Key``, a repeated
@@ -70,17 +86,16 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
             response.status_code = 200
             response.headers["Idempotent-Replayed"] = "true"
             return version_public(previous.adapter, previous)
-        config_path, weights_path = await run_in_threadpool(peft_files, form, work, settings)
-        validated = await run_in_threadpool(validate_adapter, config_path, weights_path, settings=settings,
-                                            model=model)
+        config_path, weights_path = await off_loop(request, peft_files, form, work, settings)
+        validated = await off_loop(request, validate_adapter, config_path, weights_path, settings=settings,
+                                   model=model, limits=limits)
         version = await run_in_threadpool(register_upload, session=session, store=store, tenant=tenant, name=name,
                                           adapter=validated, idempotency_key=idempotency_key)
     return version_public(version.adapter, version)
 
 
 @router.get("", response_model=AdaptersPublic)
-def list_adapters(session: SessionDep, tenant: CurrentTenant, offset: Annotated[int, Query(ge=0)] = 0,
-                  limit: Annotated[int, Query(ge=1, le=100)] = 50) -> AdaptersPublic:
+def list_adapters(session: SessionDep, tenant: CurrentTenant, offset: Offset = 0, limit: Limit = 50) -> AdaptersPublic:
     rows, count = crud.list_adapters(session=session, tenant=tenant, offset=offset, limit=limit)
     data = []
     for a in rows:
@@ -123,7 +138,7 @@ def delete_adapter(session: SessionDep, adapter: TenantAdapter, store: BlobStore
 
 @router.delete("/{name}/versions/{number}", status_code=204)
 def delete_version(session: SessionDep, adapter: TenantAdapter, store: BlobStoreDep, notifier: NotifierDep,
-                   number: int) -> None:
+                   number: VersionNumber) -> None:
     """Deletes one version (its aliases go; ``latest`` moves to the newest ready version)."""
     version = crud.get_version(session=session, adapter=adapter, number=number)
     if version is None:

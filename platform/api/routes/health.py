@@ -10,7 +10,9 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
+    """Liveness: answered on the event loop itself (no thread, no database), so it measures exactly whether the
+    loop is free."""
     return {"status": "ok"}
 
 

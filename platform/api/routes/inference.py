@@ -6,11 +6,10 @@ Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``; 429s ca
 """
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from loraplex.platform.api.json_body import parse_json_body_async
 from loraplex.platform.gateway.metering import RequestMeter
 from loraplex.platform.gateway.pipeline import Generation, admit, authenticate, prepare
 from loraplex.platform.gateway.responses import SSEResponse, complete, sse_stream
@@ -56,17 +55,14 @@ def _too_large(limit: int) -> InferenceError:
 async def _body(request: Request, limit: int) -> object:
     """The JSON body, read up to ``limit`` bytes (413 past it, before anything is parsed or tokenized)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise _too_large(limit)
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > limit:
             raise _too_large(limit)
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise InferenceError(400, "the request body must be JSON") from None
+    return await parse_json_body_async(bytes(raw))
 
 
 async def _serve(request: Request, kind: str) -> Response:
@@ -118,7 +114,3 @@ async def completions(request: Request) -> Response:
     return await _serve(request, "completion")
 
 
-def install_inference_error_handler(app) -> None:
-    @app.exception_handler(InferenceError)
-    async def _inference_error(_: Request, e: InferenceError) -> JSONResponse:
-        return JSONResponse(e.body().model_dump(), status_code=e.status_code, headers=e.headers)

@@ -9,6 +9,7 @@ from loraplex.platform.api.routes.tenants import AdminTenant
 from loraplex.platform.crud import tenants as crud
 from loraplex.platform.gateway.auth import forget_cached_keys
 from loraplex.platform.schemas.tenants import ApiKeyCreate, ApiKeyCreated, ApiKeyPublic, ApiKeysPublic
+from loraplex.platform.schemas.types import RowId
 
 router = APIRouter(prefix="/admin/tenants/{tenant_id}/keys", tags=["admin: keys"])
 
@@ -28,7 +29,7 @@ def list_keys(session: SessionDep, tenant: AdminTenant) -> ApiKeysPublic:
 
 
 @router.delete("/{key_id}", response_model=ApiKeyPublic)
-def revoke_key(request: Request, session: SessionDep, tenant: AdminTenant, key_id: str) -> ApiKeyPublic:
+def revoke_key(request: Request, session: SessionDep, tenant: AdminTenant, key_id: RowId) -> ApiKeyPublic:
     row = crud.get_key(session=session, tenant=tenant, key_id=key_id)
     if row is None:
         raise ApiError(404, f"key {key_id!r} not found for this tenant", code="key_not_found")

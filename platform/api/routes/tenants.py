@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform.api.deps import AdminKey, SessionDep
@@ -12,11 +12,12 @@ from loraplex.platform.crud import tenants as crud
 from loraplex.platform.db.models import Tenant
 from loraplex.platform.gateway.auth import forget_cached_keys
 from loraplex.platform.schemas.tenants import Quotas, TenantCreate, TenantPublic, TenantsPublic
+from loraplex.platform.schemas.types import Limit, Offset, RowId
 
 router = APIRouter(prefix="/admin/tenants", tags=["admin: tenants"])
 
 
-def admin_tenant(session: SessionDep, _: AdminKey, tenant_id: str) -> Tenant:
+def admin_tenant(session: SessionDep, _: AdminKey, tenant_id: RowId) -> Tenant:
     tenant = crud.get_tenant(session=session, tenant_id=tenant_id)
     if tenant is None:
         raise ApiError(404, f"tenant {tenant_id!r} not found", code="tenant_not_found")
@@ -44,8 +45,7 @@ def create_tenant(session: SessionDep, _: AdminKey, body: TenantCreate) -> Tenan
 
 
 @router.get("", response_model=TenantsPublic)
-def list_tenants(session: SessionDep, _: AdminKey, offset: Annotated[int, Query(ge=0)] = 0,
-                 limit: Annotated[int, Query(ge=1, le=100)] = 50) -> TenantsPublic:
+def list_tenants(session: SessionDep, _: AdminKey, offset: Offset = 0, limit: Limit = 50) -> TenantsPublic:
     rows, count = crud.list_tenants(session=session, offset=offset, limit=limit)
     return TenantsPublic(data=[tenant_public(t) for t in rows], count=count)
 

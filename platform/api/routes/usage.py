@@ -41,7 +41,9 @@ async def tenant_usage(request: Request, tenant: CurrentTenant, start: Start = N
 
 
 @router.get("/admin/usage", response_model=AdminUsagePublic)
-async def admin_usage(request: Request, _: AdminKey, tenant_id: str | None = None, start: Start = None,
+async def admin_usage(request: Request, _: AdminKey,
+                      tenant_id: Annotated[str | None, Query(max_length=64, description="one tenant's id")] = None,
+                      start: Start = None,
                       end: End = None) -> AdminUsagePublic:
     """Every tenant's usage per UTC day and adapter (or one tenant's with ``tenant_id``)."""
     rows = await _rows(request, tenant_id, start, end)

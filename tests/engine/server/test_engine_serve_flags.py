@@ -5,10 +5,12 @@ from loraplex.engine.engine_config import EngineConfig
 
 
 def test_graph_and_quantization_flags_reach_the_engine_config(monkeypatch):
+    import loraplex.commands.engine as engine_cmd
     import loraplex.engine.server.serve as serve_mod
     from loraplex.cli import main
 
     seen = []
+    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)   # "/m" has no config.json
     monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
     monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
     main(["engine", "serve", "--model", "/m"])

@@ -58,9 +58,9 @@ def test_alias_moves_atomically(platform, adapter_dir):
     assert r.status_code == 200 and r.json() == {"adapter": "m", "alias": "prod", "version": 2}
     assert c.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 3, "prod": 2}
     r = c.put("/v1/adapters/m/aliases/prod", json={"version": 9}, headers=auth)
-    assert r.status_code == 404 and "has no version 9" in r.json()["detail"]
+    assert r.status_code == 404 and "has no version 9" in r.json()["error"]["message"]
     r = c.put("/v1/adapters/m/aliases/latest", json={"version": 1}, headers=auth)
-    assert r.status_code == 422 and "choose another alias name" in r.json()["detail"]
+    assert r.status_code == 422 and "choose another alias name" in r.json()["error"]["message"]
     assert c.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 3, "prod": 2}
     # many concurrent moves: one row, pointing at one of the requested versions
     errors = []
@@ -94,12 +94,12 @@ def test_delete_version_and_adapter(platform, adapter_dir):
     assert [e.version_id for e in platform.notifier.evicted] == [
         platform.sql("SELECT id FROM adapter_versions WHERE number = 2")[0][0]]
     r = c.put("/v1/adapters/m/aliases/prod", json={"version": 2}, headers=auth)
-    assert r.status_code == 409 and "only ready versions" in r.json()["detail"]
+    assert r.status_code == 409 and "only ready versions" in r.json()["error"]["message"]
     assert c.delete("/v1/adapters/m", headers=auth).status_code == 204
     assert platform.store.list_keys() == []
     assert len(platform.notifier.evicted) == 2
     r = c.get("/v1/adapters/m", headers=auth)
-    assert r.status_code == 404 and "adapter 'm' not found" in r.json()["detail"]
+    assert r.status_code == 404 and "adapter 'm' not found" in r.json()["error"]["message"]
     assert platform.sql("SELECT count(*) FROM adapter_versions")[0][0] == 0
 
 
@@ -124,7 +124,7 @@ def test_idempotency_key_replays(platform, adapter_dir):
     assert again.headers["Idempotent-Replayed"] == "true" and again.json()["number"] == first.json()["number"]
     assert platform.sql("SELECT count(*) FROM adapter_versions")[0][0] == 1
     other = platform.upload(hdr, "other", files)
-    assert other.status_code == 422 and "use a new key" in other.json()["detail"]
+    assert other.status_code == 422 and "use a new key" in other.json()["error"]["message"]
 
 
 def test_list_is_paginated(platform, adapter_dir):
@@ -136,7 +136,7 @@ def test_list_is_paginated(platform, adapter_dir):
     assert page["count"] == 3 and [a["name"] for a in page["data"]] == ["b"]
     assert page["data"][0]["latest_version"] == 1
     r = platform.client.get("/v1/adapters?limit=500", headers=auth)
-    assert r.status_code == 422
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
 
 
 def test_tenant_isolation_is_404(platform, adapter_dir):
@@ -152,7 +152,7 @@ def test_tenant_isolation_is_404(platform, adapter_dir):
                             ("delete", "/v1/adapters/secret", {})]:
         r = getattr(c, method)(url, headers=auth_b, **kw)
         assert r.status_code == 404, (method, url, r.text)
-        assert r.json()["detail"] == "adapter 'secret' not found"
+        assert r.json()["error"]["message"] == "adapter 'secret' not found"
     # B's own adapter of the same name is separate, and A's is untouched
     assert platform.upload(auth_b, "secret", files).json()["number"] == 1
     assert c.get("/v1/adapters/secret", headers=auth_a).json()["aliases"] == {"latest": 1}

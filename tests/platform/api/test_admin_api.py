@@ -7,7 +7,7 @@ from tests.platform.conftest import ADMIN_KEY
 def test_admin_key_required(platform):
     c = platform.client
     r = c.get("/admin/tenants")
-    assert r.status_code == 401 and "admin key" in r.json()["detail"]
+    assert r.status_code == 401 and "admin key" in r.json()["error"]["message"]
     r = c.get("/admin/tenants", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
     _, tenant_auth = platform.new_tenant()
@@ -21,21 +21,23 @@ def test_tenant_crud_and_quotas(platform):
     t = r.json()
     assert t["name"] == "acme" and not t["disabled"] and t["quotas"]["requests_per_minute"] == 60
     r = c.post("/admin/tenants", json={"name": "acme"}, headers=admin)
-    assert r.status_code == 409 and "choose another name" in r.json()["detail"]
+    assert r.status_code == 409 and "choose another name" in r.json()["error"]["message"]
     r = c.post("/admin/tenants", json={"name": "bad name!"}, headers=admin)
-    assert r.status_code == 422
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
     quotas = {"requests_per_minute": 600, "tokens_per_minute": 100000, "max_concurrency": 8, "tokens_per_day": 10**9}
     r = c.put(f"/admin/tenants/{t['id']}/quotas", json=quotas, headers=admin)
     assert r.status_code == 200 and r.json()["quotas"] == quotas
     assert c.get(f"/admin/tenants/{t['id']}", headers=admin).json()["quotas"] == quotas
     assert platform.sql("SELECT tokens_per_day FROM tenants WHERE name = 'acme'")[0][0] == 10**9
-    r = c.put(f"/admin/tenants/{t['id']}/quotas", json={"max_concurrency": -1}, headers=admin)
-    assert r.status_code == 422
+    for bad in (-1, 0):
+        r = c.put(f"/admin/tenants/{t['id']}/quotas", json={"max_concurrency": bad}, headers=admin)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_concurrency", r.text
+        assert "disable the tenant" in r.json()["error"]["message"]
     c.post("/admin/tenants", json={"name": "beta"}, headers=admin)
     page = c.get("/admin/tenants?limit=1&offset=1", headers=admin).json()
     assert page["count"] == 2 and [x["name"] for x in page["data"]] == ["beta"]
     r = c.get("/admin/tenants/nope", headers=admin)
-    assert r.status_code == 404 and "tenant 'nope' not found" in r.json()["detail"]
+    assert r.status_code == 404 and "tenant 'nope' not found" in r.json()["error"]["message"]
 
 
 def test_keys_shown_once_hashed_revocable(platform):
@@ -53,7 +55,7 @@ def test_keys_shown_once_hashed_revocable(platform):
     r = c.delete(f"/admin/tenants/{tid}/keys/{key_id}", headers=admin)
     assert r.status_code == 200 and r.json()["revoked_at"] is not None
     r = c.get("/v1/adapters", headers=auth)
-    assert r.status_code == 401 and "invalid API key" in r.json()["detail"]
+    assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
     # a key with a valid prefix but a wrong secret is refused too
     second = c.post(f"/admin/tenants/{tid}/keys", json={}, headers=admin).json()["key"]
     forged = second[:15] + "x" * (len(second) - 15)
@@ -68,7 +70,7 @@ def test_disabled_tenant_is_refused(platform):
     tid, auth = platform.new_tenant()
     assert c.post(f"/admin/tenants/{tid}/disable", headers=admin).json()["disabled"] is True
     r = c.get("/v1/adapters", headers=auth)
-    assert r.status_code == 403 and "tenant is disabled" in r.json()["detail"]
+    assert r.status_code == 403 and "tenant is disabled" in r.json()["error"]["message"]
     assert c.post(f"/admin/tenants/{tid}/enable", headers=admin).json()["disabled"] is False
     assert c.get("/v1/adapters", headers=auth).status_code == 200
 

@@ -14,8 +14,9 @@ def test_without_a_session_the_page_is_the_login_form_and_data_is_401(app):
         r = c.get("/admin/dashboard")
         assert r.status_code == 401 and 'action="/admin/dashboard/login"' in r.text and "{{error}}" not in r.text
         r = c.get("/admin/dashboard/data")
-        assert r.status_code == 401 and r.json() == {
-            "detail": "missing or invalid admin key; send it as 'Authorization: Bearer <key>'", "code": "unauthorized"}
+        assert r.status_code == 401 and r.json() == {"error": {
+            "message": "missing or invalid admin key; send it as 'Authorization: Bearer <key>'",
+            "type": "authentication_error", "param": None, "code": "unauthorized"}}
         assert c.get("/admin/dashboard/static/vendor/chart.umd.min.js").status_code == 200
 
 

@@ -16,7 +16,7 @@ USED = "That login link has expired or was already used"
 def test_a_link_opens_the_dashboard_once(app):
     with TestClient(app) as c:
         r = c.post("/admin/dashboard/links")
-        assert r.status_code == 401 and "admin key" in r.json()["detail"]
+        assert r.status_code == 401 and "admin key" in r.json()["error"]["message"]
         r = c.post("/admin/dashboard/links", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert r.status_code == 201
         url = r.json()["url"]

@@ -43,7 +43,7 @@ def test_usage_per_tenant_adapter_and_day(serve, tmp_path, tiny_base, adapters):
     empty = server.http.get(f"/v1/usage?start={tomorrow}", headers={"Authorization": f"Bearer {k1}"}).json()
     assert empty["data"] == [] and empty["totals"]["requests"] == 0
     bad = server.http.get(f"/v1/usage?start={tomorrow}&end={today}", headers={"Authorization": f"Bearer {k1}"})
-    assert bad.status_code == 400 and bad.json()["code"] == "invalid_range"
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_range"
 
 
 def test_writer_batches_by_size_and_flushes_on_stop(serve, tmp_path):

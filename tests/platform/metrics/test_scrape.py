@@ -108,6 +108,6 @@ def test_protected_route_needs_the_admin_key():
     app.include_router(metrics_router(protect=True))
     with TestClient(app) as client:
         r = client.get("/metrics")
-        assert r.status_code == 401 and "missing or invalid admin key" in r.json()["detail"]
+        assert r.status_code == 401 and "missing or invalid admin key" in r.json()["error"]["message"]
         r = client.get("/metrics", headers={"Authorization": "Bearer admin-key-0123456789"})
         assert r.status_code == 200 and "loraplex_requests_total" in r.text

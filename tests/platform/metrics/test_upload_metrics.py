@@ -24,12 +24,12 @@ def test_platform_uploads_are_counted_by_outcome_and_reason(embedded, adapter_di
     r = p.upload({**auth, "Idempotency-Key": "k1"}, "m", good)
     assert r.status_code == 200 and r.headers["Idempotent-Replayed"] == "true"
     r = p.upload(auth, "m", read_files(adapter_dir(r=32)))
-    assert r.status_code == 422 and "retrain with r <= 16" in r.json()["detail"]
-    code = r.json()["code"]
+    assert r.status_code == 422 and "retrain with r <= 16" in r.json()["error"]["message"]
+    code = r.json()["error"]["code"]
     r = p.client.post("/v1/adapters", data={"name": "m"}, headers=auth,
                       files=[("files", ("adapter_model.safetensors", io.BytesIO(b"\x80\x04junk")))])
     assert r.status_code == 422
-    code2 = r.json()["code"]
+    code2 = r.json()["error"]["code"]
     v = parse_scrape(p.client.get("/metrics").text)
     assert sample(v, "loraplex_uploads_total", outcome="ready", reason="ok") == 2
     assert sample(v, "loraplex_uploads_total", outcome="replayed", reason="ok") == 1

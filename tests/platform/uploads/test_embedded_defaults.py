@@ -38,9 +38,9 @@ def test_hostile_upload_on_embedded_defaults(embedded, adapter_dir):
     _, auth = p.new_tenant()
     files = read_files(adapter_dir(r=32))
     r = p.upload(auth, "m", files)
-    assert r.status_code == 422 and "retrain with r <= 16" in r.json()["detail"]
+    assert r.status_code == 422 and "retrain with r <= 16" in r.json()["error"]["message"]
     r = p.client.post("/v1/adapters", data={"name": "m"}, headers=auth,
                       files=[("files", ("adapter_model.safetensors", io.BytesIO(b"\x80\x04junk")))])
-    assert r.status_code == 422 and "missing adapter_config.json" in r.json()["detail"]
+    assert r.status_code == 422 and "missing adapter_config.json" in r.json()["error"]["message"]
     p.assert_nothing_stored()
     assert os.listdir(p.settings.blob_path) == []

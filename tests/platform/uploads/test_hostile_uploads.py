@@ -150,7 +150,7 @@ def test_hostile_upload_is_refused_and_leaves_nothing(platform, adapter_dir, tmp
     _, auth = platform.new_tenant()
     r = platform.upload(auth, "evil", build(adapter_dir, tmp_path))
     assert r.status_code == status, r.text
-    assert message in r.json()["detail"], r.json()
+    assert message in r.json()["error"]["message"], r.json()
     platform.assert_nothing_stored()
     assert platform.sql("SELECT count(*) FROM adapter_versions")[0][0] == 0
 
@@ -180,14 +180,14 @@ def test_good_archives_are_accepted(platform, adapter_dir):
 def test_bad_names(platform, adapter_dir, name, status, message):
     _, auth = platform.new_tenant()
     r = platform.upload(auth, name, read_files(adapter_dir()))
-    assert r.status_code == status and message in r.json()["detail"]
+    assert r.status_code == status and message in r.json()["error"]["message"]
     platform.assert_nothing_stored()
 
 
 def test_not_multipart_and_no_auth(platform):
     _, auth = platform.new_tenant()
     r = platform.client.post("/v1/adapters", content=b"{}", headers={**auth, "Content-Type": "application/json"})
-    assert r.status_code == 415 and "multipart/form-data" in r.json()["detail"]
+    assert r.status_code == 415 and "multipart/form-data" in r.json()["error"]["message"]
     r = platform.client.post("/v1/adapters", files=[("files", ("a", io.BytesIO(b"x")))])
-    assert r.status_code == 401 and "Authorization: Bearer" in r.json()["detail"]
+    assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
     platform.assert_nothing_stored()

@@ -39,7 +39,7 @@ def test_s3_unreachable_is_503_and_nothing_written(pg_url, base_model_dir, moto,
     _, auth = p.new_tenant()
     r = p.upload(auth, "m", read_files(adapter_dir(seed=1)))
     assert r.status_code == 503, r.text
-    assert "blob store is unavailable; nothing was stored" in r.json()["detail"]
+    assert "blob store is unavailable; nothing was stored" in r.json()["error"]["message"]
     assert p.ready_rows() == 0
     assert p.sql("SELECT status, error FROM adapter_versions") == [("failed", "blob store unavailable during upload")]
     assert objects(moto, bucket) == []
@@ -56,7 +56,7 @@ def test_s3_dies_mid_multipart_upload(pg_url, base_model_dir, moto, bucket, adap
     r = p.upload(auth, "m", files)
     assert proxy.down, "the proxy never cut the connection: the upload did not reach the store"
     assert r.status_code == 503, r.text
-    assert "retry the upload later" in r.json()["detail"]
+    assert "retry the upload later" in r.json()["error"]["message"]
     assert p.ready_rows() == 0
     assert [s for (s,) in p.sql("SELECT status FROM adapter_versions")] == ["failed"]
     assert objects(moto, bucket) == []  # parts of an unfinished multipart upload are never an object
@@ -88,7 +88,7 @@ def test_database_error_after_blob_write_removes_the_blob(pg_url, base_model_dir
             s.execute(text("DROP TRIGGER refuse_ready ON adapter_versions; DROP FUNCTION refuse_ready();"))
             s.commit()
     assert r.status_code == 503, r.text
-    assert "registry failed while recording the upload; nothing was stored" in r.json()["detail"]
+    assert "registry failed while recording the upload; nothing was stored" in r.json()["error"]["message"]
     assert len(puts) == 1, "the blob was never written, so the fault came too early"
     assert objects(moto, bucket) == []
     assert p.ready_rows() == 0
