@@ -25,7 +25,8 @@ outputs and the top-k sum is torch's, as in ``fused_moe``.
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
 block, the MMA's N), BLOCK_N (weight rows, a multiple of 16; 64 per warpgroup for wgmma), BLOCK_K (a multiple of
 64), GROUP_M, SPLIT_K (down only), DECODE ("asm": the scale multiply as inline PTX ``mul.rn.bf16x2``; "bits":
-the same in plain Triton), num_warps, num_stages. Under TRITON_INTERPRET the decode runs in float32
+the same in plain Triton), DIRECT (1: one routed pair per block and no moe_align launch, ``route_tables``; for a
+token or two), num_warps, num_stages. Under TRITON_INTERPRET the decode runs in float32
 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in float32.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, 
 from loraplex.kernels.reference_lora import check_mxfp4_weights
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "DECODE": "asm",
-                  "num_warps": 4, "num_stages": 4}
+                  "DIRECT": 0, "num_warps": 4, "num_stages": 4}
 DECODES = {"asm": DECODE_ASM, "bits": DECODE_BITS}
 
 
@@ -59,6 +60,21 @@ def _mma(w, xt, acc, DECODE: tl.constexpr):
         return acc + dot(w, xt)
 
 
+@triton.jit
+def _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(dead, expert, pairs [BLOCK_M], row_ok [BLOCK_M]) of row block pid_m: from moe_align's tables, or with DIRECT
+    one routed pair per block (pair pid_m of expert topk_ids[pid_m], read from ``expert_ids_ptr``; no tables)."""
+    if DIRECT:
+        dead = pid_m >= num_pairs
+        expert = tl.load(expert_ids_ptr + pid_m, mask=pid_m < num_pairs, other=0).to(tl.int64)
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        dead = pid_m * BLOCK_M >= tl.load(num_post_ptr)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # -1 in dead blocks (unused)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return dead, expert, pairs, pairs < num_pairs
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -68,14 +84,12 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_se, stride_be, stride_ot,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
+    NUM_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
+    if dead:
         return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
     tok = (pairs // TOP_K).to(tl.int64)
     atoms = (K + 63) // 64
     groups = N // 16
@@ -131,14 +145,13 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
+    if dead:
         return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
     pairs64 = pairs.to(tl.int64)
     atoms = (K + 63) // 64
     # this split's K steps: an equal share of the BLOCK_K steps, the last split the rest
@@ -210,10 +223,20 @@ def _launch(cfg: dict) -> tuple[int, int, int, int, dict]:
     return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
 
 
-def _check_align(align, bm: int) -> None:
+def route_tables(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
+    """The row blocks' tables for ``gate_up`` / ``down``: moe_align's (sorted_ids, expert_ids, num_post), or with
+    cfg DIRECT (one routed pair per block, for a batch of one or two tokens: no alignment launch, but an expert
+    two pairs share is read twice) topk_ids flattened in every slot (the kernels read it as each block's expert)."""
+    if int(cfg.get("DIRECT", 0)):
+        ids = topk_ids.reshape(-1)
+        return ids, ids, ids
+    return moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
+
+
+def _check_align(align, bm: int, direct: bool) -> None:
     sorted_ids, expert_ids, _ = align
     num_m = expert_ids.shape[0]
-    if sorted_ids.shape[0] != num_m * bm:
+    if not direct and sorted_ids.shape[0] != num_m * bm:
         raise ValueError(f"align tables were made with block size {sorted_ids.shape[0] // max(num_m, 1)} but the "
                          f"config's BLOCK_M is {bm}")
 
@@ -241,10 +264,11 @@ def check_kernel_weights(x, w13, s13, w2, s2, topk_weights, topk_ids, activation
 
 def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
             limit: float = 7.0) -> torch.Tensor:
-    """Kernel-layout gate_up over ``align`` = moe_align(topk_ids, E, cfg BLOCK_M): x [T, H] -> act(gate) * up
-    [T*A, I], or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None."""
+    """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
+    or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None."""
     bm, bn, bk, gm, launch = _launch(cfg)
-    _check_align(align, bm)
+    direct = bool(int(cfg.get("DIRECT", 0)))
+    _check_align(align, bm, direct)
     sorted_ids, expert_ids, num_post = align
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
     inter = w13.shape[1] // 2
@@ -257,7 +281,7 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, out.stride(0),
         TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, HAS_BIAS=b13 is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0,
-        DECODE=decode_mode(cfg), **launch)
+        DECODE=decode_mode(cfg), DIRECT=direct, **launch)
     return out
 
 
@@ -265,7 +289,8 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
     """Kernel-layout down GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; with
     ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them)."""
     bm, bn, bk, gm, launch = _launch(cfg)
-    _check_align(align, bm)
+    direct = bool(int(cfg.get("DIRECT", 0)))
+    _check_align(align, bm, direct)
     sorted_ids, expert_ids, num_post = align
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
@@ -283,7 +308,7 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         h.stride(0), w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(-2),
         out.stride(0) if splits > 1 else 0,
         HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, SPLIT_K=splits,
-        EVEN_K=inter % bk == 0, DECODE=decode_mode(cfg), **launch)
+        EVEN_K=inter % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, **launch)
     return out
 
 
@@ -325,7 +350,7 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     if num_tokens * top_k == 0:
         return torch.zeros_like(x)
     cfg = kernel_config(x, w13_blocks, topk_ids, config)
-    align = moe_align(topk_ids, w13_blocks.shape[0], int(cfg["BLOCK_M"]))
+    align = route_tables(topk_ids, w13_blocks.shape[0], cfg)
     h = gate_up(x, w13_blocks, w13_scales, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha,
                 limit=limit)
     out = down(h, w2_blocks, w2_scales, topk_weights, align, cfg, b2=b2)
@@ -333,4 +358,4 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
 
 
 __all__ = ["DEFAULT_CONFIG", "check_kernel_weights", "decode_mode", "down", "fused_moe_mxfp4", "gate_up",
-           "kernel_config", "sum_pairs"]
+           "kernel_config", "route_tables", "sum_pairs"]

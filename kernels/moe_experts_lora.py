@@ -73,7 +73,8 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     else:
         op = "fused_moe_mxfp4" if mxfp4 else "fused_moe_int8" if quantized else "fused_moe"
         cfg = moe_config(op, x, w13, topk_ids, config)
-    align = moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
+    align = fm4.route_tables(topk_ids, num_experts, cfg) if kernel_layout else moe_align(topk_ids, num_experts,
+                                                                                           int(cfg["BLOCK_M"]))
     cfgs = {}  # LoRA config of each target with LoRA this call
     if token_lora_idx is not None:
         calls = {"gate_up": (w13_lora, _Shape(num_pairs, two_i), x),

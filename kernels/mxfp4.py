@@ -108,6 +108,7 @@ def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, what: str = "weights
 
 ROW_GROUP = 16  # rows of one warp's MMA fragment
 K_ATOM = 64  # K elements of one atom (four 16-K MMA steps)
+KERNEL_MAX_SCALE = 191  # largest E8M0 byte the kernels' bf16 decode (factor 2^(s - 64)) represents
 # Bit of a 16-bit half of a word that each code bit (sign, e1, e0, m) lands on, per register j = 2 * jk + jr of a
 # word: the decode is r0 = w & M, r1 = (w << 3) & M, r2 = (w << 6) & M (M = 0x81C081C0: bf16 sign and the low two
 # exponent bits and top mantissa bit of each half) and r3 gathered from bits 14, 11, 10, 13 by three shifts.
@@ -166,8 +167,13 @@ def prepare_for_kernel(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torc
 
     Inside a word, register j = 2 jk + jr of the fragment (two bf16, h = 0 low) takes the codes' bits at
     ``_CODE_BITS[j]`` of each 16-bit half (h = 1: the high half). Padding past K holds code 0 and scale 0. Torch
-    only, one matrix at a time (temporaries of one [N, KP] int64); the inverse is ``restore_from_kernel``."""
+    only, one matrix at a time (temporaries of one [N, KP] int64); the inverse is ``restore_from_kernel``. Scale
+    bytes above ``KERNEL_MAX_SCALE`` (2^64) are refused: the kernels' bf16 decode cannot represent them."""
     _check_plain(blocks, scales, "weights")
+    if scales.numel() and int(scales.max()) > KERNEL_MAX_SCALE:
+        raise ValueError(f"MXFP4 scale byte {int(scales.max())} (2^{int(scales.max()) - SCALE_BIAS}) is above the "
+                         f"kernel layout's limit {KERNEL_MAX_SCALE} (2^{KERNEL_MAX_SCALE - SCALE_BIAS}); keep these "
+                         f"weights in the checkpoint layout")
     *lead, n, half_k = blocks.shape
     if n % ROW_GROUP:
         raise ValueError(f"the MXFP4 kernel layout needs N (rows) to be a multiple of {ROW_GROUP}, got {n}")
@@ -214,6 +220,6 @@ def restore_from_kernel(words: torch.Tensor, scales: torch.Tensor, k: int) -> tu
     return blocks.reshape(*lead, n, k // 2), plain.reshape(*lead, n, k // BLOCK_SIZE)
 
 
-__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "K_ATOM", "ROW_GROUP", "SCALE_BIAS", "check_kernel_layout", "check_mxfp4",
+__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "KERNEL_MAX_SCALE", "K_ATOM", "ROW_GROUP", "SCALE_BIAS", "check_kernel_layout", "check_mxfp4",
            "check_mxfp4_k", "dequantize_mxfp4", "is_kernel_layout", "kernel_k", "prepare_for_kernel",
            "quantize_mxfp4", "restore_from_kernel"]

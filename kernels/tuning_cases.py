@@ -121,23 +121,31 @@ MXFP4_PREFILL_SPACE = _cfgs(_MXFP4_KEYS, [
 MXFP4_PREFILL_MIN_M = 256
 
 
+MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while tokens rarely share an expert
+
+
 def mxfp4_moe_space(m: int) -> list[dict]:
-    """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first."""
+    """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first (at M <= 2 the first
+    three decode tiles also with DIRECT, after the first two)."""
     if m >= MXFP4_PREFILL_MIN_M:
         return list(MXFP4_PREFILL_SPACE) + MXFP4_BLOCK32_SPACE[:2]
     if m >= 32:
         return MXFP4_BLOCK32_SPACE[:2] + MXFP4_DECODE_SPACE[:4] + MXFP4_BLOCK32_SPACE[2:] + MXFP4_DECODE_SPACE[4:]
+    if m <= MXFP4_DIRECT_MAX_M:
+        direct = [{**c, "DIRECT": 1} for c in MXFP4_DECODE_SPACE[:3]]
+        return MXFP4_DECODE_SPACE[:2] + direct + MXFP4_DECODE_SPACE[2:]
     return list(MXFP4_DECODE_SPACE)
 
 
 def mxfp4_variants(cfg: dict) -> dict[str, dict]:
     """The benchmark's and GPU check's extra ``fused_moe_mxfp4`` runs next to ``cfg`` (the tuned config): the scale
-    multiply in plain Triton instead of inline PTX, split-K 2 on the down GEMM, and the checkpoint layout
-    (``fused_moe``'s W_MXFP4 kernels at their default config)."""
+    multiply in plain Triton instead of inline PTX, split-K 2 on the down GEMM, one pair per block without moe_align
+    (DIRECT), and the checkpoint layout (``fused_moe``'s W_MXFP4 kernels at their default config)."""
     from loraplex.kernels.fused_moe import DEFAULT_CONFIG
 
     return {"decode bits": {**cfg, "DECODE": "bits"},
             "split-K 2": {**cfg, "SPLIT_K": 2},
+            "direct": {**cfg, "DIRECT": 1},
             "checkpoint layout": {**DEFAULT_CONFIG, "LAYOUT": "checkpoint"}}
 SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [
     (16, 64, 16, 2, 3), (16, 64, 8, 2, 3), (16, 32, 16, 2, 3), (16, 64, 16, 4, 2), (16, 128, 8, 4, 3),

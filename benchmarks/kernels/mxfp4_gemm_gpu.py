@@ -20,6 +20,7 @@ Phases, each wrapped (a failure is a row or a line, and the next phase runs):
       kernel layout             fused_moe_mxfp4 on ``mxfp4.prepare_for_kernel``'s layout, tuned config ("asm")
       kernel layout, bits       the same, DECODE "bits" (the scale multiply in plain Triton, no inline PTX)
       kernel layout, split-K S  the same, the down GEMM split S = 2, 4 ways
+      kernel layout, direct     the same, one routed pair per block and no moe_align launch (M <= 4)
       checkpoint layout         fused_moe's W_MXFP4 kernels on the checkpoint's bytes (the previous path)
       bf16, int8                fused_moe and fused_moe_int8 at their tuned configs
       lora kernel / lora checkpoint: moe_experts_lora with --max-loras adapters of --rank on both expert targets
@@ -59,10 +60,12 @@ MS = "16,1,64,4,256,2048,8,2,32,1024"  # most telling first: the budget may stop
 SWEEP_MS = "1,16,64,256,1024,2048"
 LORA_MS = "16,1,64,256"
 VARIANT_ORDER = ("kernel layout", "checkpoint layout", "bf16", "int8", "kernel layout, bits",
-                 "kernel layout, split-K 2", "kernel layout, split-K 4", "lora kernel layout",
+                 "kernel layout, split-K 2", "kernel layout, split-K 4", "kernel layout, direct", "lora kernel layout",
                  "lora checkpoint layout", "kernel layout, graph replay")
 TUNED_VARIANTS = {"kernel layout": {}, "kernel layout, bits": {"DECODE": "bits"},
-                  "kernel layout, split-K 2": {"SPLIT_K": 2}, "kernel layout, split-K 4": {"SPLIT_K": 4}}
+                  "kernel layout, split-K 2": {"SPLIT_K": 2}, "kernel layout, split-K 4": {"SPLIT_K": 4},
+                  "kernel layout, direct": {"DIRECT": 1}}
+DIRECT_MAX_M = 4  # the "direct" rows (one pair per block: experts shared by pairs are read again)
 
 
 # ------------------------------------------------------------------------------------------- byte model
@@ -243,7 +246,7 @@ def warm_compiles(s: Shapes, ms: list[int], workers: int, run: Run, timeout_s: f
     cfgs = []
     for m in ms:
         for cfg in mxfp4_moe_space(m):
-            extra = [{}] + ([v for v in TUNED_VARIANTS.values() if v] if m <= 64 else [])
+            extra = [{}] + ([v for v in TUNED_VARIANTS.values() if v and "DIRECT" not in v] if m <= 64 else [])
             for e in extra:
                 c = {**cfg, **e}
                 if c not in cfgs:
@@ -268,7 +271,6 @@ def _warm_one(job) -> bool:
     shapes, cfg = job
     try:
         from loraplex.kernels import fused_moe_mxfp4 as fm
-        from loraplex.kernels.moe_align import moe_align
 
         s = Shapes(**shapes)
         dev = "cuda"
@@ -284,7 +286,7 @@ def _warm_one(job) -> bool:
         ids = torch.arange(s.top_k, device=dev)[None, :]
         weights = torch.full((1, s.top_k), 1.0 / s.top_k, device=dev)
         full = {**fm.DEFAULT_CONFIG, **cfg}
-        align = moe_align(ids, e, int(full["BLOCK_M"]))
+        align = fm.route_tables(ids, e, full)
         hmid = fm.gate_up(x, w13, s13, align, full, top_k=s.top_k, activation="swiglu_clamp", b13=b13)
         fm.down(hmid, w2, s2, weights, align, full, b2=b2)
         torch.cuda.synchronize()
@@ -383,7 +385,7 @@ def time_rows(s: Shapes, m: int, args, run: Run, timer, copy_tbs: float) -> list
         rows.append(r)
 
     for variant, extra in TUNED_VARIANTS.items():
-        if variant != "kernel layout" and m > args.variant_max_m:
+        if variant != "kernel layout" and (m > args.variant_max_m or ("DIRECT" in extra and m > DIRECT_MAX_M)):
             continue
         cfg = {**tuned, **extra}
         row(variant, lambda cfg=cfg: fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw), mx_bytes,

@@ -81,6 +81,10 @@ def test_bad_layout_input_is_refused():
         restore_from_kernel(words, kscales.to(torch.int8), 96)
     with pytest.raises(ValueError, match="do not match"):
         restore_from_kernel(words[:, :-1], kscales, 96)
+    blocks, scales = _random_format(16, 64)
+    scales[3, 1] = 192  # 2^65: past what the bf16 decode's factor 2^(s - 64) holds
+    with pytest.raises(ValueError, match="checkpoint layout"):
+        prepare_for_kernel(blocks, scales)
 
 
 @triton.jit
@@ -125,6 +129,8 @@ CONFIGS = {
                           "num_warps": 4, "num_stages": 1},
     "32x32x64 split3 bits": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 3,
                              "DECODE": "bits", "num_warps": 4, "num_stages": 1},
+    "direct 16x64x128": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 2, "SPLIT_K": 2, "DIRECT": 1,
+                         "num_warps": 4, "num_stages": 1},
 }
 
 
@@ -147,6 +153,7 @@ def _moe(num_tokens: int, top_k: int, with_bias: bool, dtype=torch.float32):
     (33, 2, "silu", False, "16x64x64"),
     (33, 4, "swiglu_clamp", True, "16x128x128 split2"),
     (7, 4, "silu", True, "32x32x64 split3 bits"),
+    (2, 4, "swiglu_clamp", True, "direct 16x64x128"),
 ])
 def test_fused_moe_mxfp4_kernel_layout_matches_reference(num_tokens, top_k, activation, with_bias, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, with_bias)
@@ -228,9 +235,9 @@ def build(kernel, consts, warps):
     return {"wgmma": "wgmma.mma_async" in ptx, "mul_bf16x2": "mul.rn.bf16x2" in ptx}
 
 out = []
-for decode, even_k, split in ((2, True, 1), (1, False, 2)):
+for decode, even_k, split, direct in ((2, True, 1, False), (1, False, 2, True)):
     common = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=45, EVEN_K=even_k,
-                  DECODE=decode)
+                  DECODE=decode, DIRECT=direct)
     out.append(build(fm._gate_up_kernel, {**common, "TOP_K": 4, "ACT": 1 if split == 1 else 2}, 4))
     out.append(build(fm._down_kernel, {**common, "SPLIT_K": split}, 4))
 print("RESULT " + json.dumps(out))
@@ -238,8 +245,8 @@ print("RESULT " + json.dumps(out))
 
 
 def test_kernel_layout_gemms_build_for_sm90_with_register_operand_wgmma():
-    """The kernel-layout GEMMs compile for sm_90 (both decodes, K tail, split-K, both gate_up epilogues) to Hopper
-    wgmma, with the inline-PTX bf16x2 multiply where DECODE is "asm" (2)."""
+    """The kernel-layout GEMMs compile for sm_90 (both decodes, K tail, split-K, both gate_up epilogues, with and
+    without the alignment tables) to Hopper wgmma, with the inline-PTX bf16x2 multiply where DECODE is "asm" (2)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
