@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--m", default=MS, help="token counts, in the order they run")
     p.add_argument("--sweep-m", default=SWEEP_MS)
-    p.add_argument("--sweep-s", type=float, default=110.0, help="sweep time budget (0: no sweep)")
+    p.add_argument("--sweep-s", type=float, default=90.0, help="sweep time budget (0: no sweep)")
     p.add_argument("--sweep-candidates", type=int, default=None, help="at most this many candidates per M")
     p.add_argument("--lora-m", default=LORA_MS)
     p.add_argument("--variant-max-m", type=int, default=256, help="bits / split-K rows only up to this M")
@@ -494,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=315.0, help="stop adding rows after this many seconds")
     p.add_argument("--compile-workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                    help="processes for the compile warm-up (0: none)")
-    p.add_argument("--warm-s", type=float, default=75.0, help="compile warm-up time limit")
+    p.add_argument("--warm-s", type=float, default=60.0, help="compile warm-up time limit")
+    p.add_argument("--rep-ms", type=int, default=10, help="graph length per timing (bench_time_ms rep_ms)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes; with TRITON_INTERPRET=1 on the CPU")
     args = p.parse_args(argv)
     args.lora_m = set(parse_ms(args.lora_m))
@@ -518,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": s.__dict__, "dtype": str(args.dtype), "device": device_name, "device_kind": device,
         "torch": torch.__version__,
         "triton": triton.__version__, "tolerance": TOLERANCE, "byte_model": __doc__.split("Bytes")[1].strip()})
-    timer = tuning_cases.bench_time_ms if cuda else cpu_time_ms
+    timer = (lambda fn: tuning_cases.bench_time_ms(fn, args.rep_ms)) if cuda else cpu_time_ms
     tuning_root = os.path.join(args.out, "tuning")
     rows: list[dict] = []
     winners: dict[int, dict] = {}
