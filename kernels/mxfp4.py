@@ -220,6 +220,6 @@ def restore_from_kernel(words: torch.Tensor, scales: torch.Tensor, k: int) -> tu
     return blocks.reshape(*lead, n, k // 2), plain.reshape(*lead, n, k // BLOCK_SIZE)
 
 
-__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "KERNEL_MAX_SCALE", "K_ATOM", "ROW_GROUP", "SCALE_BIAS", "check_kernel_layout", "check_mxfp4",
-           "check_mxfp4_k", "dequantize_mxfp4", "is_kernel_layout", "kernel_k", "prepare_for_kernel",
+__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "KERNEL_MAX_SCALE", "K_ATOM", "ROW_GROUP", "SCALE_BIAS", "check_kernel_layout",
+           "check_mxfp4", "check_mxfp4_k", "dequantize_mxfp4", "is_kernel_layout", "kernel_k", "prepare_for_kernel",
            "quantize_mxfp4", "restore_from_kernel"]

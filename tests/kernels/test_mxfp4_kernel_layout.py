@@ -98,7 +98,8 @@ def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: 
     for k0 in range(0, K, BLOCK_K):
         words, scales = load_kernel_tile(w_ptrs, s_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
         tile = decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, DTYPE, 0).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * K + (k0 + k)[None, :], tile, mask=(rows < N)[:, None] & (k0 + k < K)[None, :])
+        tl.store(out_ptr + rows[:, None] * K + (k0 + k)[None, :], tile,
+                 mask=(rows < N)[:, None] & (k0 + k < K)[None, :])
         w_ptrs += BLOCK_K * 2
         s_ptrs += BLOCK_K // 8
 
