@@ -1,25 +1,361 @@
 """Fused MoE with MXFP4 weight-only experts (GPT-OSS's format, ``mxfp4.py``), dequantisation inside the GEMMs.
 
-Same kernels as ``fused_moe`` with W_MXFP4 set: each K step loads a [BLOCK_K/2, BLOCK_N] byte tile and its
-[BLOCK_K/32, BLOCK_N] E8M0 scales and decodes them to the weight tile (``mxfp4_dequant.mxfp4_tile``) before the
-dot. The scale is per 32 K elements, so it multiplies the tile, not the accumulator. Decode reads 4.25 bits per
-weight: about half of INT8's bytes, a quarter of bf16's. BLOCK_K must be a power of two >= 32 (whole scale
-blocks per step); K need not be a multiple of BLOCK_K, only of 32. Configs: tuned files of op "fused_moe_mxfp4"
-(``loraplex tune``), else ``fused_moe.DEFAULT_CONFIG`` (BLOCK_K 64: 32 code bytes a column per step, and no K
-mask at GPT-OSS's K = 2880 = 45 x 64).
+Two storage layouts, told apart by the blocks' dtype:
+
+- checkpoint layout (uint8 blocks [E, N, K/2], scales [E, N, K/32]): ``fused_moe``'s kernels with W_MXFP4 set,
+  each K step decoding a [BLOCK_K/2, BLOCK_N] byte tile (``mxfp4_dequant.mxfp4_tile``) before the dot;
+- kernel layout (int32 words [E, N, KP/8], scales [E, N, KP/32], ``mxfp4.prepare_for_kernel``, KP = K rounded up
+  to 64): the kernels below, what the engine runs on CUDA.
+
+The kernel-layout GEMMs compute the transposed product, weight rows on the MMA's M dimension and the block's
+routed pairs on its N (swap-AB):
+
+    acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] (decoded in registers) @ x^T [BLOCK_K, BLOCK_M] (shared memory)
+
+At decode a block holds a few tokens, and the MMA's M must be 64 per warpgroup on Hopper: with weights on M the
+MMA does no padded work on weights and the decoded tile is the register operand of wgmma, never stored to shared
+memory. Each thread loads its fragment's codes (16 bytes per 64-K atom and row group) and scales (4 bytes), and
+decodes them with bit operations and one bf16x2 multiply per two weights (``mxfp4_dequant.decode_kernel_tile``).
+Same pair tables as ``fused_moe`` (moe_align; one expert per BLOCK_M block, GROUP_M ordering). The gate_up kernel
+keeps a gate and an up accumulator and applies bias and activation in the epilogue (or stores the pre-activation
+for the LoRA path). The down kernel can split K (``SPLIT_K`` > 1: float32 partial sums per split, bias on split
+0, routing weight on each; ``_sum_pairs_kernel`` adds splits and top-k in one pass); otherwise it writes the pairs'
+outputs and the top-k sum is torch's, as in ``fused_moe``.
+
+Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
+block, the MMA's N), BLOCK_N (weight rows, a multiple of 16; 64 per warpgroup for wgmma), BLOCK_K (a multiple of
+64), GROUP_M, SPLIT_K (down only), DECODE ("asm": the scale multiply as inline PTX ``mul.rn.bf16x2``; "bits":
+the same in plain Triton), DIRECT (1: one routed pair per block and no moe_align launch, ``route_tables``; for a
+token or two), num_warps, num_stages. Under TRITON_INTERPRET the decode runs in float32
+(``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in float32.
 """
 from __future__ import annotations
 
-import torch
+import os
 
-from loraplex.kernels.fused_moe import run_moe
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.activation import gated_act
+from loraplex.kernels.dot import dot
+from loraplex.kernels.fused_moe import ACT_CODES, ACT_NONE, _grouped_pid, run_moe
+from loraplex.kernels.moe_align import moe_align
+from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP, check_kernel_layout, is_kernel_layout, kernel_k
+from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, DECODE_EMULATE, decode_kernel_tile,
+                                            kernel_tile_ptrs, load_kernel_tile)
 from loraplex.kernels.reference_lora import check_mxfp4_weights
+
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "DECODE": "asm",
+                  "DIRECT": 0, "num_warps": 4, "num_stages": 4}
+DECODES = {"asm": DECODE_ASM, "bits": DECODE_BITS}
+
+
+@triton.jit
+def _mma(w, xt, acc, DECODE: tl.constexpr):
+    """acc += w @ xt; DECODE_EMULATE (the interpreter) multiplies bf16 operands in float32."""
+    if DECODE == DECODE_EMULATE and w.dtype == tl.bfloat16:
+        return acc + dot(w.to(tl.float32), xt.to(tl.float32))
+    else:
+        return acc + dot(w, xt)
+
+
+@triton.jit
+def _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(dead, expert, pairs [BLOCK_M], row_ok [BLOCK_M]) of row block pid_m: from moe_align's tables, or with DIRECT
+    one routed pair per block (pair pid_m of expert topk_ids[pid_m], read from ``expert_ids_ptr``; no tables)."""
+    if DIRECT:
+        dead = pid_m >= num_pairs
+        expert = tl.load(expert_ids_ptr + pid_m, mask=pid_m < num_pairs, other=0).to(tl.int64)
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        dead = pid_m * BLOCK_M >= tl.load(num_post_ptr)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # -1 in dead blocks (unused)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return dead, expert, pairs, pairs < num_pairs
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # x [T, K]; w13 words [E, 2N, KP/8] int32; scales [E, 2N, KP/32] uint8 (read as int32); bias [E, 2N];
+    # out [T*A, N] ([T*A, 2N] if ACT_NONE); tables
+    num_pairs, num_m, N, K, alpha, limit,
+    stride_xt, stride_we, stride_se, stride_be, stride_ot,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
+    dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
+    if dead:
+        return
+    tok = (pairs // TOP_K).to(tl.int64)
+    atoms = (K + 63) // 64
+    groups = N // 16
+    # gate rows [pid_n * BLOCK_N, + BLOCK_N); the up rows are N further (row group + N / 16)
+    wg_ptrs, sg_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we, s_ptr.to(tl.pointer_type(tl.int32))
+                                        + expert * (stride_se // 4), pid_n * (BLOCK_N // 16), groups, atoms,
+                                        BLOCK_N, BLOCK_K)
+    wu_ptrs = wg_ptrs + groups * atoms * 128
+    su_ptrs = sg_ptrs + groups * atoms * 8
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[None, :] * stride_xt + k[:, None]  # x^T [BLOCK_K, BLOCK_M]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
+        else:
+            xt = tl.load(x_ptrs, mask=row_ok[None, :] & (k0 + k < K)[:, None], other=0.0)
+        words, scales = load_kernel_tile(wg_ptrs, sg_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
+        acc_g = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc_g, DECODE)
+        words, scales = load_kernel_tile(wu_ptrs, su_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
+        acc_u = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc_u, DECODE)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K * 2
+        wu_ptrs += BLOCK_K * 2
+        sg_ptrs += BLOCK_K // 8
+        su_ptrs += BLOCK_K // 8
+    # ---- epilogue: the bf16 decode's 2^63, bias, activation; out[pair, n] = acc[n, pair]
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        acc_g *= BF16_FOLD
+        acc_u *= BF16_FOLD
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < N
+    if HAS_BIAS:
+        acc_g += tl.load(bias_ptr + expert * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
+        acc_u += tl.load(bias_ptr + expert * stride_be + N + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_ot + rows[:, None]
+    mask = row_ok[None, :] & rows_ok[:, None]
+    if ACT == 2:  # pre-activation: gate to columns [0, N), up to [N, 2N)
+        tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + N, acc_u.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, gated_act(acc_g, acc_u, ACT, alpha, limit).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def _down_kernel(
+    h_ptr, w_ptr, s_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # h [T*A, K]; w2 words [E, N, KP/8] int32; scales [E, N, KP/32] uint8; bias [E, N]; topk_weights [T*A];
+    # out [T*A, N] (SPLIT_K 1) or float32 partial sums [SPLIT_K, T*A, N]; tables
+    num_pairs, num_m, N, K,
+    stride_ht, stride_we, stride_se, stride_be, stride_ot, stride_os,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
+    split = tl.program_id(1)
+    dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
+    if dead:
+        return
+    pairs64 = pairs.to(tl.int64)
+    atoms = (K + 63) // 64
+    # this split's K steps: an equal share of the BLOCK_K steps, the last split the rest
+    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = split * steps * BLOCK_K
+    k_end = tl.minimum(k_begin + steps * BLOCK_K, K)
+    w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we, s_ptr.to(tl.pointer_type(tl.int32))
+                                      + expert * (stride_se // 4), pid_n * (BLOCK_N // 16), N // 16, atoms,
+                                      BLOCK_N, BLOCK_K)
+    w_ptrs += k_begin * 2
+    s_ptrs += k_begin // 8
+    k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + k)[:, None]  # h^T [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if EVEN_K:
+            ht = tl.load(h_ptrs, mask=row_ok[None, :], other=0.0)
+        else:
+            ht = tl.load(h_ptrs, mask=row_ok[None, :] & (k0 + k < K)[:, None], other=0.0)
+        words, scales = load_kernel_tile(w_ptrs, s_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
+        acc = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, ht.dtype, DECODE), ht, acc, DECODE)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * 2
+        s_ptrs += BLOCK_K // 8
+    # ---- epilogue: the bf16 decode's 2^63, bias (split 0), routing weight; out[pair, n] = acc[n, pair]
+    if h_ptr.dtype.element_ty == tl.bfloat16:
+        acc *= BF16_FOLD
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < N
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
+        acc += (bias * (split == 0).to(tl.float32))[:, None]
+    acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs64[None, :] * stride_ot + rows[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & rows_ok[:, None])
+
+
+@triton.jit
+def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
+                      # part [SPLIT_K, T*A, N] float32 -> out [T, N]: sum over splits and the token's A pairs
+                      TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        for a in tl.static_range(TOP_K):
+            acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def decode_mode(cfg: dict) -> int:
+    """The kernels' DECODE constexpr for a config ("asm" / "bits"; DECODE_EMULATE under the interpreter)."""
+    name = cfg.get("DECODE", DEFAULT_CONFIG["DECODE"])
+    if name not in DECODES:
+        raise ValueError(f"DECODE {name!r}: expected one of {sorted(DECODES)}")
+    return int(DECODE_EMULATE) if _interpreting() else int(DECODES[name])
+
+
+def _launch(cfg: dict) -> tuple[int, int, int, int, dict]:
+    bm, bn, bk, gm = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+    if bn % ROW_GROUP or bk % K_ATOM:
+        raise ValueError(f"the MXFP4 kernel layout needs BLOCK_N a multiple of {ROW_GROUP} and BLOCK_K of {K_ATOM}, "
+                         f"got BLOCK_N {bn}, BLOCK_K {bk}")
+    return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+
+
+def route_tables(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
+    """The row blocks' tables for ``gate_up`` / ``down``: moe_align's (sorted_ids, expert_ids, num_post), or with
+    cfg DIRECT (one routed pair per block, for a batch of one or two tokens: no alignment launch, but an expert
+    two pairs share is read twice) topk_ids flattened in every slot (the kernels read it as each block's expert)."""
+    if int(cfg.get("DIRECT", 0)):
+        ids = topk_ids.reshape(-1)
+        return ids, ids, ids
+    return moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
+
+
+def _check_align(align, bm: int, direct: bool) -> None:
+    sorted_ids, expert_ids, _ = align
+    num_m = expert_ids.shape[0]
+    if not direct and sorted_ids.shape[0] != num_m * bm:
+        raise ValueError(f"align tables were made with block size {sorted_ids.shape[0] // max(num_m, 1)} but the "
+                         f"config's BLOCK_M is {bm}")
+
+
+def check_kernel_weights(x, w13, s13, w2, s2, topk_weights, topk_ids, activation: str) -> None:
+    """Shapes of kernel-layout expert weights against x [T, H]: w13 words [E, 2I, KP(H)/8], w2 [E, H, KP(I)/8]."""
+    if activation not in ACT_CODES:
+        raise ValueError(f"unknown activation {activation!r}; expected 'silu' or 'swiglu_clamp'")
+    check_kernel_layout(w13, s13, "w13")
+    check_kernel_layout(w2, s2, "w2")
+    hidden = x.shape[1]
+    num_experts, two_i = w13.shape[:2]
+    if (w13.shape[2] != kernel_k(hidden) // 8 or two_i % 32
+            or w2.shape != (num_experts, hidden, kernel_k(two_i // 2) // 8)):
+        raise ValueError(f"kernel-layout expert words w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
+                         f"x [T, {hidden}]: expected w13 [E, 2I, KP(H)/8] and w2 [E, H, KP(I)/8], KP = K rounded up "
+                         f"to {K_ATOM}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                         f"both be [T={x.shape[0]}, A]")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("w13 scales", s13), ("w2 scales", s2)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
+            limit: float = 7.0) -> torch.Tensor:
+    """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
+    or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None."""
+    bm, bn, bk, gm, launch = _launch(cfg)
+    direct = bool(int(cfg.get("DIRECT", 0)))
+    _check_align(align, bm, direct)
+    sorted_ids, expert_ids, num_post = align
+    num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
+    inter = w13.shape[1] // 2
+    num_m = expert_ids.shape[0]
+    out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
+    num_n = triton.cdiv(inter, bn)
+    _gate_up_kernel[(num_m * num_n,)](
+        x, w13, s13, b13 if b13 is not None else x, out, sorted_ids, expert_ids, num_post,
+        num_pairs, num_m, inter, hidden, float(alpha), float(limit),
+        x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, out.stride(0),
+        TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, HAS_BIAS=b13 is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0,
+        DECODE=decode_mode(cfg), DIRECT=direct, **launch)
+    return out
+
+
+def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | None = None) -> torch.Tensor:
+    """Kernel-layout down GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; with
+    ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them)."""
+    bm, bn, bk, gm, launch = _launch(cfg)
+    direct = bool(int(cfg.get("DIRECT", 0)))
+    _check_align(align, bm, direct)
+    sorted_ids, expert_ids, num_post = align
+    num_pairs, inter = h.shape
+    hidden = w2.shape[1]
+    num_m = expert_ids.shape[0]
+    splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
+    splits = max(1, min(splits, triton.cdiv(inter, bk)))  # no empty splits
+    if splits == 1:
+        out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
+    else:
+        out = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=h.device)
+    num_n = triton.cdiv(hidden, bn)
+    _down_kernel[(num_m * num_n, splits)](
+        h, w2, s2, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids, expert_ids,
+        num_post, num_pairs, num_m, hidden, inter,
+        h.stride(0), w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(-2),
+        out.stride(0) if splits > 1 else 0,
+        HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, SPLIT_K=splits,
+        EVEN_K=inter % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, **launch)
+    return out
+
+
+def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T*A, H] pair outputs -> [T, H] (torch's sum), or float32 split partials [S, T*A, H] -> [T, H] in ``dtype``
+    (one launch)."""
+    if out.dim() == 2:
+        return out.view(num_tokens, top_k, -1).sum(dim=1)
+    splits, _, hidden = out.shape
+    res = torch.empty(num_tokens, hidden, dtype=dtype, device=out.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        out, res, hidden, out.stride(0), out.stride(1), res.stride(0), TOP_K=top_k, SPLIT_K=splits, BLOCK=block,
+        num_warps=4)
+    return res
+
+
+def kernel_config(x, w13, topk_ids, config: dict | None = None) -> dict:
+    """``config`` (missing keys from DEFAULT_CONFIG), else the tuned "fused_moe_mxfp4" config at this shape."""
+    if config:
+        return {**DEFAULT_CONFIG, **config}
+    from loraplex.kernels import tuning
+    from loraplex.kernels.fused_moe import shape_of
+
+    return tuning.get_config("fused_moe_mxfp4", shape_of(x, w13, topk_ids), x.shape[0], DEFAULT_CONFIG)
 
 
 def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids, *, activation="silu",
                     b13=None, b2=None, alpha=1.702, limit=7.0, config: dict | None = None) -> torch.Tensor:
-    """Same contract as ``reference_lora.fused_moe_mxfp4``; ``config`` overrides the tuned config (the tuner)."""
+    """Same contract as ``reference_lora.fused_moe_mxfp4`` (either layout); ``config`` overrides the tuned config
+    (the tuner)."""
     check_mxfp4_weights(w13_blocks, w13_scales, w2_blocks, w2_scales)
-    return run_moe(x, w13_blocks, w2_blocks, topk_weights, topk_ids, activation=activation, b13=b13, b2=b2,
-                   alpha=alpha, limit=limit, w13_scale=w13_scales.contiguous(), w2_scale=w2_scales.contiguous(),
-                   config=config, op="fused_moe_mxfp4")
+    if not is_kernel_layout(w13_blocks):
+        return run_moe(x, w13_blocks, w2_blocks, topk_weights, topk_ids, activation=activation, b13=b13, b2=b2,
+                       alpha=alpha, limit=limit, w13_scale=w13_scales.contiguous(), w2_scale=w2_scales.contiguous(),
+                       config=config, op="fused_moe_mxfp4")
+    check_kernel_weights(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids, activation)
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(x)
+    cfg = kernel_config(x, w13_blocks, topk_ids, config)
+    align = route_tables(topk_ids, w13_blocks.shape[0], cfg)
+    h = gate_up(x, w13_blocks, w13_scales, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha,
+                limit=limit)
+    out = down(h, w2_blocks, w2_scales, topk_weights, align, cfg, b2=b2)
+    return sum_pairs(out, num_tokens, top_k, x.dtype)
+
+
+__all__ = ["DEFAULT_CONFIG", "check_kernel_weights", "decode_mode", "down", "fused_moe_mxfp4", "gate_up",
+           "kernel_config", "route_tables", "sum_pairs"]

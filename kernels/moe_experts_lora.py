@@ -12,7 +12,9 @@ on shapes only, so a CUDA graph can capture it (same contract as ``reference_lor
 Tokens without an adapter (token_lora_idx -1) are in no LoRA table and cost nothing in the LoRA kernels; with
 ``token_lora_idx`` None the op is fused_moe with the activation launched separately. The LoRA alignment is
 made once, before the gate_up GEMM, with the gate_up LoRA config's BLOCK_M (the down one's if gate_up has no
-LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept).
+LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept). MXFP4 weights in the kernel
+layout (int32 words, ``mxfp4.prepare_for_kernel``) run ``fused_moe_mxfp4``'s GEMMs (its tuned config, split-K off:
+the down delta is added to the pair outputs).
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import torch
 
 from loraplex.kernels import tuning
 from loraplex.kernels import fused_moe_lora as fml
+from loraplex.kernels import fused_moe_mxfp4 as fm4
 from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.moe_align import moe_align, moe_align_lora
+from loraplex.kernels.mxfp4 import is_kernel_layout
 from loraplex.kernels.reference_lora import check_int8_weights, check_mxfp4_weights
 
 
@@ -45,13 +49,18 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
                      config: dict | None = None, lora_config_override: dict | None = None) -> torch.Tensor:
     """Same contract as ``reference_lora.moe_experts_lora``. ``config`` overrides the base GEMMs' tuned config,
     ``lora_config_override`` both LoRA calls' (tests and the tuner)."""
-    check_moe(x, w13, w2, topk_weights, topk_ids, activation)
     quantized = w13_scale is not None or w2_scale is not None
+    kernel_layout = quantized and is_kernel_layout(w13)  # MXFP4 in the kernel layout (fused_moe_mxfp4's GEMMs)
+    if kernel_layout:
+        check_mxfp4_weights(w13, w13_scale, w2, w2_scale)
+        fm4.check_kernel_weights(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation)
+    else:
+        check_moe(x, w13, w2, topk_weights, topk_ids, activation)
     mxfp4 = quantized and w13.dtype == torch.uint8  # MXFP4 blocks + E8M0 scales (else INT8 + per-channel scales)
     if mxfp4:
         check_mxfp4_weights(w13, w13_scale, w2, w2_scale)
         w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
-    elif quantized:
+    elif quantized and not kernel_layout:
         check_int8_weights(w13, w13_scale, w2, w2_scale)
         w13_scale, w2_scale = w13_scale.float().contiguous(), w2_scale.float().contiguous()
     num_tokens, top_k = topk_ids.shape
@@ -59,9 +68,13 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
         return torch.zeros_like(x)
     num_experts, two_i, hidden = w13.shape[0], w13.shape[1], x.shape[1]
     num_pairs = num_tokens * top_k
-    op = "fused_moe_mxfp4" if mxfp4 else "fused_moe_int8" if quantized else "fused_moe"
-    cfg = moe_config(op, x, w13, topk_ids, config)
-    align = moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
+    if kernel_layout:
+        cfg = fm4.kernel_config(x, w13, topk_ids, config)
+    else:
+        op = "fused_moe_mxfp4" if mxfp4 else "fused_moe_int8" if quantized else "fused_moe"
+        cfg = moe_config(op, x, w13, topk_ids, config)
+    align = fm4.route_tables(topk_ids, num_experts, cfg) if kernel_layout else moe_align(topk_ids, num_experts,
+                                                                                           int(cfg["BLOCK_M"]))
     cfgs = {}  # LoRA config of each target with LoRA this call
     if token_lora_idx is not None:
         calls = {"gate_up": (w13_lora, _Shape(num_pairs, two_i), x),
@@ -75,12 +88,18 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
             c["BLOCK_M"] = block_m
         max_loras = (w13_lora or w2_lora)[0].shape[0]
         lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
-    pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)  # [T*A, 2I]
+    if kernel_layout:
+        pre = fm4.gate_up(x, w13, w13_scale, align, cfg, top_k=top_k, activation=None, b13=b13)  # [T*A, 2I]
+    else:
+        pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)
     if "gate_up" in cfgs:
         fml.fused_moe_lora(pre, x, *w13_lora, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
                            align=lora_align)
     h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
-    out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)  # [T*A, H], routing-weighted
+    if kernel_layout:  # no split-K: the down LoRA adds into the pair outputs
+        out = fm4.down(h, w2, w2_scale, topk_weights, align, cfg, b2=b2, split_k=1)  # [T*A, H], routing-weighted
+    else:
+        out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)
     if "down" in cfgs:
         fml.fused_moe_lora(out, h, *w2_lora, topk_ids, token_lora_idx, scaling, topk_weights, config=cfgs["down"],
                            align=lora_align)

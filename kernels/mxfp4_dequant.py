@@ -46,3 +46,117 @@ def load_mxfp4_tile(w_ptrs, s_ptrs, k0, K, col_ok, EVEN_K: tl.constexpr, BLOCK_K
         packed = tl.load(w_ptrs, mask=col_ok[None, :] & (kb < K)[:, None], other=0)
         scales = tl.load(s_ptrs, mask=col_ok[None, :] & (ks < K)[:, None], other=0)
     return mxfp4_tile(packed, scales, BLOCK_K, BLOCK_N)
+
+
+# ---------------------------------------------------------------------------------------- kernel layout
+# Tiles of the layout ``mxfp4.prepare_for_kernel`` writes (row groups of 16, 64-K atoms of 128 int32 words), decoded
+# straight into the operand fragment of the MMA whose M dimension runs over weight rows (``fused_moe_mxfp4``):
+#
+#     words  [32 lanes, RG, KA, 4] int32  (RG = BLOCK_N / 16 row groups, KA = BLOCK_K / 64 atoms)
+#     scales [32 lanes, RG, KA, 1] int32  (the lane's 4 scale bytes of the atom: k block kb x row half jr)
+#                           ──> w [BLOCK_N, BLOCK_K] (bf16: value * 2^-63, see below)
+#
+# The dims are ordered so that Triton's coalesced layout gives lane i the words of lane i (16 contiguous bytes)
+# and warps the row groups, which is where the Hopper wgmma wants them: the reshape / permute at the end moves no
+# data. Each word becomes four bf16x2 registers with 11 integer operations (``_bf16x2_codes``): value * 2^-126,
+# 0.5 a subnormal. The scale multiply then folds the 2^126 in: bf16 factor 2^(s - 64) (exact for E8M0 bytes
+# 65..191, i.e. scales 2^-62 .. 2^64), the MMA accumulates value * 2^-63 and the epilogue multiplies by 2^63.
+# DECODE selects how: DECODE_ASM one ``mul.rn.bf16x2`` per register (inline PTX), DECODE_BITS the same product in
+# plain Triton bf16 (ptxas pairs the scalar multiplies, with register swaps), DECODE_EMULATE in float32 (exact; the
+# interpreter, whose bf16 bitcasts and dots are wrong, and fp32 / fp16 activations, where the scale is applied
+# exactly without the fold: 2^126 * 2^(s - 127), the byte 0 reading as 0).
+
+DECODE_EMULATE = tl.constexpr(0)
+DECODE_BITS = tl.constexpr(1)
+DECODE_ASM = tl.constexpr(2)
+BF16_FOLD = tl.constexpr(9.223372036854775808e18)  # 2^63: what the bf16 decode leaves out of every weight
+_MASK = tl.constexpr(-2118090304)  # 0x81C081C0
+_SIGN = tl.constexpr(-2147450880)  # 0x80008000
+
+
+@triton.jit
+def kernel_tile_ptrs(w_ptr, s_ptr, first_row_group, num_row_groups, atoms, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """Pointers of the first K step: words [32, RG, KA, 4] from int32 ``w_ptr`` and scales [32, RG, KA, 1] from
+    ``s_ptr`` (the scale bytes read as int32) of row groups ``first_row_group`` .. + RG of a matrix with
+    ``num_row_groups`` groups and ``atoms`` 64-K atoms per group. Row groups past the matrix are clamped to its
+    last one (their rows are computed and never stored). A K step of BLOCK_K moves the words by 2 * BLOCK_K and
+    the scales by BLOCK_K / 8."""
+    RG: tl.constexpr = BLOCK_N // 16
+    KA: tl.constexpr = BLOCK_K // 64
+    rg = tl.minimum(first_row_group + tl.arange(0, RG), num_row_groups - 1)
+    atom = rg[None, :, None, None] * atoms + tl.arange(0, KA)[None, None, :, None]
+    lane = tl.arange(0, 32)[:, None, None, None]
+    w_ptrs = w_ptr + (atom * 32 + lane) * 4 + tl.arange(0, 4)[None, None, None, :]
+    s_ptrs = s_ptr + atom * 8 + lane // 4
+    return w_ptrs, s_ptrs
+
+
+@triton.jit
+def load_kernel_tile(w_ptrs, s_ptrs, first_atom, atoms, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The words and scales at ``w_ptrs`` / ``s_ptrs``; atoms ``first_atom`` + i at or past ``atoms`` (the K
+    tail) read as 0 unless EVEN_K."""
+    if EVEN_K:
+        return tl.load(w_ptrs), tl.load(s_ptrs)
+    else:
+        ok = (first_atom + tl.arange(0, BLOCK_K // 64) < atoms)[None, None, :, None]
+        return tl.load(w_ptrs, mask=ok, other=0), tl.load(s_ptrs, mask=ok, other=0)
+
+
+@triton.jit
+def _bf16x2_codes(x):
+    """int32 words -> registers j = 0..3, each two bf16 bit patterns of value * 2^-126."""
+    r0 = x & _MASK
+    r1 = (x << 3) & _MASK
+    r2 = (x << 6) & _MASK
+    r3 = ((x << 1) & _SIGN) | ((x >> 3) & 0x01800180) | ((x >> 7) & 0x00400040)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _pair_factor(b):
+    """E8M0 bytes (int32) -> bf16x2 bit patterns of 2^(b - 64) in both halves: (b + 63) << 7 | (b + 63) << 23."""
+    return b * 0x00800080 + 0x1F801F80
+
+
+@triton.jit
+def _halves(r):
+    """int32 [..] -> int16 [.., 2]: the low, then the high 16 bits."""
+    return tl.join(r.to(tl.int16), (r >> 16).to(tl.int16))
+
+
+@triton.jit
+def decode_kernel_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                       DECODE: tl.constexpr):
+    """words [32, RG, KA, 4] int32, scales [32, RG, KA, 1] int32 -> w [BLOCK_N, BLOCK_K] in DTYPE, row
+    16 rg + 8 jr + g and k = 64 ka + 32 kb + 16 ks + 8 jk + 2 q + h for lane 4 g + q (``mxfp4.prepare_for_kernel``).
+    bf16 (every DECODE): value * 2^-63, multiply the accumulator by BF16_FOLD; other dtypes: exact."""
+    RG: tl.constexpr = BLOCK_N // 16
+    KA: tl.constexpr = BLOCK_K // 64
+    x = tl.reshape(words, (32, RG, KA, 2, 2))  # lane rg ka kb ks (k step kt = 2 kb + ks)
+    r0, r1, r2, r3 = _bf16x2_codes(x)
+    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [.., kb, ks, jr, jk]: register j = 2 jk + jr
+    b0 = scales & 0xFF  # (kb 0, jr 0)
+    b1 = (scales >> 8) & 0xFF  # (kb 0, jr 1)
+    b2 = (scales >> 16) & 0xFF  # (kb 1, jr 0)
+    b3 = (scales >> 24) & 0xFF  # (kb 1, jr 1)
+    s0 = tl.reshape(tl.join(b0, b2), (32, RG, KA, 2))  # jr 0, by kb
+    s1 = tl.reshape(tl.join(b1, b3), (32, RG, KA, 2))  # jr 1
+    s = tl.expand_dims(tl.expand_dims(tl.join(s0, s1), 4), 6)  # [.., kb, 1, jr, 1]
+    if DTYPE == tl.bfloat16 and DECODE == DECODE_ASM:
+        m = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r",
+                                      [r, tl.broadcast_to(_pair_factor(s), r.shape)], dtype=tl.int32, is_pure=True,
+                                      pack=1)
+        w = _halves(m).to(tl.bfloat16, bitcast=True)  # [.., h]
+    elif DTYPE == tl.bfloat16 and DECODE == DECODE_BITS:
+        f = ((s + 63) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w = _halves(r).to(tl.bfloat16, bitcast=True) * tl.expand_dims(f, 7)
+    else:
+        w = tl.join((r << 16).to(tl.float32, bitcast=True), (r & -65536).to(tl.float32, bitcast=True))
+        if DTYPE == tl.bfloat16:  # 2^(s - 64), as the bf16 decode
+            w = w * tl.expand_dims(((s + 63) << 23).to(tl.float32, bitcast=True), 7)
+        else:
+            w = w * 8.507059173023462e37 * tl.expand_dims((s << 23).to(tl.float32, bitcast=True), 7)
+    w = tl.reshape(w, (8, 4, RG, KA, 2, 2, 2, 2, 2))  # g q rg ka kb ks jr jk h
+    w = tl.permute(w, (2, 6, 0, 3, 4, 5, 7, 1, 8))  # rg jr g ka kb ks jk q h
+    return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DTYPE)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.mxfp4 import check_mxfp4, dequantize_mxfp4
+from loraplex.kernels.mxfp4 import check_mxfp4, dequantize_mxfp4, is_kernel_layout, kernel_k, restore_from_kernel
 from loraplex.kernels.reference import act_and_mul
 
 # ------------------------------------------------------------------------------------------ dense LoRA
@@ -183,7 +183,8 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     either may be None. ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] given: w13 / w2 are int8 and each expert's
     weight is ``(q * scale).to(x.dtype)`` (INT8 weight-only); with uint8 w13 / w2 they are MXFP4 instead: blocks
     w13 [E, 2I, H/2], w2 [E, H, I/2] and E8M0 scales w13_scale [E, 2I, H/32], w2_scale [E, H, I/32], each
-    expert's weight ``dequantize_mxfp4(blocks, scales, x.dtype)``. -> [T, H].
+    expert's weight ``dequantize_mxfp4(blocks, scales, x.dtype)`` (int32 w13 / w2: the same in the kernel layout,
+    ``mxfp4.prepare_for_kernel``). -> [T, H].
 
     Per-expert GEMMs over the pairs sorted by expert, in the model dtype; each delta is added in float32 to the
     GEMM's output and rounded back, then the routing weight multiplies the pair's output.
@@ -191,7 +192,8 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if activation not in ("silu", "swiglu_clamp"):
         raise ValueError(f"unknown activation {activation!r}; expected 'silu' or 'swiglu_clamp'")
     if w13_scale is not None or w2_scale is not None:
-        (check_mxfp4_weights if w13.dtype == torch.uint8 else check_int8_weights)(w13, w13_scale, w2, w2_scale)
+        (check_mxfp4_weights if w13.dtype in (torch.uint8, torch.int32) else check_int8_weights)(
+            w13, w13_scale, w2, w2_scale)
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs p = t*A + a sorted by expert
@@ -221,8 +223,8 @@ def _grouped_linear(x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, co
         sel = slice(start, start + n)
         if scale is None:
             we = w[e]
-        elif w.dtype == torch.uint8:
-            we = dequantize_mxfp4(w[e], scale[e], x.dtype)
+        elif w.dtype in (torch.uint8, torch.int32):  # MXFP4, either layout
+            we = dequantize_mxfp4(w[e], scale[e], x.dtype, k=x.shape[1])
         else:
             we = (w[e].float() * scale[e, :, None].float()).to(x.dtype)
         out[pairs[sel]] = F.linear(x[rows[sel]], we, None if b is None else b[e])
@@ -288,13 +290,22 @@ def _dequantised_moe(x, num_experts, weights_of, topk_weights, topk_ids, activat
 def check_mxfp4_weights(w13_blocks: torch.Tensor, w13_scales: torch.Tensor | None, w2_blocks: torch.Tensor,
                         w2_scales: torch.Tensor | None) -> None:
     """MXFP4 expert weights (``mxfp4.py``): w13 blocks [E, 2I, H/2] / scales [E, 2I, H/32], w2 blocks [E, H, I/2]
-    / scales [E, H, I/32], all uint8, both scales given (H and I multiples of 32 by construction)."""
+    / scales [E, H, I/32], all uint8, both scales given (H and I multiples of 32 by construction); or both in the
+    kernel layout (int32 words w13 [E, 2I, KP(H)/8], w2 [E, H, KP(I)/8], KP = K rounded up to 64)."""
     if w13_scales is None or w2_scales is None:
         raise ValueError("MXFP4 experts need both w13_scale and w2_scale (uint8 E8M0 scales)")
+    if is_kernel_layout(w13_blocks) != is_kernel_layout(w2_blocks):
+        raise ValueError(f"MXFP4 w13 and w2 must share a layout, got blocks of {w13_blocks.dtype} and "
+                         f"{w2_blocks.dtype}")
     check_mxfp4(w13_blocks, w13_scales, "w13")
     check_mxfp4(w2_blocks, w2_scales, "w2")
     num_experts, two_i, _ = w13_blocks.shape
-    if w2_blocks.shape != (num_experts, 2 * w13_blocks.shape[2], two_i // 4):
+    if is_kernel_layout(w13_blocks):
+        if (w2_blocks.shape[0] != num_experts or w2_blocks.shape[2] * 8 != kernel_k(two_i // 2)
+                or kernel_k(w2_blocks.shape[1]) != w13_blocks.shape[2] * 8):
+            raise ValueError(f"MXFP4 expert words w13 {tuple(w13_blocks.shape)} / w2 {tuple(w2_blocks.shape)} do "
+                             f"not match: expected w13 [E, 2I, KP(H)/8] and w2 [E, H, KP(I)/8]")
+    elif w2_blocks.shape != (num_experts, 2 * w13_blocks.shape[2], two_i // 4):
         raise ValueError(f"MXFP4 expert blocks w13 {tuple(w13_blocks.shape)} / w2 {tuple(w2_blocks.shape)} do "
                          f"not match: expected w13 [E, 2I, H/2] and w2 [E, H, I/2]")
 
@@ -306,9 +317,13 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     """fused_moe with MXFP4 weight-only experts: each expert's weights dequantised, then the float path.
 
     x [T, H]; w13_blocks [E, 2I, H/2] uint8, w13_scales [E, 2I, H/32] uint8; w2_blocks [E, H, I/2] uint8,
-    w2_scales [E, H, I/32] uint8; H and I multiples of 32 -> [T, H].
+    w2_scales [E, H, I/32] uint8; H and I multiples of 32 -> [T, H]. Weights in the kernel layout
+    (``mxfp4.prepare_for_kernel``) are accepted too.
     """
     check_mxfp4_weights(w13_blocks, w13_scales, w2_blocks, w2_scales)
+    if is_kernel_layout(w13_blocks):  # back to the checkpoint layout (slow: the CUDA launcher reads it directly)
+        w13_blocks, w13_scales = restore_from_kernel(w13_blocks, w13_scales, x.shape[1])
+        w2_blocks, w2_scales = restore_from_kernel(w2_blocks, w2_scales, w13_blocks.shape[1] // 2)
     if w13_blocks.shape[2] * 2 != x.shape[1]:
         raise ValueError(f"x [T, {x.shape[1]}] does not match w13_blocks {tuple(w13_blocks.shape)} ([E, 2I, H/2])")
     return _dequantised_moe(x, w13_blocks.shape[0], lambda e: (dequantize_mxfp4(w13_blocks[e], w13_scales[e]),

@@ -8,7 +8,7 @@ Shape legend: M tokens, H hidden, E experts, A top-k, I expert intermediate, L a
 
 Byte model (``nbytes``, the least an op must move; bandwidth = nbytes / CUDA-graph replay time):
 - expert GEMMs: the weights (and int8 / MXFP4 scales) of the experts the batch activates, x read, the intermediate
-  written and read, the output written;
+  written and read, the output written (MXFP4: codes and E8M0 scales at 4.25 bits a weight, whatever the layout);
 - LoRA: A and B of the adapters the batch uses (dense) or of the distinct (adapter, expert) pairs it routes to
   (expert LoRA: R x (K + N) elements per pair), x read, y read and written (the fused add), and for the dense
   ops the fp32 rank-R buffer between shrink and expand. Re-reads served by L2 (the one-kernel path's A per
@@ -102,9 +102,51 @@ MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
     # prefill sizes (M in the thousands: compute-bound tiles)
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
     (128, 64, 64, 8, 4, 4)])
-# MXFP4 reads a quarter of bf16's bytes per K row: longer K steps keep the loads as wide (BLOCK_K >= 32 always)
-MXFP4_MOE_SPACE = MOE_SPACE + _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), [
-    (16, 32, 512, 1, 4, 3), (16, 64, 512, 1, 8, 3)])
+# fused_moe_mxfp4 on the kernel layout (``fused_moe_mxfp4``): weight rows on the MMA's M (BLOCK_N: a multiple of 64
+# per warpgroup), pairs on its N (BLOCK_M), BLOCK_K a multiple of 64; SPLIT_K splits the down GEMM's K. The tuner
+# stops at its time budget, so best bets come first: decode tiles (M <= 64: many blocks of a few pairs; BLOCK_N 64
+# keeps 45 column blocks per expert at GPT-OSS's 2880 for M = 1, split-K adds more) or prefill tiles.
+_MXFP4_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
+MXFP4_DECODE_SPACE = _cfgs(_MXFP4_KEYS, [
+    (16, 64, 128, 1, 1, 4, 4), (16, 128, 64, 1, 1, 4, 4), (16, 128, 128, 1, 1, 4, 3), (16, 64, 128, 1, 2, 4, 4),
+    (16, 64, 256, 1, 1, 4, 3), (16, 128, 128, 1, 2, 4, 3), (16, 64, 64, 1, 1, 4, 6), (16, 256, 64, 1, 1, 4, 4),
+    (16, 64, 128, 1, 4, 4, 4), (16, 128, 64, 1, 2, 4, 5), (16, 256, 128, 1, 1, 4, 3), (16, 128, 256, 1, 1, 4, 2),
+    (16, 64, 128, 4, 1, 4, 4), (16, 128, 128, 4, 1, 4, 3)])
+MXFP4_BLOCK32_SPACE = _cfgs(_MXFP4_KEYS, [  # M = 32 .. 64: up to ~16 pairs per expert, sometimes more
+    (32, 128, 64, 1, 1, 4, 4), (32, 64, 128, 1, 1, 4, 4), (32, 128, 128, 1, 1, 4, 3), (32, 128, 128, 4, 1, 4, 3)])
+MXFP4_PREFILL_SPACE = _cfgs(_MXFP4_KEYS, [
+    (64, 128, 64, 4, 1, 4, 4), (128, 128, 64, 8, 1, 8, 3), (64, 128, 128, 4, 1, 4, 3), (128, 128, 64, 4, 1, 8, 4),
+    (64, 256, 64, 4, 1, 8, 3), (128, 64, 128, 8, 1, 4, 3), (64, 64, 128, 4, 1, 4, 4), (32, 128, 128, 4, 1, 4, 3),
+    (128, 128, 128, 8, 1, 8, 2), (64, 128, 64, 8, 1, 4, 5)])
+MXFP4_PREFILL_MIN_M = 256
+
+
+MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while tokens rarely share an expert
+
+
+def mxfp4_moe_space(m: int) -> list[dict]:
+    """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first (at M <= 2 the first
+    three decode tiles also with DIRECT, after the first two)."""
+    if m >= MXFP4_PREFILL_MIN_M:
+        return list(MXFP4_PREFILL_SPACE) + MXFP4_BLOCK32_SPACE[:2]
+    if m >= 32:
+        return MXFP4_BLOCK32_SPACE[:2] + MXFP4_DECODE_SPACE[:4] + MXFP4_BLOCK32_SPACE[2:] + MXFP4_DECODE_SPACE[4:]
+    if m <= MXFP4_DIRECT_MAX_M:
+        direct = [{**c, "DIRECT": 1} for c in MXFP4_DECODE_SPACE[:3]]
+        return MXFP4_DECODE_SPACE[:2] + direct + MXFP4_DECODE_SPACE[2:]
+    return list(MXFP4_DECODE_SPACE)
+
+
+def mxfp4_variants(cfg: dict) -> dict[str, dict]:
+    """The benchmark's and GPU check's extra ``fused_moe_mxfp4`` runs next to ``cfg`` (the tuned config): the scale
+    multiply in plain Triton instead of inline PTX, split-K 2 on the down GEMM, one pair per block without moe_align
+    (DIRECT), and the checkpoint layout (``fused_moe``'s W_MXFP4 kernels at their default config)."""
+    from loraplex.kernels.fused_moe import DEFAULT_CONFIG
+
+    return {"decode bits": {**cfg, "DECODE": "bits"},
+            "split-K 2": {**cfg, "SPLIT_K": 2},
+            "direct": {**cfg, "DIRECT": 1},
+            "checkpoint layout": {**DEFAULT_CONFIG, "LAYOUT": "checkpoint"}}
 SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [
     (16, 64, 16, 2, 3), (16, 64, 8, 2, 3), (16, 32, 16, 2, 3), (16, 64, 16, 4, 2), (16, 128, 8, 4, 3),
     (16, 32, 32, 2, 2), (16, 64, 1, 4, 2), (16, 128, 1, 4, 3), (16, 256, 1, 4, 3), (16, 128, 4, 4, 3),
@@ -173,8 +215,6 @@ def moe_cases(s: ModelShapes, m: int, dtype, device, *, weights: str = "float") 
     from loraplex.kernels import reference, reference_lora
     from loraplex.kernels.fused_moe import DEFAULT_CONFIG, fused_moe, shape_of
     from loraplex.kernels.fused_moe_int8 import fused_moe_int8
-    from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
-    from loraplex.kernels.mxfp4 import quantize_mxfp4
 
     h, e, i = s.hidden, s.num_experts, s.moe_intermediate
     if weights == "mxfp4" and (h % 32 or i % 32):
@@ -200,9 +240,7 @@ def moe_cases(s: ModelShapes, m: int, dtype, device, *, weights: str = "float") 
         q2, s2 = reference_lora.quantize_int8_per_channel(w2)
         op, ref, space = fused_moe_int8, reference_lora.fused_moe_int8, MOE_SPACE
     elif weights == "mxfp4":  # 4 bits a weight plus one byte per 32: 4.25 bits
-        q13, s13 = quantize_mxfp4(w13)
-        q2, s2 = quantize_mxfp4(w2)
-        op, ref, space = fused_moe_mxfp4, reference_lora.fused_moe_mxfp4, MXFP4_MOE_SPACE
+        return [_mxfp4_case(s, m, x, w13, w2, topk_weights, ids, kw, act_bytes, active)]
     else:
         raise ValueError(f"weights {weights!r}: expected 'float', 'int8' or 'mxfp4'")
     del w13, w2
@@ -212,6 +250,38 @@ def moe_cases(s: ModelShapes, m: int, dtype, device, *, weights: str = "float") 
                  lambda: rel_error(op(*args, **kw), ref(*args, **kw)),
                  nbytes=active * _nbytes(q13[0], q2[0], s13[0], s2[0]) + act_bytes, default=DEFAULT_CONFIG,
                  space=space)]
+
+
+def _mxfp4_case(s: ModelShapes, m: int, x, w13, w2, topk_weights, ids, kw: dict, act_bytes: int,
+                active: int) -> Case:
+    """fused_moe_mxfp4 on the kernel layout (``mxfp4.prepare_for_kernel``), as the engine runs it on CUDA. A
+    config with ``"LAYOUT": "checkpoint"`` runs the checkpoint layout instead (``mxfp4_variants``). Bytes: the
+    codes and scales of the activated experts at 4.25 bits a weight (the layout's padding to K = 64k not
+    counted) plus ``act_bytes``."""
+    from loraplex.kernels import reference_lora
+    from loraplex.kernels import tuning
+    from loraplex.kernels.fused_moe import shape_of
+    from loraplex.kernels.fused_moe_mxfp4 import DEFAULT_CONFIG, fused_moe_mxfp4
+    from loraplex.kernels.mxfp4 import prepare_for_kernel, quantize_mxfp4
+
+    q13, s13 = quantize_mxfp4(w13)
+    q2, s2 = quantize_mxfp4(w2)
+    plain = (x, q13, s13, q2, s2, topk_weights, ids)
+    kernel = (x, *prepare_for_kernel(q13, s13), *prepare_for_kernel(q2, s2), topk_weights, ids)
+    nbytes = active * _nbytes(q13[0], q2[0], s13[0], s2[0]) + act_bytes
+
+    def run(cfg: dict | None):
+        if cfg and cfg.get("LAYOUT") == "checkpoint":
+            return fused_moe_mxfp4(*plain, config={k: v for k, v in cfg.items() if k != "LAYOUT"}, **kw)
+        return fused_moe_mxfp4(*kernel, config=cfg, **kw)
+
+    def check(cfg: dict | None = None) -> float:
+        return rel_error(run(cfg), reference_lora.fused_moe_mxfp4(*plain, **kw))
+
+    shape = shape_of(x, q13, ids)
+    tuned = tuning.get_config("fused_moe_mxfp4", shape, m, DEFAULT_CONFIG)
+    return Case("fused_moe_mxfp4", "fused_moe_mxfp4", m, shape, run, check, nbytes=nbytes, default=DEFAULT_CONFIG,
+                space=mxfp4_moe_space(m), variants=mxfp4_variants(tuned))
 
 
 def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device, *,

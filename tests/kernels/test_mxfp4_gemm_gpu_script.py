@@ -1,0 +1,78 @@
+"""benchmarks/kernels/mxfp4_gemm_gpu.py off the GPU: its byte model, and one end-to-end run at tiny shapes through the
+interpreter (copy roofline, sweep through the tuner, every variant checked against the reference, the table, the
+JSON and the tuned file)."""
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+from loraplex.kernels import tuning, tuning_cases
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("mxfp4_gemm_gpu",
+                                                  os.path.join(ROOT, "benchmarks", "kernels", "mxfp4_gemm_gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_byte_model_at_gpt_oss_shapes():
+    mod = _script()
+    weights = 2 * 2880 * 2880 + 2880 * 2880  # w13 [5760, 2880] + w2 [2880, 2880] of one expert
+    assert mod.expert_weight_bytes(2880, 2880, "mxfp4") == weights * 17 // 32  # 4.25 bits a weight
+    assert mod.expert_weight_bytes(2880, 2880, "bf16") == 2 * weights
+    assert mod.expert_weight_bytes(2880, 2880, "int8") == weights + 4 * (5760 + 2880)
+    # M = 16 touching 28 experts: ~0.37 GB of codes and scales, ~89 us at 4.2 TB/s
+    got = mod.moe_bytes(16, 28, 2880, 2880, 4, "mxfp4")
+    assert got == 28 * 13_219_200 + 2 * (2 * 16 * 2880 + 2 * 16 * 4 * 2880)
+    assert 0.36e9 < got < 0.38e9
+    lora = mod.lora_extra_bytes(16, 60, 2880, 2880, 4, 32)
+    assert lora == 2 * (60 * 32 * (3 * 2880 + 2 * 2880) + 4 * 16 * 4 * 2 * 2880)
+
+
+def test_byte_model_matches_the_tuning_case():
+    """The script's formula and tuning_cases' MXFP4 case (what the tuner and bench_kernels report) agree."""
+    mod = _script()
+    shapes = tuning_cases.ModelShapes("tiny", hidden=96, num_experts=4, top_k=2, moe_intermediate=64, num_heads=4,
+                                      num_kv_heads=2, head_dim=16, activation="swiglu_clamp", expert_bias=True)
+    torch.manual_seed(5)
+    (case,) = tuning_cases.moe_cases(shapes, 3, torch.float32, "cpu", weights="mxfp4")
+    torch.manual_seed(5)  # the same draws: x, w13, w2, biases, then the routing
+    torch.randn(3, 96), torch.randn(4, 128, 96), torch.randn(4, 96, 64), torch.randn(4, 128), torch.randn(4, 96)
+    _, ids = torch.topk(torch.randn(3, 4), 2, dim=-1)
+    active = int(ids.unique().numel())
+    assert case.nbytes == mod.moe_bytes(3, active, 96, 64, 2, "mxfp4", elem=4)
+
+
+def test_tiny_run_end_to_end(tmp_path, monkeypatch):
+    mod = _script()
+    monkeypatch.delenv(tuning.TUNING_DIR_ENV, raising=False)  # the run points it at its output; restored after
+    monkeypatch.setattr(tuning_cases, "bench_time_ms", tuning_cases.bench_time_ms)  # --tiny swaps the timer
+    try:
+        rc = mod.main(["--tiny", "--out", str(tmp_path)])
+    finally:
+        tuning.clear_cache()
+    data = json.loads((tmp_path / "mxfp4_gemm.json").read_text())
+    rows = data["rows"]
+    assert rc == 0 and data["copy_tbs"] > 0
+    variants = {(r["m"], r["variant"]) for r in rows}
+    for m in (1, 3):
+        for v in ("kernel layout", "checkpoint layout", "bf16", "int8", "kernel layout, bits",
+                  "kernel layout, split-K 2", "kernel layout, split-K 4"):
+            assert (m, v) in variants
+    assert (3, "lora kernel layout") in variants and (3, "lora checkpoint layout") in variants
+    checked = [r for r in rows if "rel_err" in r]
+    assert len(checked) == 14 and all(r["ok"] and r["rel_err"] < 1e-4 for r in checked)
+    assert all(r["us"] > 0 and r["nbytes"] > 0 and "error" not in r for r in rows)
+    assert any(n.startswith("sweep M=1: default") for n in data["notes"])
+    table = (tmp_path / "mxfp4_gemm.md").read_text()
+    assert table.startswith("| M | variant |") and table.count("\n| 3 |") >= 10
+    tuned = json.loads((tmp_path / "tuning" / "cpu" / "fused_moe_mxfp4.json").read_text())
+    assert set(tuned) == {"E=4,A=2,H=96,I=64"} and set(tuned["E=4,A=2,H=96,I=64"]) == {"1", "3"}
+    assert all(c["BLOCK_K"] % 64 == 0 and c["DECODE"] in ("asm", "bits") for c in tuned["E=4,A=2,H=96,I=64"].values())

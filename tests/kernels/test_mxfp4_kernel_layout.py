@@ -1,0 +1,258 @@
+"""MXFP4 kernel layout (``mxfp4.prepare_for_kernel``): the repack and its inverse, the documented bit positions,
+the in-kernel tile decode, and the fused MoE / expert-LoRA GEMMs that read it, against the references (fresh
+random inputs, awkward shapes: M = 1 and 33, N not a multiple of BLOCK_N, K = 64k + 32, experts without tokens)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels import ops
+from loraplex.kernels import reference_lora as ref
+from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+from loraplex.kernels.mxfp4 import (dequantize_mxfp4, is_kernel_layout, kernel_k, prepare_for_kernel,
+                                    quantize_mxfp4, restore_from_kernel)
+from loraplex.kernels.mxfp4_dequant import BF16_FOLD, decode_kernel_tile, kernel_tile_ptrs, load_kernel_tile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))  # (sign, e1, e0, m), docstring's table
+
+
+def _random_format(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every byte value in the blocks, scales in the range the bf16 decode is exact for."""
+    *lead, n, k = shape
+    blocks = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8)
+    scales = torch.randint(100, 140, (*lead, n, k // 32), dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (3, 48, 96), (2, 2, 32, 160), (32, 32)])
+def test_round_trip_and_dequantize(shape):
+    blocks, scales = _random_format(*shape)
+    words, kscales = prepare_for_kernel(blocks, scales)
+    k = shape[-1]
+    assert is_kernel_layout(words) and not is_kernel_layout(blocks)
+    assert words.shape == (*shape[:-1], kernel_k(k) // 8) and kscales.shape == (*shape[:-1], kernel_k(k) // 32)
+    back = restore_from_kernel(words, kscales, k)
+    assert torch.equal(back[0], blocks) and torch.equal(back[1], scales)
+    assert torch.equal(dequantize_mxfp4(words, kscales, k=k), dequantize_mxfp4(blocks, scales))
+    padded = dequantize_mxfp4(words, kscales)  # default k: the padded K, zeros past K
+    assert padded.shape[-1] == kernel_k(k) and not padded[..., k:].any()
+
+
+def test_codes_land_where_the_docstring_says():
+    """One nonzero code at a time: row 16 rg + 8 jr + g, k = 64 ka + 16 kt + 8 jk + 2 q + h goes to word
+    (rg, ka, lane 4 g + q, kt), bits CODE_BITS[2 jk + jr] of half h; its scale to byte (rg, ka, g, kb, jr)."""
+    n, k = 32, 192
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(24):
+        row, col = int(torch.randint(0, n, (), generator=gen)), int(torch.randint(0, k, (), generator=gen))
+        code = int(torch.randint(1, 16, (), generator=gen))
+        codes = torch.zeros(n, k, dtype=torch.uint8)
+        codes[row, col] = code
+        blocks = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scales = torch.zeros(n, k // 32, dtype=torch.uint8)
+        scales[row, col // 32] = 77
+        words, kscales = prepare_for_kernel(blocks, scales)
+        rg, jr, g = row // 16, (row % 16) // 8, row % 8
+        ka, kt, jk, q, h = col // 64, (col % 64) // 16, (col % 16) // 8, (col % 8) // 2, col % 2
+        flat = words.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+        index = ((rg * (k // 64) + ka) * 32 + 4 * g + q) * 4 + kt
+        expect = sum(((code >> bit) & 1) << (pos + 16 * h) for bit, pos in zip((3, 2, 1, 0), CODE_BITS[2 * jk + jr]))
+        assert flat[index] == expect and flat.count_nonzero() == 1
+        kb = (col % 64) // 32
+        sflat = kscales.reshape(-1)
+        sindex = ((rg * (k // 64) + ka) * 8 + g) * 4 + 2 * kb + jr
+        assert sflat[sindex] == 77 and sflat.count_nonzero() == 1
+
+
+def test_bad_layout_input_is_refused():
+    blocks, scales = _random_format(24, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        prepare_for_kernel(blocks, scales)
+    words, kscales = prepare_for_kernel(*_random_format(16, 96))
+    with pytest.raises(ValueError, match="does not match"):
+        restore_from_kernel(words, kscales, 64)
+    with pytest.raises(ValueError, match="int32 words and uint8 scales"):
+        restore_from_kernel(words, kscales.to(torch.int8), 96)
+    with pytest.raises(ValueError, match="do not match"):
+        restore_from_kernel(words[:, :-1], kscales, 96)
+    blocks, scales = _random_format(16, 64)
+    scales[3, 1] = 192  # 2^65: past what the bf16 decode's factor 2^(s - 64) holds
+    with pytest.raises(ValueError, match="checkpoint layout"):
+        prepare_for_kernel(blocks, scales)
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   DTYPE: tl.constexpr):
+    atoms = (K + 63) // 64
+    w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr, s_ptr.to(tl.pointer_type(tl.int32)), tl.program_id(0) * (BLOCK_N // 16),
+                                      N // 16, atoms, BLOCK_N, BLOCK_K)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        words, scales = load_kernel_tile(w_ptrs, s_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
+        tile = decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, DTYPE, 0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * K + (k0 + k)[None, :], tile,
+                 mask=(rows < N)[:, None] & (k0 + k < K)[None, :])
+        w_ptrs += BLOCK_K * 2
+        s_ptrs += BLOCK_K // 8
+
+
+@pytest.mark.parametrize("block_n,block_k", [(16, 64), (64, 128), (32, 256)])
+@pytest.mark.parametrize("dtype", [tl.float32, tl.bfloat16])
+def test_triton_tile_decode_equals_dequantize(block_n, block_k, dtype):
+    """float32: the exact weights; bf16: weights * 2^-63 (the fold the epilogue undoes). N = 48 (the last row
+    block clamped), K = 160 (a padded atom, a K tail)."""
+    n, k = 48, 160
+    blocks, scales = quantize_mxfp4(torch.randn(n, k) * torch.logspace(-3, 3, k))
+    words, kscales = prepare_for_kernel(blocks, scales)
+    out = torch.full((n, k), float("nan"))
+    _decode_kernel[(triton.cdiv(n, block_n),)](words, kscales, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
+                                               EVEN_K=k % block_k == 0, DTYPE=dtype)
+    want = dequantize_mxfp4(blocks, scales)
+    if dtype == tl.bfloat16:
+        want = want / BF16_FOLD.value
+    assert torch.equal(out, want)
+
+
+# ------------------------------------------------------------------------------------------ fused MoE
+
+E, H, INTER = 8, 96, 160  # K = 64 + 32 (gate_up) and 2 x 64 + 32 (down); N = 160, 96: not multiples of BLOCK_N
+CONFIGS = {
+    "16x64x64": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
+    "16x128x128 split2": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 2,
+                          "num_warps": 4, "num_stages": 1},
+    "32x32x64 split3 bits": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 3,
+                             "DECODE": "bits", "num_warps": 4, "num_stages": 1},
+    "direct 16x64x128": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 2, "SPLIT_K": 2, "DIRECT": 1,
+                         "num_warps": 4, "num_stages": 1},
+}
+
+
+def _moe(num_tokens: int, top_k: int, with_bias: bool, dtype=torch.float32):
+    x = torch.randn(num_tokens, H).to(dtype)
+    w13 = torch.randn(E, 2 * INTER, H) / H ** 0.5
+    w2 = torch.randn(E, H, INTER) / INTER ** 0.5
+    scores = torch.rand(num_tokens, E)
+    scores[:, -2:] = -1  # the last two experts receive no token
+    weights, ids = torch.topk(scores.softmax(-1), top_k, dim=-1)
+    b13 = torch.randn(E, 2 * INTER).to(dtype) if with_bias else None
+    b2 = torch.randn(E, H).to(dtype) if with_bias else None
+    q13, s13 = quantize_mxfp4(w13)
+    q2, s2 = quantize_mxfp4(w2)
+    return x, (q13, s13, q2, s2), (*prepare_for_kernel(q13, s13), *prepare_for_kernel(q2, s2)), weights, ids, b13, b2
+
+
+@pytest.mark.parametrize("num_tokens,top_k,activation,with_bias,config", [
+    (1, 4, "swiglu_clamp", True, "16x64x64"),
+    (33, 2, "silu", False, "16x64x64"),
+    (33, 4, "swiglu_clamp", True, "16x128x128 split2"),
+    (7, 4, "silu", True, "32x32x64 split3 bits"),
+    (2, 4, "swiglu_clamp", True, "direct 16x64x128"),
+])
+def test_fused_moe_mxfp4_kernel_layout_matches_reference(num_tokens, top_k, activation, with_bias, config):
+    x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, with_bias)
+    kw = dict(activation=activation, b13=b13, b2=b2, alpha=1.702, limit=7.0)
+    got = fused_moe_mxfp4(x, *kernel, weights, ids, config=CONFIGS[config], **kw)
+    want = ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref.fused_moe_mxfp4(x, *kernel, weights, ids, **kw), want, rtol=0, atol=0)
+
+
+def test_fused_moe_mxfp4_kernel_layout_bf16_and_default_config():
+    """bf16 activations (the 2^-63 fold; float32 arithmetic under the interpreter), the built-in config, and the
+    dispatch: on CPU tensors ops runs the reference, which reads the kernel layout too."""
+    x, plain, kernel, weights, ids, b13, b2 = _moe(5, 4, True, torch.bfloat16)
+    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
+    got = fused_moe_mxfp4(x, *kernel, weights, ids, **kw)
+    want = ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    assert torch.equal(ops.fused_moe_mxfp4(x, *kernel, weights, ids, **kw), want)
+
+
+def test_fused_moe_mxfp4_kernel_layout_rejects_bad_input():
+    x, plain, kernel, weights, ids, _, _ = _moe(3, 2, False)
+    w13, s13, w2, s2 = kernel
+    with pytest.raises(ValueError, match="BLOCK_K of 64"):
+        fused_moe_mxfp4(x, *kernel, weights, ids, config={**CONFIGS["16x64x64"], "BLOCK_K": 32})
+    with pytest.raises(ValueError, match="DECODE"):
+        fused_moe_mxfp4(x, *kernel, weights, ids, config={**CONFIGS["16x64x64"], "DECODE": "lut"})
+    with pytest.raises(ValueError, match="share a layout"):
+        fused_moe_mxfp4(x, w13, s13, plain[2], plain[3], weights, ids)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_moe_mxfp4(x[:, :64].contiguous(), *kernel, weights, ids)
+
+
+L, R = 3, 16
+LORA_CFG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2, "GROUP_M": 1, "num_warps": 4,
+            "num_stages": 1}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33])
+def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens):
+    from loraplex.kernels.moe_experts_lora import moe_experts_lora
+
+    x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, 4, True)
+    idx = torch.arange(num_tokens, dtype=torch.int32) % (L + 1) - 1  # -1 (no adapter), 0, 1, 2, ...
+    scaling = torch.rand(L) + 0.5
+    lora = [(torch.randn(L, E, R, k) / k ** 0.5, torch.randn(L, E, n, R) / R ** 0.5)
+            for k, n in ((H, 2 * INTER), (INTER, H))]
+    kw = dict(w13_lora=lora[0], w2_lora=lora[1], activation="swiglu_clamp", b13=b13, b2=b2)
+    w13, s13, w2, s2 = kernel
+    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13, w2_scale=s2,
+                           config=CONFIGS["16x128x128 split2"], lora_config_override=LORA_CFG, **kw)
+    want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, scaling, w13_scale=plain[1],
+                                w2_scale=plain[3], **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13,
+                                                    w2_scale=s2, **kw), want, rtol=0, atol=0)
+
+
+BUILD = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from loraplex.kernels import fused_moe_mxfp4 as fm
+
+TYPES = {"w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
+         "num_post_ptr": "*i32"}
+DIV16 = ("stride_xt", "stride_ht", "stride_we", "stride_se", "stride_be", "stride_ot", "stride_os", "N", "K")
+
+def build(kernel, consts, warps):
+    sig = {n: "constexpr" if n in consts else TYPES.get(n, "*bf16") if n.endswith("_ptr")
+           else "fp32" if n in ("alpha", "limit") else "i32" for n in kernel.arg_names}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.arg_names
+             if n not in consts and (n.endswith("_ptr") or n in DIV16)}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
+                    attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3)).asm["ptx"]
+    return {"wgmma": "wgmma.mma_async" in ptx, "mul_bf16x2": "mul.rn.bf16x2" in ptx}
+
+out = []
+for decode, even_k, split, direct in ((2, True, 1, False), (1, False, 2, True)):
+    common = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=45, EVEN_K=even_k,
+                  DECODE=decode, DIRECT=direct)
+    out.append(build(fm._gate_up_kernel, {**common, "TOP_K": 4, "ACT": 1 if split == 1 else 2}, 4))
+    out.append(build(fm._down_kernel, {**common, "SPLIT_K": split}, 4))
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_kernel_layout_gemms_build_for_sm90_with_register_operand_wgmma():
+    """The kernel-layout GEMMs compile for sm_90 (both decodes, K tail, split-K, both gate_up epilogues, with and
+    without the alignment tables) to Hopper wgmma, with the inline-PTX bf16x2 multiply where DECODE is "asm" (2)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    got = json.loads(lines[0][len("RESULT "):])
+    assert [b["wgmma"] for b in got] == [True] * 4
+    assert [b["mul_bf16x2"] for b in got] == [True, True, False, False]
