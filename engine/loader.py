@@ -9,18 +9,10 @@ transposed and de-interleaved). The set of expected names comes from the config,
 tensors are reported before any data is copied; a shape mismatch names the tensor, its file and both shapes.
 
 MXFP4 checkpoints (GPT-OSS as published: config.json's ``quantization_config {"quant_method": "mxfp4"}``)
-hold each MoE layer's experts as codes and scales; the rest is float (bf16):
-
-    model.layers.N.mlp.experts.gate_up_proj_blocks  uint8 [E, 2I, H/32, 16]  rows gate/up interleaved
-    model.layers.N.mlp.experts.gate_up_proj_scales  uint8 [E, 2I, H/32]      E8M0, bias 127
-    model.layers.N.mlp.experts.down_proj_blocks     uint8 [E, H, I/32, 16]
-    model.layers.N.mlp.experts.down_proj_scales     uint8 [E, H, I/32]
-    model.layers.N.mlp.experts.{gate_up,down}_proj_bias   float [E, 2I] / [E, H]
-
-(two E2M1 codes a byte, the low nibble first: ``kernels/mxfp4.py``'s layout with the last two dims merged). Those
-layers' experts are never built as float modules: the codes are copied into uint8 tensors allocated for them
-(rows de-interleaved to [gate; up]) and become ``Mxfp4FusedExperts`` through ``from_mxfp4``, so no float expert
-weight exists at any point. Converting them to another format is ``quantization.apply_quantization``'s job.
+hold each MoE layer's experts as ``*_blocks`` / ``*_scales`` codes (the layout: ``quantization/mxfp4_checkpoint.py``);
+the rest is float. Those layers' experts are never built as float modules: their codes are copied into uint8
+tensors allocated for them and become ``Mxfp4FusedExperts``, so no float expert weight exists at any point.
+Converting them to another format is ``quantization.apply_quantization``'s job.
 """
 from __future__ import annotations
 
@@ -38,6 +30,12 @@ from loraplex.engine.config import ConfigError, ModelConfig
 from loraplex.engine.models import get_model_class
 from loraplex.engine.models.transformer import CausalLM
 from loraplex.engine.progress import progress as progress_bar
+from loraplex.engine.quantization.mxfp4_checkpoint import (
+    gpt_oss_gate_up_codes,
+    install_mxfp4_experts,
+    merge_blocks,
+    stage_mxfp4_experts,
+)
 from loraplex.kernels.mxfp4 import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -72,16 +70,8 @@ def _gpt_oss_gate_up(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
 
 
-def _gpt_oss_gate_up_bias(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, ..] rows interleaved -> [gate; up]
+def _gpt_oss_gate_up_bias(t: torch.Tensor) -> torch.Tensor:  # [E, 2I] interleaved -> [gate; up]
     return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
-
-
-def _gpt_oss_gate_up_blocks(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, H/32, 16] interleaved -> [E, 2I, H/2]
-    return _gpt_oss_gate_up_bias(t.flatten(-2))
-
-
-def _merge_blocks(t: torch.Tensor) -> torch.Tensor:  # [E, N, K/32, 16] -> [E, N, K/2]
-    return t.flatten(-2)
 
 
 def _transpose_experts(t: torch.Tensor) -> torch.Tensor:  # [E, I, H] -> [E, H, I]
@@ -120,13 +110,13 @@ def _gpt_oss_mxfp4_targets(cfg: ModelConfig, ex: str) -> dict[str, Target]:
     e, h, i, b = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, BLOCK_SIZE
     u8 = torch.uint8
     return {
-        f"{ex}.gate_up_proj_blocks": Target(f"{ex}.w13_blocks", transform=_gpt_oss_gate_up_blocks,
+        f"{ex}.gate_up_proj_blocks": Target(f"{ex}.w13_blocks", transform=gpt_oss_gate_up_codes,
                                             src_shape=(e, 2 * i, h // b, b // 2), src_dtype=u8,
                                             src_layout="[E, 2I, H/32, 16] uint8 MXFP4 codes"),
-        f"{ex}.gate_up_proj_scales": Target(f"{ex}.w13_scales", transform=_gpt_oss_gate_up_bias,
+        f"{ex}.gate_up_proj_scales": Target(f"{ex}.w13_scales", transform=gpt_oss_gate_up_codes,
                                             src_shape=(e, 2 * i, h // b), src_dtype=u8,
                                             src_layout="[E, 2I, H/32] uint8 E8M0 scales"),
-        f"{ex}.down_proj_blocks": Target(f"{ex}.w2_blocks", transform=_merge_blocks,
+        f"{ex}.down_proj_blocks": Target(f"{ex}.w2_blocks", transform=merge_blocks,
                                          src_shape=(e, h, i // b, b // 2), src_dtype=u8,
                                          src_layout="[E, H, I/32, 16] uint8 MXFP4 codes"),
         f"{ex}.down_proj_scales": Target(f"{ex}.w2_scales", src_shape=(e, h, i // b), src_dtype=u8,
@@ -294,43 +284,6 @@ def _check_no_codes(path: str, names: set[str]) -> None:
                               "checkpoints have it) or use a bf16 checkpoint")
 
 
-def _stage_mxfp4_experts(model: CausalLM, targets: dict[str, Target], device, dtype) -> tuple[dict, dict]:
-    """Detach the meta FusedExperts of every layer whose checkpoint holds MXFP4 codes (so no float weight is
-    ever allocated for them) and allocate the uint8 codes / scales and float biases they load into.
-    Returns ({tensor name: empty tensor}, {experts module name: (parent module, meta FusedExperts)})."""
-    prefixes = sorted(t.param.removesuffix(".w13_blocks") for t in targets.values()
-                      if t.param.endswith(".w13_blocks"))
-    modules = dict(model.named_modules())
-    staged: dict[str, torch.Tensor] = {}
-    sites: dict[str, tuple[nn.Module, nn.Module]] = {}
-    for prefix in prefixes:
-        meta = modules[prefix]
-        e, h, i = meta.num_experts, meta.hidden_size, meta.intermediate_size
-        shapes = {"w13_blocks": (e, 2 * i, h // 2), "w13_scales": (e, 2 * i, h // BLOCK_SIZE),
-                  "w2_blocks": (e, h, i // 2), "w2_scales": (e, h, i // BLOCK_SIZE)}
-        for name, shape in shapes.items():
-            staged[f"{prefix}.{name}"] = torch.empty(shape, dtype=torch.uint8, device=device)
-        for name, shape in (("b13", (e, 2 * i)), ("b2", (e, h))):
-            if getattr(meta, name) is not None:
-                staged[f"{prefix}.{name}"] = torch.empty(shape, dtype=dtype, device=device)
-        parent_name, _, child = prefix.rpartition(".")
-        setattr(modules[parent_name], child, None)
-        sites[prefix] = (modules[parent_name], meta)
-    return staged, sites
-
-
-def _install_mxfp4_experts(staged: dict[str, torch.Tensor], sites: dict, dtype: torch.dtype) -> None:
-    """The loaded codes of every staged layer become its Mxfp4FusedExperts (``from_mxfp4``, the one constructor)."""
-    from loraplex.engine.quantization.mxfp4_experts import Mxfp4FusedExperts
-
-    for prefix, (parent, meta) in sites.items():
-        take = lambda n: staged.pop(f"{prefix}.{n}", None)  # noqa: E731
-        experts = Mxfp4FusedExperts.from_mxfp4(
-            (take("w13_blocks"), take("w13_scales")), (take("w2_blocks"), take("w2_scales")), b13=take("b13"),
-            b2=take("b2"), activation=meta.activation, alpha=meta.alpha, limit=meta.limit, dtype=dtype)
-        setattr(parent, prefix.rpartition(".")[2], experts)
-
-
 def _load_safetensors(model: CausalLM, cfg: ModelConfig, path: str, *, device, dtype: torch.dtype,
                       quantization: str | None, progress: bool) -> None:
     files = checkpoint_files(path)
@@ -346,7 +299,9 @@ def _load_safetensors(model: CausalLM, cfg: ModelConfig, path: str, *, device, d
     if unexpected:
         raise WeightLoadError(f"checkpoint {path} has {len(unexpected)} unexpected tensor(s) for the "
                               f"{cfg.family} config, e.g. {unexpected[:3]} (in {files[unexpected[0]]})")
-    staged, sites = _stage_mxfp4_experts(model, targets, device, dtype)
+    prefixes = sorted(t.param.removesuffix(".w13_blocks") for t in targets.values()
+                      if t.param.endswith(".w13_blocks"))
+    staged, sites = stage_mxfp4_experts(model, prefixes, device, dtype)
     _materialize(model, device, dtype)
     params = {**dict(model.named_parameters(remove_duplicate=False)), **staged}
     by_file: dict[str, list[str]] = {}
@@ -356,7 +311,7 @@ def _load_safetensors(model: CausalLM, cfg: ModelConfig, path: str, *, device, d
     with progress_bar(total=len(targets), desc="Loading weights", unit="tensor",
                       enabled=None if progress else False) as bar:
         _copy_tensors(params, targets, by_file, cfg, bar)
-    _install_mxfp4_experts(staged, sites, dtype)
+    install_mxfp4_experts(staged, sites, dtype)
 
 
 def _read(f, fname: str, name: str, t: Target, dest: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -366,7 +321,8 @@ def _read(f, fname: str, name: str, t: Target, dest: torch.Tensor, cfg: ModelCon
     except Exception as e:
         raise WeightLoadError(f"cannot read tensor {name!r} from {fname} (truncated or corrupt?): {e}") from None
     if t.src_dtype is not None and src.dtype != t.src_dtype:
-        raise WeightLoadError(f"tensor {name!r} in {fname} has dtype {src.dtype}, expected {t.src_layout or t.src_dtype}")
+        raise WeightLoadError(f"tensor {name!r} in {fname} has dtype {src.dtype}, expected "
+                              f"{t.src_layout or t.src_dtype}")
     if t.src_dtype is None and dest.is_floating_point() and not src.is_floating_point():
         raise WeightLoadError(f"tensor {name!r} in {fname} has dtype {src.dtype}, expected a floating-point tensor "
                               f"for {t.param}")

@@ -133,6 +133,20 @@ def test_checkpoint_layout_is_transformers_own():
     assert torch.equal(convert_moe_packed_tensors(b, s, dtype=torch.float32), want)
 
 
+def test_requantising_dequantised_mxfp4_gives_back_its_values():
+    """A bf16 copy made by dequantising an MXFP4 checkpoint, quantised again at load (``quantization="mxfp4"``),
+    has the published values: the OCP rule reproduces any MXFP4 block (bf16 holds every MXFP4 value)."""
+    from loraplex.kernels.mxfp4 import quantize_mxfp4
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (4, 64, 48), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (4, 64, 3), dtype=torch.uint8, generator=g)
+    for k, mask in enumerate((0x11, 0x33, 0x99, 0xBB, 0x00)):  # blocks whose largest code is 0.5, 1.5, 0, ...
+        blocks[k % 4, 8 * k:8 * k + 8] &= mask
+    w = dequantize_mxfp4(blocks, scales, torch.bfloat16)
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(w)), w.float())
+
+
 # ---------------------------------------------------------------------------------------------- vs transformers
 
 
