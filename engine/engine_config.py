@@ -15,9 +15,9 @@ class EngineConfig:
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                    # auto: cuda when available
     load_format: str = "auto"               # auto | safetensors | dummy
-    # expert weights (docs/engine.md, "Quantization"): "auto" = as the checkpoint stores them (MXFP4 for an MXFP4
-    # checkpoint, else float); None = float (an MXFP4 checkpoint is dequantised at load); "int8" | "mxfp4" =
-    # weight-only, quantised at load (an MXFP4 checkpoint's experts stay as published for "mxfp4")
+    # expert weights (docs/engine.md, "Loading checkpoints and quantization"): "auto" = as the checkpoint stores
+    # them (MXFP4 for an MXFP4 checkpoint, else float); None = float (an MXFP4 checkpoint is dequantised at load);
+    # "int8" | "mxfp4" = weight-only, quantised at load (an MXFP4 checkpoint's experts stay as published for "mxfp4")
     quantization: str | None = "auto"
     seed: int = 0
     # scheduler

@@ -418,6 +418,7 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", d
                               progress=progress)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the layout transforms' temporaries, before the KV pool is sized from free memory
     logger.info("weights: %.2f GiB on %s (%s checkpoint%s) loaded in %.1f s", weights_bytes(model) / 2**30,
                 device, quantization or "float", ", dummy" if load_format == "dummy" else "",
                 time.perf_counter() - start)

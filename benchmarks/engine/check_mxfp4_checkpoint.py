@@ -207,13 +207,20 @@ def write_random_checkpoint(folder: str, cfg: dict, device: str) -> tuple[int, f
     return total, time.perf_counter() - start
 
 
+def layer_bytes(model) -> int:
+    """Bytes of decoder layer 0's own tensors (not the rope table every layer shares)."""
+    shared = {t.untyped_storage().data_ptr() for t in model.rotary.buffers()}
+    tensors = [*model.model.layers[0].parameters(), *model.model.layers[0].buffers()]
+    own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in own.items() if ptr not in shared)
+
+
 def stage_20b(args) -> dict:
     import torch
 
     import loraplex.engine.model_runner as model_runner
     from loraplex.bench.workload import GPT_OSS_20B, GPT_OSS_TINY, write_random_adapters
     from loraplex.engine import LLMEngine, SamplingParams
-    from loraplex.engine.loader import weights_bytes
     from loraplex.engine.lora.ref import AdapterRef
     from loraplex.engine.quantization import Mxfp4FusedExperts
 
@@ -235,7 +242,7 @@ def stage_20b(args) -> dict:
                 torch.cuda.synchronize()
             seen.update(t=time.perf_counter(), allocated=torch.cuda.memory_allocated() if cuda else None,
                         peak=torch.cuda.max_memory_allocated() if cuda else None,
-                        layer_bytes=weights_bytes(self.model.model.layers[0]), weights=self.weights_bytes,
+                        layer_bytes=layer_bytes(self.model), weights=self.weights_bytes,
                         mxfp4=all(isinstance(layer.mlp.experts, Mxfp4FusedExperts)
                                   for layer in self.model.model.layers))
             return size_pool(self, *a)
@@ -249,7 +256,8 @@ def stage_20b(args) -> dict:
         try:
             engine = LLMEngine.from_pretrained(folder, device=args.device, dtype="bfloat16", enable_lora=True,
                                                max_loras=2, max_lora_rank=args.rank, num_kv_blocks=256,
-                                               block_size=16, max_num_seqs=4, max_num_batched_tokens=512,
+                                               block_size=16, max_model_len=1024, max_num_seqs=4,
+                                               max_num_batched_tokens=512,
                                                enforce_eager=True, progress=False,
                                                adapter_cache_dir=os.path.join(tmp, "cache"))
         finally:
