@@ -17,7 +17,10 @@ class EngineConfig:
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                    # auto: cuda when available
     load_format: str = "auto"               # auto | safetensors | dummy
-    quantization: str | None = None         # None | "int8" | "mxfp4" (weight-only MoE experts, applied at load)
+    # expert weights (docs/engine.md, "Loading checkpoints and quantization"): "auto" = as the checkpoint stores
+    # them (MXFP4 for an MXFP4 checkpoint, else float); None = float (an MXFP4 checkpoint is dequantised at load);
+    # "int8" | "mxfp4" = weight-only, quantised at load (an MXFP4 checkpoint's experts stay as published for "mxfp4")
+    quantization: str | None = "auto"
     seed: int = 0
     # scheduler
     max_model_len: int | None = None        # defaults to the model's max_position_embeddings (capped at 8192)
@@ -59,8 +62,9 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not supported; choose one of {', '.join(DEVICES)}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format {self.load_format!r}: expected auto, safetensors or dummy")
-        if self.quantization not in (None, "int8", "mxfp4"):
-            raise ValueError(f"quantization {self.quantization!r} is not supported; choose None or 'int8' or 'mxfp4'")
+        if self.quantization not in ("auto", None, "int8", "mxfp4"):
+            raise ValueError(f"quantization {self.quantization!r} is not supported; choose 'auto', None (float "
+                             "experts), 'int8' or 'mxfp4'")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

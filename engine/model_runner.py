@@ -72,11 +72,15 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = self._load_model()
-        if getattr(config, "quantization", None):
+        if getattr(config, "quantization", "auto") != "auto":  # auto: the experts as the checkpoint stores them
             from loraplex.engine.quantization import apply_quantization
 
             converted = apply_quantization(self.model, config.quantization)
             logger.info("quantization %s: %s layers converted", config.quantization, converted)
+        from loraplex.engine.loader import weights_bytes
+
+        self.weights_bytes = weights_bytes(self.model)
+        logger.info("weights: %.2f GiB on %s", self.weights_bytes / 2**30, self.device)
         self.model.eval()
         self.block_size = config.block_size
         self.max_model_len = max_model_len

@@ -10,6 +10,7 @@ Shape legend: T tokens, H hidden, Q query heads, KV kv heads, D head dim, I inte
     mlp.down_proj        row-parallel     [H, I] -> [H, I/tp]             (bias on rank 0 only)
     mlp.experts          every expert on every rank, split along I:  w13 [E, 2I/tp, H], w2 [E, H, I/tp],
                          b13 [E, 2I/tp], b2 [E, H] on rank 0 (zero elsewhere); the router is replicated
+                         (MXFP4 experts of a quantised checkpoint: the same split of their codes and scales)
     mlp                  all-reduce of its output [T, H] (one per layer, dense or MoE)
     sinks                this rank's q heads; q_norm / k_norm (per head) and embeddings / lm_head replicated
 
@@ -84,6 +85,15 @@ def _shard_experts(ex: FusedExperts, plan: ShardPlan) -> None:
     ex.intermediate_size = size // plan.world_size
 
 
+def _shard_quantized_experts(ex: FusedExperts, plan: ShardPlan) -> FusedExperts:
+    """MXFP4 experts of a quantised checkpoint: the same split, on the codes (I per rank a multiple of 32)."""
+    size = ex.intermediate_size
+    q = ex.shard_intermediate(plan.gate_up_rows(size), plan.inter_rows(size))
+    if q.b2 is not None and plan.rank != 0:
+        q.b2.data.zero_()
+    return q
+
+
 def _all_reduce_hook(tp: TensorParallel):
     def hook(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
         return tp.all_reduce(output)
@@ -100,7 +110,9 @@ def apply_tp(model: nn.Module, model_config: ModelConfig, tp: TensorParallel) ->
         if type(attn.qkv_proj) is not Linear or type(attn.o_proj) is not Linear:
             raise RuntimeError("apply_tp must run before LoRA is attached (the slot buffers take the shard sizes)")
         _shard_attention(attn, plan)
-        if isinstance(mlp, SparseMoE):
+        if isinstance(mlp, SparseMoE) and hasattr(mlp.experts, "shard_intermediate"):
+            mlp.experts = _shard_quantized_experts(mlp.experts, plan)
+        elif isinstance(mlp, SparseMoE):
             _shard_experts(mlp.experts, plan)
         else:
             _shard_dense_mlp(mlp, plan)

@@ -37,6 +37,11 @@ class Int8FusedExperts(QuantizedFusedExperts):
     def dequantize_expert(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return (q.float() * scale[:, None]).to(self.dtype)
 
+    @classmethod
+    def shapes(cls, codes: tuple[torch.Tensor, torch.Tensor], name: str) -> tuple[int, int, int]:
+        e, n, k = codes[0].shape  # q int8 [E, N, K], scale [E, N]
+        return e, n, k
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights [T, A] float32; topk_ids [T, A] -> [T, H]."""
         return ops.fused_moe_int8(x, self.w13_q, self.w13_scale, self.w2_q, self.w2_scale, topk_weights,

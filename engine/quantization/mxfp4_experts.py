@@ -1,13 +1,15 @@
-"""MXFP4 weight-only expert quantisation (GPT-OSS's native expert format), as a transform of a built model.
+"""MXFP4 weight-only experts (GPT-OSS's native expert format): built from a published MXFP4 checkpoint's codes
+(``from_mxfp4``, by the loader) or by quantising a float model's experts (a transform of the built model).
 
-    model = load_model(...)                       # or engine.runner.model, with or without LoRA attached
+    experts = Mxfp4FusedExperts.from_mxfp4((w13_blocks, w13_scales), (w2_blocks, w2_scales), b13=b13, b2=b2, ...)
     n = quantize_experts_mxfp4(model)             # every float FusedExperts -> Mxfp4FusedExperts, in place
 
 Format (``kernels/mxfp4.py``): per expert, output channel and block of 32 input features, one E8M0 power-of-two
 scale and 32 E2M1 codes (4.25 bits per weight, half of INT8). Shapes (E experts, H hidden, I intermediate):
 w13 [E, 2I, H] -> w13_blocks uint8 [E, 2I, H/2] + w13_scales uint8 [E, 2I, H/32]; w2 [E, H, I] -> w2_blocks
 [E, H, I/2] + w2_scales [E, H, I/32]. H and I (per tensor-parallel rank) must be multiples of 32. Biases stay in
-the model dtype.
+the model dtype. w13's rows are [gate; up] as in the float FusedExperts (a GPT-OSS checkpoint interleaves them:
+the loader de-interleaves the rows of its blocks and scales).
 
 The base path runs ``ops.fused_moe_mxfp4`` (Triton: codes and scales decoded to a weight tile inside the GEMM's
 K loop; elsewhere the torch reference). ``LoRAFusedExperts`` passes the blocks and scales to
@@ -24,11 +26,12 @@ from loraplex.engine.models.layers.moe import FusedExperts
 from loraplex.engine.quantization.quantized_experts import QuantizedFusedExperts
 from loraplex.engine.quantization.replace import replace_experts
 from loraplex.kernels import ops
-from loraplex.kernels.mxfp4 import check_mxfp4_k, dequantize_mxfp4, quantize_mxfp4
+from loraplex.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4, check_mxfp4_k, dequantize_mxfp4, quantize_mxfp4
 
 
 class Mxfp4FusedExperts(QuantizedFusedExperts):
-    """FusedExperts with MXFP4 weight-only w13/w2 (uint8 blocks + E8M0 scales). Built by ``from_float``."""
+    """FusedExperts with MXFP4 weight-only w13/w2 (uint8 blocks + E8M0 scales). Built by ``from_mxfp4`` (every
+    path ends there, ``from_float`` too)."""
 
     BUFFERS = ("blocks", "scales")
     FORMAT = "mxfp4"
@@ -38,12 +41,54 @@ class Mxfp4FusedExperts(QuantizedFusedExperts):
         check_mxfp4_k(experts.hidden_size, "hidden_size (K of w13)")
         check_mxfp4_k(experts.w2.shape[-1], "the expert intermediate size per rank (K of w2)")
 
+    @classmethod
+    def check_codes(cls, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]) -> None:
+        for name, (blocks, scales) in (("w13", w13), ("w2", w2)):
+            check_mxfp4(blocks, scales, name)
+            if blocks.dim() != 3:
+                raise ValueError(f"MXFP4 experts: {name} blocks must be [E, N, K/2], got {tuple(blocks.shape)}")
+        (e, two_i, h), (e2, h2, i) = cls.shapes(w13, "w13"), cls.shapes(w2, "w2")
+        if (e2, h2, 2 * i) != (e, h, two_i):
+            raise ValueError(f"MXFP4 experts: w13 [E, 2I, H] = {(e, two_i, h)} and w2 [E, H, I] = {(e2, h2, i)} do "
+                             f"not belong together")
+
+    @classmethod
+    def shapes(cls, codes: tuple[torch.Tensor, torch.Tensor], name: str) -> tuple[int, int, int]:
+        e, n, half_k = codes[0].shape  # blocks [E, N, K/2]
+        return e, n, 2 * half_k
+
+    @classmethod
+    def from_codes(cls, w13, w2, **kw):
+        """w13 = (blocks uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/32]) with rows [gate; up], w2 = (blocks
+        [E, H, I/2], scales [E, H, I/32]); ``b13`` [E, 2I] / ``b2`` [E, H] float, ``activation``, ``alpha``,
+        ``limit``, ``dtype`` (the float model's) as keywords. The tensors are adopted on their device, not copied.
+        The one constructor of the format: a layout change for a kernel belongs here."""
+        return super().from_codes(w13, w2, **kw)
+
+    from_mxfp4 = from_codes
+
     @staticmethod
     def quantize_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_mxfp4(w)  # [N, K/2] uint8 codes, [N, K/32] uint8 scales
 
     def dequantize_expert(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return dequantize_mxfp4(blocks, scales, self.dtype)
+
+    def shard_intermediate(self, rows: torch.Tensor, cols: torch.Tensor) -> "Mxfp4FusedExperts":
+        """The tensor-parallel shard keeping w13 rows ``rows`` (this rank's gate rows, then its up rows) and w2
+        columns ``cols`` (a contiguous range starting and ending on a 32-element block), as a new module."""
+        start, n = int(cols[0]), len(cols)
+        if start % BLOCK_SIZE or n % BLOCK_SIZE or not torch.equal(cols.cpu(), torch.arange(start, start + n)):
+            raise ValueError(f"MXFP4 experts split along I need whole {BLOCK_SIZE}-element blocks per rank: "
+                             f"{self.intermediate_size} / ranks = {n} is not a multiple of {BLOCK_SIZE}")
+        rows = rows.to(self.w13_blocks.device)
+        w13 = (self.w13_blocks[:, rows].contiguous(), self.w13_scales[:, rows].contiguous())
+        w2 = (self.w2_blocks[:, :, start // 2:(start + n) // 2].contiguous(),
+              self.w2_scales[:, :, start // BLOCK_SIZE:(start + n) // BLOCK_SIZE].contiguous())
+        b13 = None if self.b13 is None else self.b13.data[:, rows].contiguous()
+        b2 = None if self.b2 is None else self.b2.data.clone()
+        return type(self).from_mxfp4(w13, w2, b13=b13, b2=b2, activation=self.activation, alpha=self.alpha,
+                                     limit=self.limit, dtype=self.dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights [T, A] float32; topk_ids [T, A] -> [T, H]."""

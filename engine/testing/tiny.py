@@ -2,6 +2,7 @@
 
     path = make_tiny_checkpoint("gpt_oss", tmp_dir)          # config.json, model.safetensors, tokenizer, ...
     path = make_tiny_checkpoint("llama", tmp_dir, max_shard_size="40KB")   # sharded + index.json
+    path = make_tiny_mxfp4_checkpoint(tmp_dir, max_shard_size="40KB")     # GPT-OSS as published: MXFP4 experts
 
 The weights come from transformers' own model classes (float32, seeded), with a larger init scale than the
 library default and non-zero router / sink / bias parameters, so greedy decoding gives varied tokens and top-1
@@ -73,13 +74,7 @@ def _perturb_small_params(model, seed: int, std: float) -> None:
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
 
 
-def make_tiny_checkpoint(family: str, out_dir: str | os.PathLike, *, seed: int = 0,
-                         max_shard_size: str | int | None = None, **overrides: Any) -> str:
-    """Build a tiny random ``family`` model with transformers, save it and a tokenizer to ``out_dir``.
-
-    ``overrides`` replace entries of ``tiny_config_overrides(family)``. ``max_shard_size`` (e.g. ``"40KB"``)
-    writes a sharded checkpoint with ``model.safetensors.index.json``. Returns ``out_dir`` as a string.
-    """
+def _tiny_hf_model(family: str, seed: int, overrides: dict[str, Any]):
     import torch
     import transformers
 
@@ -90,10 +85,120 @@ def make_tiny_checkpoint(family: str, out_dir: str | os.PathLike, *, seed: int =
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_small_params(model, seed, std=kw["initializer_range"])
+    return model, kw
+
+
+def make_tiny_checkpoint(family: str, out_dir: str | os.PathLike, *, seed: int = 0,
+                         max_shard_size: str | int | None = None, **overrides: Any) -> str:
+    """Build a tiny random ``family`` model with transformers, save it and a tokenizer to ``out_dir``.
+
+    ``overrides`` replace entries of ``tiny_config_overrides(family)``. ``max_shard_size`` (e.g. ``"40KB"``)
+    writes a sharded checkpoint with ``model.safetensors.index.json``. Returns ``out_dir`` as a string.
+    """
+    model, kw = _tiny_hf_model(family, seed, overrides)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     save_kw: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **save_kw)
+    model.generation_config.save_pretrained(out_dir)
+    build_tiny_tokenizer(kw["vocab_size"]).save_pretrained(out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4 (GPT-OSS)
+
+MXFP4_QUANTIZATION_CONFIG = {  # as in the published GPT-OSS config.json
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
+}
+MXFP4_DIMS = dict(hidden_size=64, intermediate_size=32)  # multiples of 32 (the gpt_oss tiny default is not)
+
+
+def pack_gpt_oss_experts(w):
+    """A GPT-OSS expert weight as transformers holds it, [E, K, N] (gate_up_proj [E, H, 2I] with gate/up
+    interleaved on N, down_proj [E, I, H]), -> its published MXFP4 tensors: (``*_blocks`` uint8
+    [E, N, K/32, 16], ``*_scales`` uint8 [E, N, K/32]). Quantised by the OCP rule (``kernels/mxfp4.py``)."""
+    from loraplex.kernels.mxfp4 import quantize_mxfp4
+
+    w = w.transpose(1, 2)  # [E, N, K]: one row of codes per output channel
+    blocks, scales = quantize_mxfp4(w)
+    return blocks.reshape(*blocks.shape[:2], -1, 16).contiguous(), scales.contiguous()
+
+
+def _size_bytes(size: str | int) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, factor in units.items():
+        if size.upper().endswith(unit):
+            return int(float(size[:-len(unit)]) * factor)
+    raise ValueError(f"max_shard_size {size!r}: expected bytes or a string like '40KB' / '5GB'")
+
+
+def save_checkpoint_tensors(tensors: dict, out_dir: str, max_shard_size: str | int | None = None) -> list[str]:
+    """Write ``tensors`` as ``model.safetensors``, or as shards ``model-0000i-of-0000n.safetensors`` of at most
+    ``max_shard_size`` bytes each (a tensor larger than that gets a shard of its own) plus
+    ``model.safetensors.index.json``. Returns the files written."""
+    from safetensors.torch import save_file
+
+    if max_shard_size is None:
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    cap = _size_bytes(max_shard_size)
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > cap:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files
+
+
+def write_mxfp4_config(out_dir: str) -> None:
+    """Add the published ``quantization_config`` to ``out_dir``/config.json."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def make_tiny_mxfp4_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, max_shard_size: str | int | None = None,
+                               dtype: str = "bfloat16", **overrides: Any) -> str:
+    """A tiny GPT-OSS checkpoint in the published MXFP4 layout: a transformers GptOss model (as
+    ``make_tiny_checkpoint("gpt_oss", ..)``, hidden 64 and intermediate 32 unless ``overrides`` say otherwise)
+    whose expert weights are stored as ``mlp.experts.{gate_up,down}_proj_{blocks,scales}`` (``pack_gpt_oss_experts``),
+    every other tensor (expert biases included) in ``dtype``, and config.json with ``quantization_config``
+    ``{"quant_method": "mxfp4", ..}``; tokenizer and generation_config.json beside it. transformers loads it
+    dequantised (on CPU it always dequantises). Returns ``out_dir`` as a string."""
+    import torch
+
+    model, kw = _tiny_hf_model("gpt_oss", seed, {**MXFP4_DIMS, **overrides})
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = pack_gpt_oss_experts(t.detach())
+        else:
+            tensors[name] = t.detach().to(getattr(torch, dtype)).contiguous()
+    save_checkpoint_tensors(tensors, out_dir, max_shard_size)
+    model.config.save_pretrained(out_dir)
+    write_mxfp4_config(out_dir)
     model.generation_config.save_pretrained(out_dir)
     build_tiny_tokenizer(kw["vocab_size"]).save_pretrained(out_dir)
     return out_dir

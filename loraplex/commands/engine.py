@@ -33,9 +33,11 @@ def register(subparsers) -> None:
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     s.add_argument("--cuda-graph-max-batch-size", type=int, default=64,
                    help="largest decode batch captured as a CUDA graph (larger batches run eagerly)")
-    s.add_argument("--quantization", choices=("int8", "mxfp4"), default=None,
-                   help="weight-only expert weights, quantised at load: int8 (per channel) or mxfp4 (4.25 bits, "
-                        "GPT-OSS's format; hidden and expert intermediate sizes multiples of 32)")
+    s.add_argument("--quantization", choices=("auto", "none", "int8", "mxfp4"), default="auto",
+                   help="expert weights: auto = as the checkpoint stores them (an MXFP4 checkpoint such as GPT-OSS "
+                        "as published is served in MXFP4); none = float (an MXFP4 checkpoint is dequantised at "
+                        "load); int8 (per channel) or mxfp4 (4.25 bits; hidden and expert intermediate sizes "
+                        "multiples of 32) = weight-only, quantised at load")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step n+1 before step n's tokens are read (default: on when decode steps "
                         "replay CUDA graphs)")
@@ -52,6 +54,10 @@ def register(subparsers) -> None:
     s.add_argument("--null-delay-ms", type=float, default=0.0, help="--null: delay between tokens")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=run)
+
+
+def _quantization(choice: str) -> str | None:
+    return None if choice == "none" else choice
 
 
 def _size(text: str) -> int | None:
@@ -82,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
         kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False,
                       max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                       tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                      cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, quantization=args.quantization,
-                      async_scheduling=args.async_scheduling)
+                      cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+                      quantization=_quantization(args.quantization), async_scheduling=args.async_scheduling)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir,

@@ -198,19 +198,32 @@ def test_unknown_model_type(tiny_checkpoints, tmp_path):
         load_model(path, progress=False)
 
 
-def test_mxfp4_checkpoint_asks_for_bf16(tiny_checkpoints, tmp_path):
+def _set_quantization_config(path: str, qc) -> None:
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"] = qc
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+
+
+def test_quantised_checkpoints_that_do_not_load_are_named(tiny_checkpoints, tmp_path):
+    """MXFP4 codes without config.json's quantization_config; quantization methods other than MXFP4; MXFP4 on
+    a family other than GPT-OSS or with K not a multiple of 32 (MXFP4 checkpoints: test_mxfp4_checkpoint.py)."""
     def edit(sd):
         sd["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(6, 80, 2, 16, dtype=torch.uint8)
         sd["model.layers.0.mlp.experts.gate_up_proj_scales"] = torch.zeros(6, 80, 2, dtype=torch.uint8)
 
     path = _edit_single(tiny_checkpoints["gpt_oss"], tmp_path / "mx", edit)
-    with pytest.raises(WeightLoadError, match="MXFP4.*gate_up_proj_blocks.*bf16"):
+    with pytest.raises(WeightLoadError, match="MXFP4.*gate_up_proj_blocks.*no quantization_config"):
         load_model(path, progress=False)
-    cfg = json.load(open(os.path.join(path, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
-    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
-    with pytest.raises(ConfigError, match="quantization 'mxfp4'.*bf16"):
+    _set_quantization_config(path, {"quant_method": "mxfp4"})
+    with pytest.raises(ConfigError, match="MXFP4 checkpoint needs hidden_size to be a multiple of 32.*got 72"):
         load_model(path, progress=False)
+    _set_quantization_config(path, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ConfigError, match="quantization 'fp8'.*bf16"):
+        load_model(path, progress=False)
+    mixtral = _copy(tiny_checkpoints["mixtral"], tmp_path / "mixtral")
+    _set_quantization_config(mixtral, {"quant_method": "mxfp4"})
+    with pytest.raises(ConfigError, match="MXFP4 quantization for a mixtral model.*gpt_oss only"):
+        load_model(mixtral, progress=False)
 
 
 def test_bad_load_format():

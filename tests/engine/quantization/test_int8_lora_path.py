@@ -83,7 +83,8 @@ def test_apply_quantization_converts_and_frees_the_float_weights():
 
 
 def test_engine_config_quantization_is_validated():
-    assert EngineConfig(model="m").quantization is None
+    assert EngineConfig(model="m").quantization == "auto"  # the experts as the checkpoint stores them
+    assert EngineConfig(model="m", quantization=None).quantization is None
     assert EngineConfig(model="m", quantization="int8").quantization == "int8"
-    with pytest.raises(ValueError, match="quantization 'int4' is not supported; choose None or 'int8'"):
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported; choose 'auto', None .*'int8'"):
         EngineConfig(model="m", quantization="int4")

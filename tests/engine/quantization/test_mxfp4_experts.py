@@ -146,8 +146,9 @@ def test_apply_quantization_mxfp4_and_engine_config():
         model["experts"].w13.normal_()
         model["experts"].w2.normal_()
     assert apply_quantization(model, "mxfp4") == 1 and isinstance(model["experts"], Mxfp4FusedExperts)
+    assert apply_quantization(model, "mxfp4") == 0  # already in the format: untouched
     with pytest.raises(ValueError, match="found no FusedExperts to quantise"):
-        apply_quantization(model, "mxfp4")
+        apply_quantization(torch.nn.ModuleDict({"dense": torch.nn.Linear(2, 2)}), "mxfp4")
     assert EngineConfig(model="m", quantization="mxfp4").quantization == "mxfp4"
     with pytest.raises(ValueError, match="'int8' or 'mxfp4'"):
         EngineConfig(model="m", quantization="fp4")

@@ -16,8 +16,9 @@ def test_graph_and_quantization_flags_reach_the_engine_config(monkeypatch):
     main(["engine", "serve", "--model", "/m"])
     main(["engine", "serve", "--model", "/m", "--enforce-eager", "--cuda-graph-max-batch-size", "16",
           "--quantization", "int8"])
+    main(["engine", "serve", "--model", "/m", "--quantization", "none"])  # float experts (MXFP4 dequantised)
     assert [(kw["enforce_eager"], kw["cuda_graph_max_batch_size"], kw["quantization"]) for kw in seen] == [
-        (False, 64, None), (True, 16, "int8")]
+        (False, 64, "auto"), (True, 16, "int8"), (False, 64, None)]
     for kw in seen:  # every passed setting is an EngineConfig field with a valid value
         EngineConfig(model="/m", **{k: v for k, v in kw.items() if k != "model_name"})
     with pytest.raises(SystemExit):
