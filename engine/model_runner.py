@@ -72,11 +72,16 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = self._load_model()
-        if getattr(config, "quantization", "auto") != "auto":  # auto: the experts as the checkpoint stores them
+        if config.quantization != "auto":  # auto: the experts as the checkpoint stores them
             from loraplex.engine.quantization import apply_quantization
 
             converted = apply_quantization(self.model, config.quantization)
             logger.info("quantization %s: %s layers converted", config.quantization, converted)
+        if self.device.type == "cuda":
+            from loraplex.engine.quantization.mxfp4_experts import use_mxfp4_kernel_layout
+
+            if n := use_mxfp4_kernel_layout(self.model):
+                logger.info("MXFP4 experts: %d layers repacked for the CUDA GEMMs", n)
         from loraplex.engine.loader import weights_bytes
 
         self.weights_bytes = weights_bytes(self.model)

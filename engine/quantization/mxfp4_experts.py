@@ -19,6 +19,8 @@ for inspection and tests only.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -26,7 +28,10 @@ from loraplex.engine.models.layers.moe import FusedExperts
 from loraplex.engine.quantization.quantized_experts import QuantizedFusedExperts
 from loraplex.engine.quantization.replace import replace_experts
 from loraplex.kernels import ops
-from loraplex.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4, check_mxfp4_k, dequantize_mxfp4, quantize_mxfp4
+from loraplex.kernels.mxfp4 import (BLOCK_SIZE, check_mxfp4, check_mxfp4_k, dequantize_mxfp4, is_kernel_layout,
+                                   prepare_for_kernel, quantize_mxfp4, restore_from_kernel)
+
+logger = logging.getLogger(__name__)
 
 
 class Mxfp4FusedExperts(QuantizedFusedExperts):
@@ -74,9 +79,42 @@ class Mxfp4FusedExperts(QuantizedFusedExperts):
     def dequantize_expert(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return dequantize_mxfp4(blocks, scales, self.dtype)
 
+    @property
+    def in_kernel_layout(self) -> bool:
+        """True once ``use_kernel_layout`` repacked the codes for the CUDA GEMM (int32 words)."""
+        return is_kernel_layout(self.w13_blocks)
+
+    @torch.no_grad()
+    def use_kernel_layout(self) -> bool:
+        """Repack w13 / w2 in place into the layout the CUDA GEMMs read fastest (``mxfp4.prepare_for_kernel``:
+        int32 words, K padded to 64); CUDA only, once the module is on its device and sharded. Weights that
+        layout cannot hold (rows not a multiple of 16, scales above 2^64) keep the plain layout, which the same
+        ops read too. Returns whether the module is in the kernel layout."""
+        if self.in_kernel_layout:
+            return True
+        if self.w13_blocks.device.type != "cuda":
+            return False
+        try:
+            w13 = prepare_for_kernel(self.w13_blocks, self.w13_scales)
+            w2 = prepare_for_kernel(self.w2_blocks, self.w2_scales)
+        except ValueError as err:
+            logger.warning("MXFP4 experts keep the checkpoint layout: %s", err)
+            return False
+        (self.w13_blocks, self.w13_scales), (self.w2_blocks, self.w2_scales) = w13, w2
+        return True
+
+    def stored_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, scales = super().stored_codes(name)
+        if not is_kernel_layout(blocks):
+            return blocks, scales
+        k = self.hidden_size if name == "w13" else self.intermediate_size
+        return restore_from_kernel(blocks, scales, k)
+
     def shard_intermediate(self, rows: torch.Tensor, cols: torch.Tensor) -> "Mxfp4FusedExperts":
         """The tensor-parallel shard keeping w13 rows ``rows`` (this rank's gate rows, then its up rows) and w2
         columns ``cols`` (a contiguous range starting and ending on a 32-element block), as a new module."""
+        if self.in_kernel_layout:
+            raise ValueError("shard MXFP4 experts before use_kernel_layout(): the kernel layout is not split")
         start, n = int(cols[0]), len(cols)
         if start % BLOCK_SIZE or n % BLOCK_SIZE or not torch.equal(cols.cpu(), torch.arange(start, start + n)):
             raise ValueError(f"MXFP4 experts split along I need whole {BLOCK_SIZE}-element blocks per rank: "
@@ -104,4 +142,10 @@ def quantize_experts_mxfp4(model: nn.Module, lora_slots=None) -> int:
     return replace_experts(model, Mxfp4FusedExperts.from_float, lora_slots=lora_slots, what="mxfp4")
 
 
-__all__ = ["Mxfp4FusedExperts", "quantize_experts_mxfp4"]
+def use_mxfp4_kernel_layout(model: nn.Module) -> int:
+    """Repack every Mxfp4FusedExperts of ``model`` for the CUDA GEMMs (``Mxfp4FusedExperts.use_kernel_layout``);
+    returns how many are in the kernel layout. A no-op off CUDA."""
+    return sum(m.use_kernel_layout() for m in model.modules() if isinstance(m, Mxfp4FusedExperts))
+
+
+__all__ = ["Mxfp4FusedExperts", "quantize_experts_mxfp4", "use_mxfp4_kernel_layout"]

@@ -97,7 +97,7 @@ class QuantizedFusedExperts(FusedExperts):
         for name in ("w13", "w2"):
             meta = getattr(out, name)
             w = torch.empty(meta.shape, dtype=self.dtype, device=codes.device)
-            c, s = getattr(self, f"{name}_{self.BUFFERS[0]}"), getattr(self, f"{name}_{self.BUFFERS[1]}")
+            c, s = self.stored_codes(name)
             for k in range(e):
                 w[k] = self.dequantize_expert(c[k], s[k])
             setattr(out, name, nn.Parameter(w, requires_grad=False))
@@ -113,9 +113,14 @@ class QuantizedFusedExperts(FusedExperts):
     def w2(self) -> torch.Tensor:
         return self._dequant("w2")
 
-    def _dequant(self, name: str) -> torch.Tensor:
+    def stored_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) of ``name`` ("w13" / "w2") in the format's plain layout, as ``dequantize_expert`` reads
+        them (a format whose kernels read another layout converts back here)."""
         codes_name, scales_name = self.BUFFERS
-        codes, scales = getattr(self, f"{name}_{codes_name}"), getattr(self, f"{name}_{scales_name}")
+        return getattr(self, f"{name}_{codes_name}"), getattr(self, f"{name}_{scales_name}")
+
+    def _dequant(self, name: str) -> torch.Tensor:
+        codes, scales = self.stored_codes(name)
         return torch.stack([self.dequantize_expert(codes[e], scales[e]) for e in range(codes.shape[0])])
 
     def extra_repr(self) -> str:
