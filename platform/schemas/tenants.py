@@ -7,12 +7,17 @@ from loraplex.platform.schemas.types import UtcDatetime
 
 
 class Quotas(BaseModel):
-    """Per-tenant limits enforced by the gateway; null means the deployment default."""
+    """Per-tenant limits enforced by the gateway, and the tenant's scheduling weight in the engines; null means
+    the deployment default."""
 
     requests_per_minute: int | None = Field(default=None, ge=0, examples=[600])
     tokens_per_minute: int | None = Field(default=None, ge=0, examples=[200_000])
     max_concurrency: int | None = Field(default=None, ge=0, examples=[16])
     tokens_per_day: int | None = Field(default=None, ge=0, examples=[50_000_000])
+    scheduling_weight: float | None = Field(
+        default=None, gt=0, le=1e6, examples=[2.0],
+        description="The tenant's share of a busy engine relative to other tenants' (engines serve backlogged "
+                    "tenants tokens in proportion to their weights); null: DEFAULT_SCHEDULING_WEIGHT (1)")
 
 
 class TenantCreate(BaseModel):
