@@ -55,32 +55,46 @@ def check_cost_weight(name: str, value: object) -> None:
 
 class TenantState:
     """One tenant's counter and load. ``num_requests``: its unfinished requests (0: inactive);
-    ``input_tokens`` / ``output_tokens``: tokens charged to it since its record was created."""
+    ``input_tokens`` / ``output_tokens``: tokens charged to it since its record was created.
 
-    __slots__ = ("tenant", "weight", "counter", "num_requests", "input_tokens", "output_tokens", "_input_cost",
-                 "_output_cost")
+    Charging is an integer increment (``state.output_tokens += n`` in the scheduler's per-token loop); ``counter``
+    adds their cost to the value committed at the last lift or weight change."""
+
+    __slots__ = ("tenant", "weight", "num_requests", "input_tokens", "output_tokens", "_base", "_base_input",
+                 "_base_output", "_input_cost", "_output_cost")
 
     def __init__(self, tenant: Hashable, weight: float, counter: float, input_weight: float,
                  output_weight: float) -> None:
         self.tenant = tenant
-        self.counter = counter
         self.num_requests = 0
         self.input_tokens = 0
         self.output_tokens = 0
-        self.weight = 0.0
-        self.set_weight(weight, input_weight, output_weight)
+        self._base, self._base_input, self._base_output = float(counter), 0, 0
+        self.weight = float(weight)
+        self._input_cost = input_weight / self.weight
+        self._output_cost = output_weight / self.weight
+
+    @property
+    def counter(self) -> float:
+        return (self._base + (self.input_tokens - self._base_input) * self._input_cost
+                + (self.output_tokens - self._base_output) * self._output_cost)
+
+    @counter.setter
+    def counter(self, value: float) -> None:
+        self._base, self._base_input, self._base_output = float(value), self.input_tokens, self.output_tokens
 
     def set_weight(self, weight: float, input_weight: float, output_weight: float) -> None:
+        """From now on, tokens cost ``input_weight`` / ``output_weight`` over ``weight`` (earlier ones keep their
+        cost)."""
+        self.counter = self.counter
         self.weight = float(weight)
         self._input_cost = input_weight / self.weight
         self._output_cost = output_weight / self.weight
 
     def charge_input(self, num_tokens: int) -> None:
-        self.counter += num_tokens * self._input_cost
         self.input_tokens += num_tokens
 
     def charge_output(self, num_tokens: int) -> None:
-        self.counter += num_tokens * self._output_cost
         self.output_tokens += num_tokens
 
     def input_cost(self, num_tokens: int) -> float:

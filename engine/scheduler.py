@@ -511,7 +511,7 @@ class Scheduler:
             self.waiting.extendleft(tenant, seqs)
         for tenant in members:  # back into the admission order with their real counters
             self._tenant_heap.push(tenant)
-        if len(self._tenant_heap) > 2 * len(self.waiting.keys()) + 64:
+        if len(self._tenant_heap) > 2 * self.waiting.num_keys + 64:
             self._tenant_heap.rebuild(self.waiting.keys())
         if not out.preempted:
             self._slot_head = slot_head
@@ -535,9 +535,8 @@ class Scheduler:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted, finished or preempted since schedule()
                 continue
-            start = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
-            if fair and start < len(seq.prompt_token_ids):
+            if fair and not seq.output_token_ids:  # prompt positions only (with outputs, the prompt is charged)
                 self._charge_prompt(seq)
             self.kv.cache_full_blocks(seq)
             if not s.sample:
@@ -554,7 +553,7 @@ class Scheduler:
             tokens = sampled[seq.seq_id]
             tokens = tokens if isinstance(tokens, list) else [tokens]
             if fair:
-                group.tenant_state.charge_output(len(tokens))
+                group.tenant_state.output_tokens += len(tokens)  # charged (TenantState.counter)
             entries = logprobs.get(seq.seq_id) or [None] * len(tokens)
             children = [seq.fork() for _ in tokens[1:]]  # forks share every block (copy-on-write later)
             for child in children:
@@ -610,7 +609,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             accepted.append(seq)
             if fair:
-                group.tenant_state.charge_output(1)
+                group.tenant_state.output_tokens += 1
             if group.first_token_time is None:
                 group.first_token_time = now
             status = self._stop_status(seq, group, token)

@@ -31,6 +31,10 @@ class WaitingQueue:
         for q in list(self._queues.values()):
             yield from list(q)
 
+    @property
+    def num_keys(self) -> int:
+        return len(self._queues)
+
     def keys(self) -> list[Hashable]:
         """Keys with at least one waiting sequence."""
         return list(self._queues)
