@@ -465,12 +465,13 @@ class Scheduler:
         adapters = self._running_adapters() if admitting else []
         slot_head: str | None = None
         barrier = False
+        theirs = self._tenant_heap.peek(members) if admitting else None  # fixed until a tenant joins `members`
         while budget > 0:
             mine = taken.peek()
-            theirs = self._tenant_heap.peek(members) if admitting else None
-            if theirs is not None and (mine is None or theirs[0] < mine[0]):
+            if theirs is not None and admitting and (mine is None or theirs[0] < mine[0]):
                 members.add(theirs[1])  # a waiting tenant joins this step's work
                 taken.push(theirs[1])
+                theirs = self._tenant_heap.peek(members)
                 continue
             if mine is None:
                 break
