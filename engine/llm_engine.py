@@ -29,6 +29,7 @@ import torch
 
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.engine_config import EngineConfig
+from loraplex.engine.fairness import check_weight
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager, is_transient_failure
 from loraplex.engine.lora.ref import AdapterRef
@@ -37,7 +38,6 @@ from loraplex.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
 from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
-from loraplex.engine.fairness import check_weight
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from loraplex.engine.step_pipeline import InflightStep, can_overlap
 from loraplex.engine.stop_strings import StopStringMatcher
