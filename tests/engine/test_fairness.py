@@ -8,7 +8,8 @@ Bounds checked (engine/fairness.py, engine/scheduler.py):
     GAP = max_num_seqs * R_max / w_min, R_max = w_in * max prompt + w_out * max_tokens (one request's cost): a
     tenant is admitted only while its counter is the smallest, and then holds at most max_num_seqs requests
   - service shares after a run differ from weight / sum(weights) by at most 2 * GAP * sum(w) / total service
-    (and by at most SHARE_TOLERANCE = 0.05 in the long run of the convergence test)
+    (the bound that follows from the gap) and by at most SHARE_TOLERANCE: 2% after 300 steps, 1% after 3,000
+    (observed: at most 0.34% and 0.02%)
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from loraplex.engine.sequence import SequenceGroup, SequenceStatus
 
 EOS = 0
 W_IN, W_OUT = 1.0, 2.0
-SHARE_TOLERANCE = 0.05
+SHARE_TOLERANCE = {300: 0.02, 3000: 0.01}  # steps -> largest share error allowed
 PROPERTY = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 SHARES = settings(PROPERTY, max_examples=30)  # 300 steps each
@@ -207,7 +208,7 @@ def test_backlogged_tenants_share_by_weight(weights, seed):
     gap = max_num_seqs * (W_IN * max_prompt + W_OUT * max_tokens) / min(weights)
     assert worst <= gap
     total = sum(served.values())
-    tolerance = 2 * gap * sum(weights) / total
+    tolerance = min(2 * gap * sum(weights) / total, SHARE_TOLERANCE[300])
     for (t, cost), w in zip(served.items(), weights):
         assert abs(cost / total - w / sum(weights)) <= tolerance, (t, cost / total, w / sum(weights))
 
@@ -217,7 +218,7 @@ def test_shares_converge_to_weights_in_a_long_run():
     ledger, worst, served = backlogged_run(weights, 3000, seed=7)
     total = sum(served.values())
     shares = [cost / total for cost in served.values()]
-    assert all(abs(s - w / sum(weights)) <= SHARE_TOLERANCE for s, w in zip(shares, weights)), shares
+    assert all(abs(s - w / sum(weights)) <= SHARE_TOLERANCE[3000] for s, w in zip(shares, weights)), shares
 
 
 # ---- starvation ------------------------------------------------------------------------------------------------
