@@ -39,6 +39,8 @@ class _Add:
     adapter: object | None
     loop: asyncio.AbstractEventLoop
     sink: asyncio.Queue
+    tenant: str | None = None
+    weight: float = 1.0
 
 
 @dataclass
@@ -79,15 +81,17 @@ class AsyncEngine:
 
     # ---- public API -----------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                       adapter: object | None = None) -> AsyncIterator[RequestOutput]:
+                       adapter: object | None = None, *, tenant: str | None = None,
+                       weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, one per step that gives it a token; the last has ``finished=True``.
-        Bad input raises ValueError from the first iteration; an adapter that cannot be loaded raises
-        AdapterLoadError (its message says why); other requests are unaffected."""
+        ``tenant`` / ``weight``: see ``LLMEngine.add_request``. Bad input raises ValueError from the first
+        iteration; an adapter that cannot be loaded raises AdapterLoadError (its message says why); other
+        requests are unaffected."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt, params, adapter, loop, sink))
+        self._commands.put(_Add(request_id, prompt, params, adapter, loop, sink, tenant, weight))
         self._wake.set()
         finished = False
         try:
@@ -175,7 +179,8 @@ class AsyncEngine:
                         cmd.future.set_exception(e)
             elif isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.adapter)
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.adapter, tenant=cmd.tenant,
+                                            weight=cmd.weight)
                 except (ValueError, TypeError) as e:
                     cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, e)
                     continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from loraplex.engine.fairness import check_cost_weight
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN_CAP = 8192   # max_model_len unset: the model's max_position_embeddings, capped here
@@ -27,6 +29,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # tenant-fair scheduling (docs/engine.md, "Scheduler"): "vtc" (virtual token counters) or "fcfs"
+    scheduling_policy: str = "vtc"
+    vtc_input_weight: float = 1.0           # counter cost of a prompt token (before the tenant's weight divides it)
+    vtc_output_weight: float = 2.0          # counter cost of an output token
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None        # explicit pool size; else sized from memory
@@ -72,6 +78,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.scheduling_policy not in ("vtc", "fcfs"):
+            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported; choose vtc (tenant-fair) "
+                             "or fcfs")
+        check_cost_weight("vtc_input_weight", self.vtc_input_weight)
+        check_cost_weight("vtc_output_weight", self.vtc_output_weight)
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode {self.preemption_mode!r} is not supported; choose recompute, swap "
                              "or auto")
@@ -133,11 +144,10 @@ def check_against_model(config: EngineConfig, model) -> int:
             f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len={max_model_len} with "
             "chunked prefill off: a prompt longer than the budget could never be scheduled; raise "
             "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
-    if config.quantization is not None:
-        if not model.is_moe:
-            raise EngineSettingsError(
-                f"quantization={config.quantization!r} quantises mixture-of-experts expert weights, but the model "
-                f"({model.family}) is dense; leave quantization unset")
+    if config.quantization not in (None, "auto") and not model.is_moe:  # auto / None: the weights as stored
+        raise EngineSettingsError(
+            f"quantization={config.quantization!r} quantises mixture-of-experts expert weights, but the model "
+            f"({model.family}) is dense; leave quantization at its default ('auto')")
     if config.enable_lora and config.max_lora_rank > MAX_LORA_RANK:
         raise EngineSettingsError(f"max_lora_rank={config.max_lora_rank} is above {MAX_LORA_RANK}, the largest rank "
                                   "an adapter may have; lower it")

@@ -29,6 +29,7 @@ import torch
 
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.engine_config import EngineConfig, check_against_model
+from loraplex.engine.fairness import check_weight
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager, is_transient_failure
 from loraplex.engine.lora.ref import AdapterRef
@@ -140,7 +141,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                             eos_token_ids=eos, max_loras=config.max_loras if config.enable_lora else None,
-                            preemption_mode=config.preemption_mode),
+                            preemption_mode=config.preemption_mode, policy=config.scheduling_policy,
+                            vtc_input_weight=config.vtc_input_weight, vtc_output_weight=config.vtc_output_weight),
             self.kv_cache, adapter_slots=self.adapters)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
@@ -164,12 +166,18 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    adapter: AdapterRef | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request (``adapter``: None = base model). Raises ValueError naming the problem; nothing is
-        queued then. The adapter's load starts now; an adapter that fails to load finishes the request with an
-        error output, not an exception here."""
+                    adapter: AdapterRef | None = None, arrival_time: float | None = None, *,
+                    tenant: str | None = None, weight: float = 1.0) -> None:
+        """Queue a request (``adapter``: None = base model) of ``tenant`` (None: no tenant; such requests share
+        one) with scheduling ``weight`` (> 0: its tenant's share of the engine when tenants compete; the latest
+        request's weight is the tenant's). Raises ValueError naming the problem; nothing is queued then. The
+        adapter's load starts now; an adapter that fails to load finishes the request with an error output, not
+        an exception here."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a string or None, got {type(tenant).__name__}")
+        check_weight(weight)
         if adapter is not None:
             if self.adapters is None:
                 raise ValueError("this engine serves the base model only: start it with enable_lora=True to serve "
@@ -189,7 +197,8 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}; shorten the prompt")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(next(self._seq_ids), request_id, token_ids, extra_key=adapter)
-        group = SequenceGroup(request_id, [seq], params, arrival_time=arrival, adapter=adapter)
+        group = SequenceGroup(request_id, [seq], params, arrival_time=arrival, adapter=adapter, tenant=tenant,
+                              weight=weight)
         generators = [self.runner.make_generator(_child_seed(params.seed, i)) if params.seed is not None else None
                       for i in range(params.num_sequences)]
         self.scheduler.add(group)  # validates budget fit; raises before anything is recorded here

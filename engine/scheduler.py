@@ -3,21 +3,50 @@
 Every step takes, under one token budget (``max_num_batched_tokens``) and ``max_num_seqs``:
 
     1. running sequences in FCFS (arrival) order: a decode gets 1 token, an unfinished prefill a chunk;
-       out of blocks -> preempt the latest-arrived running *group* (all its sequences; it may be the asker's
-       own): by swapping its blocks to the CPU pool or by recompute (``preemption_mode``)
+       out of blocks -> preempt a running *group* (all its sequences; it may be the asker's own): by swapping
+       its blocks to the CPU pool or by recompute (``preemption_mode``)
     2. then swapped groups, front first, all of a group's blocks at once, unless this step preempted
     3. then waiting ones, front first (prefix hit first), while the budget lasts, nothing was preempted and no
        group is swapped out; with ``max_loras`` set, admission keeps the running set within that many adapters
 
-    waiting (deque) --admit--> running (sorted by arrival) --update: stop/length--> finished, blocks freed
-        ^                        |   ^     |
-        +-- preempt: recompute --+   |     +-- preempt: swap --> swapped (FCFS) --swap in (whole group)--+
-            blocks freed, num_computed_tokens = 0, outputs kept  +----------------------------------------+
+    waiting (per tenant) --admit--> running (sorted by arrival) --update: stop/length--> finished, blocks freed
+        ^                             |   ^     |
+        +--- preempt: recompute ------+   |     +-- preempt: swap --> swapped --swap in (whole group)--+
+             blocks freed, num_computed_tokens = 0, outputs kept  +------------------------------------+
+
+Policies (``SchedulerConfig.policy``). "fcfs": the steps above in arrival order; the victim of a preemption is
+the latest-arrived running group. "vtc" (the default): tenant-fair, by the virtual token counters of
+engine/fairness.py (each tenant's weighted service over its weight). While one tenant is active it schedules
+exactly as FCFS. With several:
+
+    1. running sequences that decode (one token left) in FCFS order; prefill chunks wait for step 3
+    2. swapped groups, smallest tenant counter first
+    3. prefill work shared between tenants: repeatedly the tenant with the smallest counter (plus the prompt
+       tokens it was given in this step) takes its next item, its oldest running prefill chunk first, then
+       its oldest waiting request, as much of it as the budget allows; a tenant whose request cannot be
+       admitted for lack of sequence slots or blocks stops admission for the step (running prefills go on)
+    victim of a preemption: the latest running group of the tenant with the largest counter (ties: the
+    latest arrival), never simply the latest arrival
+
+Progress under "vtc". Order running groups by key = (tenant counter, arrival). A preemption takes the group of
+largest key, so the group of smallest key is never taken by another's ask, and with the pool to itself it
+always fits (``add`` refuses requests that could not). Counters rise only with first-time service (a token is
+charged once: recomputing a preempted prompt or swapping back in charges nothing), and every request's service
+is finite, so the system cannot go round in preemptions without finishing work:
+
+    key ->   A(c=90)  B(c=40)  C(c=40, later)         C asks for a block: victim = A (largest counter)
+             [ ....victim ]    [ never taken while its key is smallest: runs, its counter rises ]
+
+Admission cannot starve a request R of tenant T either: T's counter does not grow while R waits (only T's
+running requests, which finish, charge it); every other tenant served grows; a newcomer is lifted to the
+smallest active counter and loses ties to older arrivals. So T's counter becomes the smallest, R leads the
+admission order, and while R does not fit nothing else is admitted: running requests drain until it does.
 
 A request with ``num_sequences > 1`` enters as one sequence. At its first sampled step the runner draws
 ``num_sequences`` tokens from the one logits row and ``update`` forks the children, which share every block
 (copy-on-write on the next write). A beam-search request's beams step together once each has its log-prob row
-(``BeamSearchState``): forks join the running list, pruned beams leave it.
+(``BeamSearchState``): forks join the running list, pruned beams leave it. Every sequence counts against
+``max_num_seqs`` and its tokens against its tenant's counter.
 
 Chunked prefill is nothing but scheduling fewer tokens than ``num_tokens - num_computed_tokens``.
 
@@ -25,7 +54,8 @@ Overlapped decode steps (engine/step_pipeline.py): ``update_launched`` gives eac
 pending token (counted, value on the device), so ``schedule()`` plans the next step before the values arrive;
 a sequence whose pending token reaches ``max_tokens`` / ``max_model_len`` is not scheduled again (it finishes
 when the value arrives). ``update_resolved`` writes the values in and runs the stop checks, finishing a
-sequence wherever it is by then (running, or preempted meanwhile: waiting or swapped).
+sequence wherever it is by then (running, or preempted meanwhile: waiting or swapped). A pending token is
+charged to its tenant when it resolves, never at launch.
 
 Adapters (``adapter_slots``, the AdapterManager). A waiting request whose adapter is not in a GPU slot:
 
@@ -34,11 +64,11 @@ Adapters (``adapter_slots``, the AdapterManager). A waiting request whose adapte
                                     └──▶ no slot: it is the "slot head"
     failed         ──▶ skipped; the engine finishes it with the error
 
-No starvation (slots are granted in queue order): in the step a request first becomes the slot head, younger
-requests for adapters already running may still join the batch; from the next step until it has its slot, no
-younger request that needs an adapter is admitted (base-model requests still are). Running requests then drain,
-their slot frees, and the head takes it: its wait is bounded by the longest remaining generation among running
-requests (plus its load).
+No starvation (slots are granted in admission order): in the step a request first becomes the slot head,
+later requests for adapters already running may still join the batch; from the next step until it has its
+slot, no later request that needs an adapter is admitted (base-model requests still are). Running requests
+then drain, their slot frees, and the head takes it: its wait is bounded by the longest remaining generation
+among running requests (plus its load). The policy decides the order; ``_admissible`` decides residency.
 """
 from __future__ import annotations
 
@@ -46,23 +76,32 @@ import bisect
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from loraplex.engine.fairness import (DEFAULT_INPUT_WEIGHT, DEFAULT_OUTPUT_WEIGHT, TenantHeap, VirtualTokenCounters,
+                                      check_cost_weight)
 from loraplex.engine.kv_cache import PREEMPTION_MODES, KVCacheManager, choose_preemption_mode
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from loraplex.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from loraplex.engine.beam_search import BeamSearchState
+
+POLICIES = ("fcfs", "vtc")
 
 
 @dataclass
 class SchedulerConfig:
     """Step limits. ``max_loras``: distinct adapters (by identity; None = base, which is free) allowed among
     running requests, or None for no limit. ``preemption_mode``: "recompute", "swap" (when the CPU pool has
-    room, else recompute) or "auto" (``kv_cache.swap.choose_preemption_mode``)."""
+    room, else recompute) or "auto" (``kv_cache.swap.choose_preemption_mode``).
+
+    ``policy``: "vtc" (tenant-fair, the default) or "fcfs" (module docstring). ``vtc_input_weight`` /
+    ``vtc_output_weight``: what a prompt token and an output token add to their tenant's counter (before the
+    division by the tenant's weight); the default 1 : 2 prices an output token at two prompt tokens."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -71,6 +110,9 @@ class SchedulerConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     max_loras: int | None = None
     preemption_mode: str = "recompute"
+    policy: str = "vtc"
+    vtc_input_weight: float = DEFAULT_INPUT_WEIGHT
+    vtc_output_weight: float = DEFAULT_OUTPUT_WEIGHT
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -87,6 +129,10 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check_cost_weight("vtc_input_weight", self.vtc_input_weight)
+        check_cost_weight("vtc_output_weight", self.vtc_output_weight)
         self.eos_token_ids = list(self.eos_token_ids)
 
 
@@ -99,12 +145,13 @@ class AdapterSlots(Protocol):
 
 
 class Scheduler:
-    """Decides each step's work; owns the waiting queue, the running list and the swapped queue; asks ``kv``
+    """Decides each step's work; owns the waiting queues, the running list and the swapped list; asks ``kv``
     for blocks.
 
     ``can_admit(group) -> bool`` (optional) is consulted before admitting a waiting request, e.g. "is its
     adapter resident"; a request it refuses is skipped this step and keeps its place in the queue.
     ``adapter_slots`` (optional) makes admission load and activate adapters (see the module docstring).
+    ``counters`` (policy "vtc") holds the tenants' virtual token counters.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
@@ -115,8 +162,8 @@ class Scheduler:
         self.can_admit = can_admit
         self.adapter_slots = adapter_slots
         self._slot_head: str | None = None  # request id refused a slot in the previous step
-        self.waiting: deque[Sequence] = deque()  # a group's waiting sequences stay adjacent
-        self.running: list[Sequence] = []  # sorted by (arrival, request order, seq_id): FCFS, victims at the end
+        self.waiting = WaitingQueue()  # per tenant ("vtc") or one queue ("fcfs"); a group's sequences adjacent
+        self.running: list[Sequence] = []  # sorted by (arrival, request order, seq_id): FCFS
         self.swapped: list[SequenceGroup] = []  # swapped-out groups, FCFS
         self._groups: dict[str, SequenceGroup] = {}
         self._order: dict[str, int] = {}
@@ -124,6 +171,12 @@ class Scheduler:
         self._beam_rows: dict[str, dict[int, Any]] = {}  # request id -> {seq_id: log-prob row} awaiting siblings
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.counters: VirtualTokenCounters | None = None
+        self._tenant_heap: TenantHeap | None = None  # tenants with waiting requests, smallest counter first
+        if config.policy == "vtc":
+            self.counters = VirtualTokenCounters(config.vtc_input_weight, config.vtc_output_weight)
+            self._tenant_heap = TenantHeap(self._waiting_rank)
+            self.waiting.on_head = self._tenant_heap.push
 
     # ---- requests --------------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -164,18 +217,21 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._groups[group.request_id] = group
         self._order[group.request_id] = next(self._counter)
-        self.waiting.append(seq)
+        if self.counters is not None:
+            group.tenant_state = self.counters.activate(group.tenant, group.weight)
+        self.waiting.append(self._key(group), seq)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now, wherever it is, freeing its blocks. False if unknown or already finished."""
         group = self._groups.get(request_id)
         if group is None:
             return False
+        key = self._key(group)
         for seq in group.seqs:
             if seq in self.running:
                 self.running.remove(seq)
-            elif seq in self.waiting:
-                self.waiting.remove(seq)
+            else:
+                self.waiting.remove(key, seq)
             self.kv.free(seq)
             if not seq.status.is_finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
@@ -215,48 +271,109 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    def tenant_loads(self) -> dict[Hashable, dict[str, int]]:
+        """Per tenant: unfinished ``requests`` and ``running`` / ``waiting`` / ``swapped`` sequences. Reads copies
+        of the lists, so another thread may call it (engine_stats does)."""
+        groups = self._groups.copy()
+        loads: dict[Hashable, dict[str, int]] = {}
+
+        def load(tenant: Hashable) -> dict[str, int]:
+            entry = loads.get(tenant)
+            if entry is None:
+                loads[tenant] = entry = {"requests": 0, "running": 0, "waiting": 0, "swapped": 0}
+            return entry
+
+        for group in groups.values():
+            load(group.tenant)["requests"] += 1
+        for state, seqs in (("running", list(self.running)), ("waiting", self.waiting.snapshot())):
+            for seq in seqs:
+                group = groups.get(seq.request_id)
+                if group is not None:
+                    load(group.tenant)[state] += 1
+        for group in list(self.swapped):
+            load(group.tenant)["swapped"] += sum(s.status is SequenceStatus.SWAPPED for s in list(group.seqs))
+        return loads
+
     # ---- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and token counts, allocating, swapping and copying their blocks."""
         cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
+        fair = self.counters is not None and self.counters.num_active > 1
+        prefills: list[Sequence] | None = [] if fair else None
+        budget = self._schedule_running(out, cfg.max_num_batched_tokens, prefills)
+        budget = self._schedule_swapped(out, budget, fair)
+        if fair:
+            budget = self._schedule_shared(out, budget, prefills)
+        else:
+            budget = self._admit_in_order(out, budget)
+        out.blocks_to_copy = self.kv.take_blocks_to_copy()
+        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        return out
 
-        # 1. running, FCFS; self.running may shrink from the end while we walk it (preemption of whole groups)
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: list[Sequence] | None) -> int:
+        """1. Running sequences in FCFS order. With ``prefills`` (the fair policy), sequences with more than one
+        token left are collected there instead, for the shared pass."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0 or (seq.num_pending_tokens and self._reaches_length_limit(seq)):
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left == 0 or (seq.num_pending_tokens and self._reaches_length_limit(seq)):
                 i += 1  # a beam whose log-probs wait for its siblings; a pending token that is the last one
                 continue
-            hit, n_hit = self._prefix_hit(seq)
-            if hit:
-                n = min(seq.num_tokens - n_hit, budget)
-            while not self.kv.allocate_slots(seq, n, hit):
-                victim = self._groups[self.running[-1].request_id]
-                budget += self._preempt_group(victim, out)
-                if victim.request_id == seq.request_id:
-                    break
-            else:
-                if hit:
-                    self.kv.record_prefix_query(seq.num_tokens, n_hit)
-                out.scheduled.append(self._scheduled(seq, n))
-                budget -= n
+            if prefills is not None and left > 1:
+                prefills.append(seq)
                 i += 1
+                continue
+            used, refund, preempted = self._schedule_seq(seq, budget, out)
+            budget += refund - used
+            # preemption may take groups anywhere in the list (the fair policy's victims): go on after seq
+            i = bisect.bisect_right(self.running, self._priority(seq), key=self._priority) if preempted else i + 1
+        return budget
 
-        # 2. swapped groups, front first: all of a group's blocks come back, in no step that preempted
-        while self.swapped and budget > 0 and not out.preempted:
-            group = self.swapped[0]
+    def _schedule_seq(self, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, int, bool]:
+        """Schedule up to ``budget`` tokens of running ``seq`` (after its prefix hit, if any), preempting groups
+        while the pool lacks blocks (seq's own group last of all, then nothing is scheduled). Returns (tokens
+        scheduled, tokens refunded by withdrawn entries of preempted groups, whether anything was preempted)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        hit, n_hit = self._prefix_hit(seq)
+        if hit:
+            n = min(seq.num_tokens - n_hit, budget)
+        refund, preempted = 0, False
+        while not self.kv.allocate_slots(seq, n, hit):
+            victim = self._victim()
+            refund += self._preempt_group(victim, out)
+            preempted = True
+            if victim.request_id == seq.request_id:
+                return 0, refund, True
+        if hit:
+            self.kv.record_prefix_query(seq.num_tokens, n_hit)
+        out.scheduled.append(self._scheduled(seq, n))
+        return n, refund, preempted
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, fair: bool) -> int:
+        """2. Swapped groups, FCFS (fair: smallest tenant counter first): all of a group's blocks come back, in
+        no step that preempted."""
+        if not self.swapped or budget <= 0 or out.preempted:
+            return budget
+        cfg = self.config
+        order = list(self.swapped)
+        if fair:
+            order.sort(key=lambda g: (g.tenant_state.counter, self._group_priority(g.request_id)))
+        reserved = self._num_reserved_seqs()
+        for group in order:
+            if budget <= 0:
+                break
             seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
             # room for the next tokens too, unless nothing else runs (then the pool is all theirs)
             extra = sum(self.kv.num_blocks_for(s.num_tokens) - self.kv.num_blocks_for(s.num_computed_tokens) + 1
                         for s in seqs) if self.running else 0
-            if (self._num_reserved_seqs() + group.sampling_params.num_sequences > cfg.max_num_seqs
+            if (reserved + group.sampling_params.num_sequences > cfg.max_num_seqs
                     or not self.kv.can_swap_in(group, extra)
                     or self._admissible(group, self._running_adapters(), False) != "admit"):
                 break
-            self.swapped.pop(0)
+            self.swapped.remove(group)
+            reserved += group.sampling_params.num_sequences
             out.blocks_to_swap_in.extend(self.kv.swap_in(group))
             for s in seqs:
                 s.status = SequenceStatus.RUNNING
@@ -265,39 +382,141 @@ class Scheduler:
                 if n > 0 and self.kv.allocate_slots(s, n):  # else: the running pass of a later step asks again
                     out.scheduled.append(self._scheduled(s, n))
                     budget -= n
+        return budget
 
-        # 3. waiting, front first; no admission in a step that had to preempt, nor while groups are swapped out
-        skipped: list[Sequence] = []
-        adapters = self._running_adapters()
-        slot_head: str | None = None   # this step's oldest request refused a slot
+    def _admit_in_order(self, out: SchedulerOutput, budget: int) -> int:
+        """3. Waiting requests, front first (FCFS, or the fair policy with one active tenant: one queue either
+        way); no admission in a step that had to preempt, nor while groups are swapped out."""
+        cfg = self.config
+        skipped: list[tuple[Hashable, list[Sequence]]] = []
+        slot_head: str | None = None   # this step's first request refused a slot
         barrier = False                # it was refused last step too: slots go to it first
-        while (self.waiting and budget > 0 and not out.preempted and not self.swapped
-               and self._num_reserved_seqs() < cfg.max_num_seqs):
-            seq = self.waiting[0]
-            group = self._groups[seq.request_id]
-            if self._num_reserved_seqs() + group.sampling_params.num_sequences > cfg.max_num_seqs:
+        if self.waiting and budget > 0 and not out.preempted and not self.swapped:
+            adapters = self._running_adapters()
+            reserved = self._num_reserved_seqs()
+            queues = iter(self.waiting.keys())
+            key = next(queues)
+            while budget > 0 and reserved < cfg.max_num_seqs:
+                seq = self.waiting.head(key)
+                if seq is None:
+                    key = next(queues, None)
+                    if key is None:
+                        break
+                    continue
+                group = self._groups[seq.request_id]
+                if reserved + group.sampling_params.num_sequences > cfg.max_num_seqs:
+                    break
+                verdict = self._admissible(group, adapters, barrier)
+                if verdict != "admit":
+                    if verdict == "no_slot" and slot_head is None:
+                        slot_head = group.request_id
+                        barrier = slot_head == self._slot_head
+                    skipped.append((key, self._pop_group(key, group.request_id)))
+                    continue
+                admitted = self._admit_group(group, key, budget, out)
+                if admitted is None:
+                    break
+                budget -= admitted
+                reserved += group.sampling_params.num_sequences
+                if group.adapter is not None and group.adapter not in adapters:
+                    adapters.append(group.adapter)
+        for key, seqs in reversed(skipped):
+            self.waiting.extendleft(key, seqs)
+        if not out.preempted:  # a preempting step admits nobody: the head keeps its standing
+            self._slot_head = slot_head
+        return budget
+
+    def _schedule_shared(self, out: SchedulerOutput, budget: int, prefills: list[Sequence]) -> int:
+        """3. (fair policy, several active tenants) Prefill work shared between tenants: repeatedly the tenant
+        of smallest (counter + this step's prompt tokens for it, priority of its next item) takes its next item,
+        its oldest running prefill first, then its oldest waiting request. Admission as in FCFS otherwise: not
+        in a step that preempted nor while groups are swapped out, and a request that cannot get its sequence
+        slots or first blocks stops admission for the step."""
+        cfg = self.config
+        admitting = bool(self.waiting) and not out.preempted and not self.swapped
+        reserved = self._num_reserved_seqs() if admitting else 0
+        admitting = admitting and reserved < cfg.max_num_seqs
+        work: dict[Hashable, deque[Sequence]] = {}  # each tenant's running prefills, FCFS
+        for seq in prefills:
+            work.setdefault(self._groups[seq.request_id].tenant, deque()).append(seq)
+        gained: dict[Hashable, float] = {}  # counter rise of this step's prompt tokens, per tenant
+
+        def next_item(tenant: Hashable) -> Sequence | None:
+            queue = work.get(tenant)
+            while queue:
+                s = queue[0]
+                if s.status is SequenceStatus.RUNNING and s.num_tokens > s.num_computed_tokens:
+                    return s
+                queue.popleft()  # preempted (or finished) since it was collected
+            return self.waiting.head(tenant) if admitting else None
+
+        def rank(tenant: Hashable) -> tuple | None:
+            s = next_item(tenant)
+            if s is None:
+                return None
+            group = self._groups[s.request_id]
+            return group.tenant_state.counter + gained.get(tenant, 0.0), self._group_priority(s.request_id)
+
+        taken = TenantHeap(rank)  # tenants with work in this step, lazily re-ranked as they are served
+        members: set[Hashable] = set(work)
+        for tenant in work:
+            taken.push(tenant)
+        skipped: list[tuple[Hashable, list[Sequence]]] = []
+        adapters = self._running_adapters() if admitting else []
+        slot_head: str | None = None
+        barrier = False
+        theirs = self._tenant_heap.peek(members) if admitting else None  # fixed until a tenant joins `members`
+        while budget > 0:
+            mine = taken.peek()
+            if theirs is not None and admitting and (mine is None or theirs[0] < mine[0]):
+                members.add(theirs[1])  # a waiting tenant joins this step's work
+                taken.push(theirs[1])
+                theirs = self._tenant_heap.peek(members)
+                continue
+            if mine is None:
                 break
+            tenant = mine[1]
+            seq = next_item(tenant)
+            group = self._groups[seq.request_id]
+            if seq.status is SequenceStatus.RUNNING:  # its running prefill: a chunk
+                work[tenant].popleft()
+                used, refund, preempted = self._schedule_seq(seq, budget, out)
+                budget += refund - used
+                if preempted:
+                    admitting = False
+                if used:
+                    gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(used)
+                continue
+            if reserved + group.sampling_params.num_sequences > cfg.max_num_seqs:
+                admitting = False
+                continue
             verdict = self._admissible(group, adapters, barrier)
             if verdict != "admit":
                 if verdict == "no_slot" and slot_head is None:
                     slot_head = group.request_id
                     barrier = slot_head == self._slot_head
-                while self.waiting and self.waiting[0].request_id == group.request_id:
-                    skipped.append(self.waiting.popleft())
+                skipped.append((tenant, self._pop_group(tenant, group.request_id)))
                 continue
-            admitted = self._admit_group(group, budget, out)
+            admitted = self._admit_group(group, tenant, budget, out)
             if admitted is None:
-                break
+                admitting = False
+                continue
             budget -= admitted
+            reserved += group.sampling_params.num_sequences
+            gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(admitted)
+            if reserved >= cfg.max_num_seqs:
+                admitting = False
             if group.adapter is not None and group.adapter not in adapters:
                 adapters.append(group.adapter)
-        self.waiting.extendleft(reversed(skipped))
-        if not out.preempted:  # a preempting step admits nobody: the head keeps its standing
+        for tenant, seqs in reversed(skipped):
+            self.waiting.extendleft(tenant, seqs)
+        for tenant in members:  # back into the admission order with their real counters
+            self._tenant_heap.push(tenant)
+        if len(self._tenant_heap) > 2 * self.waiting.num_keys + 64:
+            self._tenant_heap.rebuild(self.waiting.keys())
+        if not out.preempted:
             self._slot_head = slot_head
-
-        out.blocks_to_copy = self.kv.take_blocks_to_copy()
-        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
-        return out
+        return budget
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]],
                logprobs: dict[int, list] | None = None,
@@ -306,16 +525,20 @@ class Scheduler:
         a list of ``num_samples`` tokens at a fork step: the parent takes the first, a forked child each other),
         step beam searches whose beams all have their log-prob rows, stop finished sequences and free their
         blocks. ``logprobs[seq_id]``: entries (``TokenLogprob`` or None) parallel to the sampled tokens; their
-        logprob accumulates into ``cumulative_logprob``. Returns the requests that finished in this step."""
+        logprob accumulates into ``cumulative_logprob``. Charges the step's new prompt and output tokens to their
+        tenants' counters. Returns the requests that finished in this step."""
         finished: list[SequenceGroup] = []
         now = time.monotonic()
         logprobs = logprobs or {}
         beam_groups: list[SequenceGroup] = []
+        fair = self.counters is not None
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted, finished or preempted since schedule()
                 continue
             seq.num_computed_tokens += s.num_new_tokens
+            if fair and not seq.output_token_ids:  # prompt positions only (with outputs, the prompt is charged)
+                self._charge_prompt(seq)
             self.kv.cache_full_blocks(seq)
             if not s.sample:
                 continue
@@ -330,6 +553,8 @@ class Scheduler:
                 continue
             tokens = sampled[seq.seq_id]
             tokens = tokens if isinstance(tokens, list) else [tokens]
+            if fair:
+                group.tenant_state.output_tokens += len(tokens)  # charged (TenantState.counter)
             entries = logprobs.get(seq.seq_id) or [None] * len(tokens)
             children = [seq.fork() for _ in tokens[1:]]  # forks share every block (copy-on-write later)
             for child in children:
@@ -351,7 +576,8 @@ class Scheduler:
         computed (stream order makes that true for every later step) and gains a pending token (its sampled
         token, value still on the device). Sequences that finished since ``schedule()`` are left alone: their
         row of the step is discarded. Call once the previous step's pending tokens are resolved, so the full
-        blocks hashed here hold real tokens only."""
+        blocks hashed here hold real tokens only. Nothing is charged yet: a pending token counts when it
+        resolves."""
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -368,10 +594,11 @@ class Scheduler:
         """The pending tokens of an overlapped step arrived (``sampled``: seq_id -> token): write them in, then
         stop checks as in ``update``. A sequence may have been preempted since (waiting or swapped out): it
         finishes from there. Aborted sequences drop their token. Returns (sequences whose token counts, the
-        requests that finished)."""
+        requests that finished); each token that counts is charged to its tenant."""
         finished: list[SequenceGroup] = []
         accepted: list[Sequence] = []
         now = time.monotonic()
+        fair = self.counters is not None
         for s in out.scheduled:
             seq = s.seq
             if not seq.num_pending_tokens:
@@ -382,6 +609,8 @@ class Scheduler:
             if group is None or seq.status.is_finished:
                 continue  # aborted while the step ran
             accepted.append(seq)
+            if fair:
+                group.tenant_state.output_tokens += 1
             if group.first_token_time is None:
                 group.first_token_time = now
             status = self._stop_status(seq, group, token)
@@ -390,6 +619,51 @@ class Scheduler:
         return accepted, finished
 
     # ---- helpers ---------------------------------------------------------------------------------------
+    def _key(self, group: SequenceGroup) -> Hashable:
+        """The waiting queue of a group: its tenant under "vtc", one shared queue under "fcfs"."""
+        return group.tenant if self.counters is not None else None
+
+    def _waiting_rank(self, tenant: Hashable) -> tuple | None:
+        """Admission rank of a tenant: (its counter, priority of its first waiting request); None: none waits."""
+        seq = self.waiting.head(tenant)
+        if seq is None:
+            return None
+        return self._groups[seq.request_id].tenant_state.counter, self._group_priority(seq.request_id)
+
+    def _charge_prompt(self, seq: Sequence) -> None:
+        """Charge the prompt positions ``seq`` computed for the first time in its request (a recompute, or a
+        fork's shared prompt, charges nothing)."""
+        group = self._groups[seq.request_id]
+        covered = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+        if covered > group.num_charged_prompt_tokens:
+            group.tenant_state.charge_input(covered - group.num_charged_prompt_tokens)
+            group.num_charged_prompt_tokens = covered
+
+    def _victim(self) -> SequenceGroup:
+        """The group to preempt. FCFS (or one active tenant): the latest-arrived running group. Fair: the latest
+        running group of the tenant with the largest counter (ties: the latest arrival)."""
+        last = self._groups[self.running[-1].request_id]
+        if self.counters is None or self.counters.num_active < 2:
+            return last
+        best, best_counter, seen = last, last.tenant_state.counter, {last.tenant}
+        for s in reversed(self.running):  # each tenant's latest group comes first
+            group = self._groups[s.request_id]
+            if group.tenant in seen:
+                continue
+            seen.add(group.tenant)
+            if group.tenant_state.counter > best_counter:
+                best, best_counter = group, group.tenant_state.counter
+            if len(seen) >= self.counters.num_active:
+                break
+        return best
+
+    def _pop_group(self, key: Hashable, request_id: str) -> list[Sequence]:
+        """Take a group's waiting sequences off the front of queue ``key`` (they are adjacent there)."""
+        seqs = []
+        while (head := self.waiting.head(key)) is not None and head.request_id == request_id:
+            seqs.append(self.waiting.popleft(key))
+        return seqs
+
     def _finish(self, seq: Sequence, group: SequenceGroup, status: SequenceStatus, now: float,
                 finished: list[SequenceGroup]) -> None:
         """End ``seq`` wherever it is: running, or (a pending token resolved after a preemption) waiting for
@@ -397,8 +671,8 @@ class Scheduler:
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        else:
+            self.waiting.remove(self._key(group), seq)
         self.kv.free(seq)
         if group.is_finished():
             if group in self.swapped:
@@ -412,6 +686,8 @@ class Scheduler:
         rows = self._beam_rows.get(group.request_id, {})
         if any(s.seq_id not in rows for s in state.running):
             return  # a sibling is still computing (chunked recompute); step once all rows are in
+        if self.counters is not None:
+            group.tenant_state.charge_output(len(state.running))  # one token per live beam
         result = state.step_rows([rows[s.seq_id] for s in state.running], self.kv)
         self._beam_rows.pop(group.request_id, None)
         for s in result.freed:
@@ -425,7 +701,8 @@ class Scheduler:
             finished.append(group)
 
     def _forget(self, group: SequenceGroup) -> None:
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None and group.tenant_state is not None:
+            self.counters.deactivate(group.tenant_state)
         self._order.pop(group.request_id, None)
         self._beam_rows.pop(group.request_id, None)
 
@@ -452,13 +729,14 @@ class Scheduler:
             return [], 0
         return self.kv.get_computed_blocks(seq, record=False)
 
-    def _admit_group(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int | None:
-        """Move the group's waiting sequences (adjacent at the queue's front) to running, scheduling as many as
-        the budget allows; the first must get blocks, else nothing changes and None is returned. Returns the
-        tokens scheduled."""
+    def _admit_group(self, group: SequenceGroup, key: Hashable, budget: int, out: SchedulerOutput) -> int | None:
+        """Move the group's waiting sequences (adjacent at the front of queue ``key``) to running, scheduling as
+        many as the budget allows; the first must get blocks, else nothing changes and None is returned. Returns
+        the tokens scheduled."""
+        queue = self.waiting.queue(key)
         seqs: list[Sequence] = []
-        while len(seqs) < len(self.waiting) and self.waiting[len(seqs)].request_id == group.request_id:
-            seqs.append(self.waiting[len(seqs)])
+        while len(seqs) < len(queue) and queue[len(seqs)].request_id == group.request_id:
+            seqs.append(queue[len(seqs)])
         used = 0
         for k, seq in enumerate(seqs):
             hit_blocks, n_hit = self._prefix_hit(seq)
@@ -477,15 +755,15 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, n))
             used += n
         for seq in seqs:
-            self.waiting.popleft()
+            self.waiting.popleft(key)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._priority)
         return used
 
     def _preempt_group(self, group: SequenceGroup, out: SchedulerOutput) -> int:
-        """Preempt every unfinished sequence of ``group`` (the latest arrival among running groups): swap its
-        blocks to the CPU pool, or drop them for recompute. Entries of the group already scheduled in this step
-        are withdrawn; returns their tokens (back into the budget)."""
+        """Preempt every unfinished sequence of ``group`` (``_victim``'s choice): swap its blocks to the CPU
+        pool, or drop them for recompute. Entries of the group already scheduled in this step are withdrawn;
+        returns their tokens (back into the budget)."""
         seqs = [s for s in self.running if s.request_id == group.request_id]
         refund = sum(s.num_new_tokens for s in out.scheduled if s.seq.request_id == group.request_id)
         out.scheduled = [s for s in out.scheduled if s.seq.request_id != group.request_id]
@@ -501,11 +779,11 @@ class Scheduler:
             bisect.insort(self.swapped, group, key=lambda g: self._group_priority(g.request_id))
             self.num_swap_outs += 1
         else:
-            for s in reversed(seqs):
+            for s in seqs:
                 self.kv.free(s)
                 s.num_computed_tokens = 0
                 s.status = SequenceStatus.WAITING
-                self.waiting.appendleft(s)
+            self.waiting.extendleft(self._key(group), seqs)
             self._beam_rows.pop(group.request_id, None)
         out.preempted.append(group.request_id)
         self.num_preemptions += 1

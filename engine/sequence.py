@@ -22,6 +22,7 @@ import itertools
 import time
 from collections.abc import Hashable
 
+from loraplex.engine.fairness import check_weight
 from loraplex.engine.sampling_params import SamplingParams
 
 
@@ -143,12 +144,18 @@ class Sequence:
 
 class SequenceGroup:
     """One request: its sequences, options and timings. ``adapter`` is opaque here (None = base model);
-    the scheduler only compares it by identity for the ``max_loras`` budget."""
+    the scheduler only compares it by identity for the ``max_loras`` budget.
+
+    ``tenant`` (None: no tenant; such requests share one) and ``weight`` (> 0) place the request in the
+    tenant-fair scheduling policy (engine/fairness.py): a tenant of weight 2 is served twice the tokens of a
+    tenant of weight 1 when both are backlogged."""
 
     def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: SamplingParams,
-                 arrival_time: float | None = None, adapter: object | None = None) -> None:
+                 arrival_time: float | None = None, adapter: object | None = None, tenant: str | None = None,
+                 weight: float = 1.0) -> None:
         if not seqs:
             raise ValueError(f"request {request_id!r} has no sequences")
+        check_weight(weight)
         self.request_id = request_id
         self.seqs = seqs
         self.sampling_params = sampling_params
@@ -157,14 +164,19 @@ class SequenceGroup:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.beam_search: object | None = None  # a BeamSearchState while use_beam_search (engine/beam_search.py)
+        self.tenant = tenant
+        self.weight = float(weight)
+        self.tenant_state: object | None = None  # the scheduler's record of the tenant (fairness.TenantState)
+        self.num_charged_prompt_tokens = 0  # prompt positions charged to the tenant (a recompute charges no more)
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     arrival_time: float | None = None, adapter: object | None = None,
-                    extra_key: Hashable | None = None) -> "SequenceGroup":
+                    extra_key: Hashable | None = None, tenant: str | None = None,
+                    weight: float = 1.0) -> "SequenceGroup":
         """A one-sequence request; ``extra_key`` salts its prefix-cache hashes (pass the adapter id)."""
         return cls(request_id, [Sequence(next(_seq_ids), request_id, prompt_token_ids, extra_key)], sampling_params,
-                   arrival_time, adapter)
+                   arrival_time, adapter, tenant, weight)
 
     @property
     def seq(self) -> Sequence:

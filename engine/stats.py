@@ -15,17 +15,27 @@ adapter manager's locked ``residency()``). The platform's metrics poller turns i
       "adapter_counters": {"fetches": .., "disk_hits": .., "loads": .., "activations": .., "slot_hits": .., ...},
       "adapter_cold_starts": 9,          # loads that had to go to disk or the blob store (fetches + disk hits)
       "gpu_slot_hit_rate": 0.93,         # slot_hits / (slot_hits + activations); None before any admission
-      "adapter_disk_bytes": 61440, "adapter_disk_max_bytes": 21474836480   # None: no cap
+      "adapter_disk_bytes": 61440, "adapter_disk_max_bytes": 21474836480,  # None: no cap
+      "scheduling_policy": "vtc", "tenants_active": 2,
+      "tenants": [                       # the TENANT_STATS_LIMIT tenants holding the most sequences, most first
+        {"tenant": "t1", "weight": 1.0, "requests": 2, "running": 64, "waiting": 1, "swapped": 0,
+         "counter": 2410.0, "lead": 2380.0,          # lead: counter - the smallest active counter (vtc only)
+         "input_tokens": 90, "output_tokens": 1200}, # charged since the tenant's record was created (vtc only)
+        ...],
+      "tenants_other": {"tenants": 0, "requests": 0, "running": 0, "waiting": 0, "swapped": 0}  # the rest, summed
     }
 
 Counters are cumulative since the engine started; the poller turns their growth into Prometheus counters.
 ``queue_length`` counts requests the engine holds that are not running (waiting for blocks, a slot or an adapter
-load).
+load). Tenants: the scheduler's per-tenant load and, under the "vtc" policy, its virtual token counters
+(engine/fairness.py); a request without a tenant is listed under ``"tenant": null``.
 """
 from __future__ import annotations
 
 from typing import Any
 
+TENANT_STATS_LIMIT = 16  # tenants listed by name; the rest are summed into "tenants_other"
+_LOADS = ("requests", "running", "waiting", "swapped")
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -69,6 +79,32 @@ def runner_stats(runner: Any) -> dict:
             "num_cuda_graphs": int(getattr(runner, "num_cuda_graphs", 0))}
 
 
+def tenant_stats(scheduler: Any, limit: int = TENANT_STATS_LIMIT) -> dict:
+    """The tenant part of ``engine_stats`` from a ``Scheduler`` (module docstring)."""
+    loads = scheduler.tenant_loads()
+    counters = getattr(scheduler, "counters", None)
+    records = {r["tenant"]: r for r in counters.snapshot()} if counters is not None else {}
+    active = [r["counter"] for r in records.values() if r["active"]]
+    floor = min(active) if active else 0.0
+    rows = []
+    for tenant, load in loads.items():
+        row = {"tenant": tenant, **load}
+        record = records.get(tenant)
+        if record is not None:
+            row.update(weight=record["weight"], counter=record["counter"], lead=record["counter"] - floor,
+                       input_tokens=record["input_tokens"], output_tokens=record["output_tokens"])
+        rows.append(row)
+    rows.sort(key=lambda r: (-(r["running"] + r["waiting"] + r["swapped"]), -r.get("lead", 0.0), str(r["tenant"])))
+    other = {"tenants": max(0, len(rows) - limit), **{k: sum(r[k] for r in rows[limit:]) for k in _LOADS}}
+    return {"scheduling_policy": scheduler.config.policy, "tenants_active": len(loads), "tenants": rows[:limit],
+            "tenants_other": other}
+
+
+def _empty_tenants() -> dict:
+    return {"scheduling_policy": None, "tenants_active": 0, "tenants": [],
+            "tenants_other": {"tenants": 0, **{k: 0 for k in _LOADS}}}
+
+
 def engine_stats(llm_engine: Any) -> dict:
     """A snapshot of ``llm_engine`` (a ``LLMEngine``; an ``AsyncEngine``'s is ``.engine``) as a plain dict."""
     scheduler, kv = llm_engine.scheduler, llm_engine.kv_cache
@@ -91,6 +127,7 @@ def engine_stats(llm_engine: Any) -> dict:
         "prefix_cache_hit_rate": _ratio(hits, queries),
         **runner_stats(getattr(llm_engine, "runner", None)),
         **adapter_stats(getattr(llm_engine, "adapters", None)),
+        **tenant_stats(scheduler),
     }
 
 
@@ -99,4 +136,4 @@ def empty_stats() -> dict:
     return {"requests_running": 0, "requests_waiting": 0, "queue_length": 0, "num_preemptions": 0,
             "kv_blocks_total": 0, "kv_blocks_free": 0, "kv_blocks_used": 0, "kv_usage": 0.0, "kv_cached_blocks": 0,
             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": None, **runner_stats(None),
-            **adapter_stats(None)}
+            **adapter_stats(None), **_empty_tenants()}

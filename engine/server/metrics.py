@@ -16,11 +16,21 @@ gauges (the same numbers, polled by the platform and labelled ``replica``): a Pr
     loraplex_engine_server_prefix_cache_queries_total / _hits_total, _preemptions_total, _adapter_cold_starts_total
     loraplex_engine_server_adapter_events_total{event}      the adapter manager's counters (fetches, loads,
                                                             disk_evictions, ...)
+    loraplex_engine_server_tenants_active                   tenants with an unfinished request
+    loraplex_engine_server_tenant_sequences{tenant,state}   running / waiting / swapped sequences per tenant
+    loraplex_engine_server_tenant_weight{tenant}            the tenant's scheduling weight ("vtc")
+    loraplex_engine_server_tenant_counter_lead{tenant}      its virtual token counter minus the smallest active one
+
+Tenant labels are bounded: the ``TENANT_STATS_LIMIT`` tenants holding the most sequences keep their id, the rest
+are summed under ``tenant="_other"``; a request without a tenant counts under ``tenant="_none"``. Idle tenants
+leave the exposition, so the label values of one scrape are at most ``TENANT_STATS_LIMIT + 1``.
 """
 from __future__ import annotations
 
 PREFIX = "loraplex_engine_server"
 TIERS = ("gpu", "cpu", "disk")
+TENANT_STATES = ("running", "waiting", "swapped")
+OTHER_TENANTS, NO_TENANT = "_other", "_none"  # tenant ids start with [A-Za-z0-9]: never one of these
 GAUGES = (  # (stats key, metric suffix, help)
     ("requests_running", "requests_running", "Requests running (scheduled this step)"),
     ("requests_waiting", "requests_waiting", "Requests waiting for admission"),
@@ -82,6 +92,32 @@ class _StatsCollector:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 events.add_metric([event], float(value))
         yield events
+        yield from self._tenants(s)
+
+    def _tenants(self, s: dict):
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily(f"{PREFIX}_tenants_active", "Tenants with an unfinished request",
+                                value=float(s.get("tenants_active", 0)))
+        seqs = GaugeMetricFamily(f"{PREFIX}_tenant_sequences", "Sequences per tenant and state (top tenants; the "
+                                 "rest under tenant=\"_other\")", labels=["tenant", "state"])
+        weight = GaugeMetricFamily(f"{PREFIX}_tenant_weight", "Scheduling weight of the tenant", labels=["tenant"])
+        lead = GaugeMetricFamily(f"{PREFIX}_tenant_counter_lead", "Virtual token counter minus the smallest active "
+                                 "tenant's (weighted tokens per unit of weight)", labels=["tenant"])
+        for row in s.get("tenants", []):
+            name = NO_TENANT if row.get("tenant") is None else str(row["tenant"])
+            for state in TENANT_STATES:
+                seqs.add_metric([name, state], float(row.get(state, 0)))
+            if row.get("weight") is not None:
+                weight.add_metric([name], float(row["weight"]))
+                lead.add_metric([name], float(row["lead"]))
+        other = s.get("tenants_other") or {}
+        if other.get("tenants"):
+            for state in TENANT_STATES:
+                seqs.add_metric([OTHER_TENANTS, state], float(other.get(state, 0)))
+        yield seqs
+        yield weight
+        yield lead
 
 
 def render_metrics(stats: dict, *, model: str) -> bytes:

@@ -1,6 +1,7 @@
 """Wire types of the engine's internal API, as plain dataclasses over JSON dicts (no torch, no web stack).
 
     POST /v1/generate   GenerateRequest.to_dict()  ->  NDJSON lines, one chunk dict each:
+      (body: {"request_id", "tenant_id", "tenant_weight", "prompt", "sampling", "adapter"})
       {"request_id", "token_ids": [new ids], "text": "new text", "finished", "finish_reason",
        "prompt_tokens", "completion_tokens", "cached_tokens"}
       an error after the stream started is a last line {"request_id", "finished": true, "error": {"message","type"}}
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from loraplex.engine.fairness import MAX_TENANT_WEIGHT
 
 ERROR_TYPES = ("invalid_request", "adapter_load_error", "adapter_fetch_unavailable", "engine_unavailable",
                "engine_error")
@@ -82,13 +85,16 @@ class AdapterSpec:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation: ``prompt`` is text or token ids; ``sampling`` is ``SamplingParams`` as a dict."""
+    """One generation: ``prompt`` is text or token ids; ``sampling`` is ``SamplingParams`` as a dict;
+    ``tenant_id`` and ``tenant_weight`` (a number > 0, default 1) place it in the engine's tenant-fair
+    scheduling (a tenant of weight 2 gets twice the service of one of weight 1 when both are backlogged)."""
 
     request_id: str
     prompt: str | list[int]
     sampling: dict = field(default_factory=dict)
     adapter: AdapterSpec | None = None
     tenant_id: str | None = None
+    tenant_weight: float = 1.0
 
     @classmethod
     def from_dict(cls, d: Any) -> "GenerateRequest":
@@ -105,13 +111,18 @@ class GenerateRequest:
         if not isinstance(sampling, dict):
             raise RequestFormatError(f"'sampling' must be an object of SamplingParams fields, got {sampling!r}")
         adapter = d.get("adapter")
+        weight = _need(d, "tenant_weight", (int, float), optional=True)
+        if weight is not None and not 0 < weight <= MAX_TENANT_WEIGHT:
+            raise RequestFormatError(f"'tenant_weight' must be a number in (0, {MAX_TENANT_WEIGHT:g}], got {weight!r}")
         return cls(request_id=request_id, prompt=prompt, sampling=dict(sampling),
                    adapter=AdapterSpec.from_dict(adapter) if adapter is not None else None,
-                   tenant_id=_need(d, "tenant_id", str, optional=True))
+                   tenant_id=_need(d, "tenant_id", str, optional=True),
+                   tenant_weight=1.0 if weight is None else float(weight))
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "tenant_id": self.tenant_id, "prompt": self.prompt,
-                "sampling": self.sampling, "adapter": self.adapter.to_dict() if self.adapter else None}
+        return {"request_id": self.request_id, "tenant_id": self.tenant_id, "tenant_weight": self.tenant_weight,
+                "prompt": self.prompt, "sampling": self.sampling,
+                "adapter": self.adapter.to_dict() if self.adapter else None}
 
 
 def chunk_dict(request_id: str, token_ids: list[int], text: str, *, finished: bool, finish_reason: str | None,

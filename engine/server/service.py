@@ -61,7 +61,8 @@ class EngineService:
                                           "send no adapter or start it with --enable-lora")
             ref = self._ref(request.adapter)
         encoder = ChunkEncoder(params, self._texts)
-        stream = self.engine.generate(request.request_id, request.prompt, params, ref)
+        stream = self.engine.generate(request.request_id, request.prompt, params, ref, tenant=request.tenant_id,
+                                      weight=request.tenant_weight)
         try:
             async for out in stream:
                 yield encoder.encode(out)

@@ -41,6 +41,8 @@ def register(subparsers) -> None:
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step n+1 before step n's tokens are read (default: on when decode steps "
                         "replay CUDA graphs)")
+    s.add_argument("--scheduling-policy", choices=("vtc", "fcfs"), default="vtc",
+                   help="vtc: tenant-fair (virtual token counters, each request's tenant_weight); fcfs: arrival order")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
     s.add_argument("--max-loras", type=int, default=4)
     s.add_argument("--max-lora-rank", type=int, default=16)
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                       tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                       cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
-                      quantization=_quantization(args.quantization), async_scheduling=args.async_scheduling)
+                      quantization=_quantization(args.quantization), async_scheduling=args.async_scheduling,
+                      scheduling_policy=args.scheduling_policy)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir,

@@ -47,6 +47,7 @@ class Settings(BaseSettings):
     default_tokens_per_minute: int | None = Field(default=None, ge=1)
     default_max_concurrency: int | None = Field(default=None, ge=1)
     default_tokens_per_day: int | None = Field(default=None, ge=1)
+    default_scheduling_weight: float = Field(default=1.0, gt=0, le=1e6)  # tenants whose scheduling_weight is null
 
     quota_fail_open: bool = False  # Redis unreachable: admit without checks (True) or answer 503 (False)
     quota_timeout_s: float = Field(default=0.5, gt=0)

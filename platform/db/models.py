@@ -45,6 +45,8 @@ class Tenant(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     max_concurrency: Mapped[int | None] = mapped_column(Integer)
     tokens_per_day: Mapped[int | None] = mapped_column(BigInteger)
+    # the engine's tenant-fair scheduling: share of a contended engine relative to other tenants (None = default)
+    scheduling_weight: Mapped[float | None] = mapped_column(Float)
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant", cascade="all, delete-orphan",
                                               passive_deletes=True)

@@ -32,17 +32,20 @@ class AdapterReference:
 class EngineRequest:
     """One generation: ``prompt`` as token ids (the gateway tokenizes, so quotas count exactly) or text;
     ``sampling`` holds ``SamplingParams`` fields (max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
-    ignore_eos); ``adapter`` None = the base model."""
+    ignore_eos); ``adapter`` None = the base model; ``tenant_weight`` (> 0) is the tenant's share of the engine's
+    tenant-fair scheduling (its quota record's ``scheduling_weight``)."""
 
     request_id: str
     tenant_id: str | None
     prompt: list[int] | str
     sampling: dict[str, Any] = field(default_factory=dict)
     adapter: AdapterReference | None = None
+    tenant_weight: float = 1.0
 
     def to_wire(self) -> dict:
-        return {"request_id": self.request_id, "tenant_id": self.tenant_id, "prompt": self.prompt,
-                "sampling": self.sampling, "adapter": self.adapter.to_wire() if self.adapter else None}
+        return {"request_id": self.request_id, "tenant_id": self.tenant_id, "tenant_weight": self.tenant_weight,
+                "prompt": self.prompt, "sampling": self.sampling,
+                "adapter": self.adapter.to_wire() if self.adapter else None}
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class TenantInfo:
     tokens_per_minute: int | None
     max_concurrency: int | None
     tokens_per_day: int | None
+    scheduling_weight: float | None = None  # None: the deployment default
 
 
 class TenantAuth:
@@ -58,7 +59,8 @@ class TenantAuth:
                 t = row.tenant
                 info = TenantInfo(id=t.id, name=t.name, disabled=t.disabled,
                                   requests_per_minute=t.requests_per_minute, tokens_per_minute=t.tokens_per_minute,
-                                  max_concurrency=t.max_concurrency, tokens_per_day=t.tokens_per_day)
+                                  max_concurrency=t.max_concurrency, tokens_per_day=t.tokens_per_day,
+                                  scheduling_weight=t.scheduling_weight)
                 touch_key(session, row)
         if self._ttl_s > 0:
             if len(self._cache) > 10_000:

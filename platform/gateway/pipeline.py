@@ -201,7 +201,8 @@ class Generation:
             raise InferenceError(503, f"this deployment has no engine replica ({reason}); the operator must fix the "
                                       "engine settings", code="engine_unavailable")
         request = EngineRequest(request_id=prep.request_id, tenant_id=prep.tenant.id, prompt=prep.prompt,
-                                sampling=prep.sampling, adapter=prep.reference)
+                                sampling=prep.sampling, adapter=prep.reference,
+                                tenant_weight=QuotaLimits.scheduling_weight(prep.tenant, gw.settings))
         self._renewed = time.monotonic()
         status, error = 200, None
         try:

@@ -69,6 +69,15 @@ class QuotaLimits:
         return not any((self.requests_per_minute, self.tokens_per_minute, self.max_concurrency,
                         self.tokens_per_day))
 
+    @staticmethod
+    def scheduling_weight(tenant: object, defaults: object | None = None) -> float:
+        """The tenant's weight in the engines' tenant-fair scheduling: its ``scheduling_weight``, else
+        ``defaults.default_scheduling_weight``, else 1."""
+        value = getattr(tenant, "scheduling_weight", None)
+        if value is None and defaults is not None:
+            value = getattr(defaults, "default_scheduling_weight", None)
+        return float(value) if value is not None else 1.0
+
     @classmethod
     def resolve(cls, tenant: object, defaults: object | None = None, **kw) -> "QuotaLimits":
         """From a tenant row's ``requests_per_minute``/``tokens_per_minute``/``max_concurrency``/``tokens_per_day``,

@@ -7,13 +7,18 @@ from loraplex.platform.schemas.types import MAX_INT32, MAX_INT64, Text, UtcDatet
 
 
 class Quotas(BaseModel):
-    """Per-tenant limits enforced by the gateway; null means the deployment default. A limit is at least 1: to stop
+    """Per-tenant limits enforced by the gateway, and the tenant's scheduling weight in the engines; null means
+    the deployment default. A limit is at least 1: to stop
     a tenant's traffic, disable the tenant (0 would be ambiguous between "nothing" and "unlimited")."""
 
     requests_per_minute: int | None = Field(default=None, ge=1, le=MAX_INT32, examples=[600])
     tokens_per_minute: int | None = Field(default=None, ge=1, le=MAX_INT32, examples=[200_000])
     max_concurrency: int | None = Field(default=None, ge=1, le=MAX_INT32, examples=[16])
     tokens_per_day: int | None = Field(default=None, ge=1, le=MAX_INT64, examples=[50_000_000])
+    scheduling_weight: float | None = Field(
+        default=None, gt=0, le=1e6, examples=[2.0],
+        description="The tenant's share of a busy engine relative to other tenants' (engines serve backlogged "
+                    "tenants tokens in proportion to their weights); null: DEFAULT_SCHEDULING_WEIGHT (1)")
 
     @field_validator("requests_per_minute", "tokens_per_minute", "max_concurrency", "tokens_per_day", mode="before")
     @classmethod

@@ -24,15 +24,20 @@ def test_tenant_crud_and_quotas(platform):
     assert r.status_code == 409 and "choose another name" in r.json()["error"]["message"]
     r = c.post("/admin/tenants", json={"name": "bad name!"}, headers=admin)
     assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
-    quotas = {"requests_per_minute": 600, "tokens_per_minute": 100000, "max_concurrency": 8, "tokens_per_day": 10**9}
+    assert t["quotas"]["scheduling_weight"] is None  # the deployment default
+    quotas = {"requests_per_minute": 600, "tokens_per_minute": 100000, "max_concurrency": 8, "tokens_per_day": 10**9,
+              "scheduling_weight": 2.5}
     r = c.put(f"/admin/tenants/{t['id']}/quotas", json=quotas, headers=admin)
     assert r.status_code == 200 and r.json()["quotas"] == quotas
     assert c.get(f"/admin/tenants/{t['id']}", headers=admin).json()["quotas"] == quotas
-    assert platform.sql("SELECT tokens_per_day FROM tenants WHERE name = 'acme'")[0][0] == 10**9
+    assert platform.sql("SELECT tokens_per_day, scheduling_weight FROM tenants WHERE name = 'acme'")[0] == (10**9, 2.5)
     for bad in (-1, 0):
         r = c.put(f"/admin/tenants/{t['id']}/quotas", json={"max_concurrency": bad}, headers=admin)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_concurrency", r.text
         assert "disable the tenant" in r.json()["error"]["message"]
+    for bad in (0, -1, 1e7):
+        r = c.put(f"/admin/tenants/{t['id']}/quotas", json={"scheduling_weight": bad}, headers=admin)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "scheduling_weight", r.text
     c.post("/admin/tenants", json={"name": "beta"}, headers=admin)
     page = c.get("/admin/tenants?limit=1&offset=1", headers=admin).json()
     assert page["count"] == 2 and [x["name"] for x in page["data"]] == ["beta"]

@@ -1,0 +1,160 @@
+"""Tenant-fair scheduling through the real LLMEngine on a tiny llama (CPU, float32): a light tenant's short request
+beside a heavy tenant's two n=64 requests finishes within a few steps of its arrival under "vtc" (behind the
+heavy ones under "fcfs") with the very tokens it gets alone; every token is charged once with overlapped steps;
+the tenant and its weight reach the scheduler through AsyncEngine and the engine service; stats and metrics
+show the tenants with bounded labels."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex.engine import AsyncEngine, LLMEngine, SamplingParams
+from loraplex.engine.server.metrics import render_metrics
+from loraplex.engine.server.protocol import GenerateRequest, RequestFormatError
+from loraplex.engine.server.service import EngineService
+from loraplex.engine.stats import TENANT_STATS_LIMIT, engine_stats
+
+BASE = dict(device="cpu", dtype="float32", block_size=4, progress=False)
+ARRIVAL = 2  # the step before which the light request arrives
+HEAVY_TOKENS, LIGHT_TOKENS = 10, 4
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def heavy_and_light(path: str, policy: str):
+    """Heavy: two n=64 requests (sampled, seeded); light: one greedy request added before step ARRIVAL.
+    max_num_seqs 72: heavy's first group and the light request fit together, heavy's two groups do not. Runs
+    until the light request has finished (then aborts the rest); returns ({request id: step it finished},
+    light's tokens, light's tokens when it runs alone)."""
+    engine = LLMEngine.from_pretrained(path, max_num_seqs=72, max_num_batched_tokens=256, num_kv_blocks=512,
+                                       scheduling_policy=policy, **BASE)
+    vocab = engine.model_config.vocab_size
+    heavy = SamplingParams(n=64, max_tokens=HEAVY_TOKENS, temperature=1.0, seed=3, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"heavy-{i}", prompt(vocab, 12, i), heavy, tenant="heavy")
+    light = SamplingParams(max_tokens=LIGHT_TOKENS, temperature=0.0, ignore_eos=True)
+    finished: dict[str, int] = {}
+    tokens: list[int] = []
+    k = 0
+    while "light" not in finished:
+        if k == ARRIVAL:
+            engine.add_request("light", prompt(vocab, 8, 9), light, tenant="light", weight=1.0)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = k
+                if out.request_id == "light":
+                    tokens = out.output_token_ids
+        k += 1
+        assert k < 100
+    for request_id in ("heavy-0", "heavy-1"):
+        engine.abort(request_id)
+    assert not engine.has_unfinished_requests() and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    alone = engine.generate([prompt(vocab, 8, 9)], light)[0].output_token_ids
+    return finished, tokens, alone
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_light_request_beside_two_n64_requests(tiny_checkpoint, policy):
+    finished, tokens, alone = heavy_and_light(tiny_checkpoint("llama"), policy)
+    assert tokens == alone and len(tokens) == LIGHT_TOKENS  # reordering changes when it runs, not what it computes
+    if policy == "vtc":
+        # admitted within a step of its arrival (a tie lost to heavy's older request at most), then its tokens,
+        # while heavy's first 64 sequences still run
+        assert finished["light"] - ARRIVAL <= LIGHT_TOKENS + 2 and "heavy-0" not in finished
+    else:
+        assert finished["heavy-0"] < finished["light"]  # FCFS: behind heavy's second n=64 request
+
+
+def test_every_token_is_charged_once_with_overlapped_steps(tiny_checkpoint):
+    engine = LLMEngine.from_pretrained(tiny_checkpoint("llama"), max_num_seqs=6, max_num_batched_tokens=24,
+                                       num_kv_blocks=18, preemption_mode="recompute", async_scheduling=True, **BASE)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    groups = []
+    for i in range(8):
+        tenant, weight = ("a", 1.0) if i % 2 == 0 else ("b", 4.0)
+        engine.add_request(f"r{i}", prompt(vocab, 5 + i, i), params, tenant=tenant, weight=weight)
+        groups.append(engine.scheduler.get_group(f"r{i}"))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert engine.num_overlapped_steps > 0 and engine.scheduler.num_preemptions > 0
+    for tenant, weight in (("a", 1.0), ("b", 4.0)):
+        mine = [g for g in groups if g.tenant == tenant]
+        state = engine.scheduler.counters.get(tenant)
+        n_in = sum(g.seqs[0].num_prompt_tokens for g in mine)
+        n_out = sum(len(outputs[g.request_id].output_token_ids) for g in mine)
+        assert (state.input_tokens, state.output_tokens) == (n_in, n_out) and n_out == 14 * len(mine)
+        assert state.counter == pytest.approx((n_in + 2 * n_out) / weight)
+
+
+def test_tenant_and_weight_reach_the_scheduler_through_the_service(tiny_checkpoint):
+    with pytest.raises(RequestFormatError, match="'tenant_weight' must be a number in"):
+        GenerateRequest.from_dict({"request_id": "x", "prompt": [1], "tenant_weight": 0})
+    with pytest.raises(RequestFormatError, match="'tenant_weight' must be int or float"):
+        GenerateRequest.from_dict({"request_id": "x", "prompt": [1], "tenant_weight": True})
+    wire = GenerateRequest(request_id="r", prompt=[1], tenant_id="acme", tenant_weight=2.5).to_dict()
+    assert GenerateRequest.from_dict(wire).tenant_weight == 2.5 and wire["tenant_weight"] == 2.5
+    assert GenerateRequest.from_dict({"request_id": "r", "prompt": [1]}).tenant_weight == 1.0
+
+    engine = AsyncEngine(LLMEngine.from_pretrained(tiny_checkpoint("llama"), max_num_seqs=4, **BASE))
+    service = EngineService(engine, model_name="tiny")
+    seen = []
+    add = engine.engine.add_request
+
+    def spy(*args, **kw):
+        add(*args, **kw)
+        group = engine.engine.scheduler.get_group(args[0])
+        seen.append((group.tenant, group.weight, group.tenant_state.weight))
+
+    engine.engine.add_request = spy
+
+    async def run():
+        request = GenerateRequest(request_id="r1", prompt=[5, 6, 7], sampling={"max_tokens": 3},
+                                  tenant_id="acme", tenant_weight=2.5)
+        return [c async for c in service.generate(request)]
+
+    try:
+        chunks = asyncio.run(run())
+        with pytest.raises(ValueError, match="tenant weight must be a number in"):
+            engine.engine.add_request("bad", [1, 2], weight=-1.0)
+    finally:
+        engine.shutdown()
+    assert chunks[-1]["finished"] and seen == [("acme", 2.5, 2.5)]
+
+
+def test_stats_and_metrics_list_tenants_with_bounded_labels(tiny_checkpoint):
+    engine = LLMEngine.from_pretrained(tiny_checkpoint("llama"), max_num_seqs=4, **BASE)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tenants = [f"t{i:02d}" for i in range(TENANT_STATS_LIMIT + 4)]
+    for i, tenant in enumerate(tenants):
+        engine.add_request(f"r{i}", [5, 6, 7, 8], params, tenant=tenant, weight=1.0 + i % 3)
+    engine.add_request("anon", [5, 6], params)  # no tenant
+    engine.step()
+    stats = engine_stats(engine)
+    assert stats["scheduling_policy"] == "vtc" and stats["tenants_active"] == len(tenants) + 1
+    rows = stats["tenants"]
+    assert len(rows) == TENANT_STATS_LIMIT and stats["tenants_other"]["tenants"] == len(tenants) + 1 - len(rows)
+    assert sum(r["running"] for r in rows) + stats["tenants_other"]["running"] == 4
+    assert sum(r["waiting"] for r in rows) + stats["tenants_other"]["waiting"] == len(tenants) + 1 - 4
+    running = [r for r in rows if r["running"]]
+    assert len(running) == 4 and all(r["input_tokens"] > 0 and r["lead"] >= 0 for r in running)
+    assert {r["weight"] for r in rows if r["tenant"] is not None} <= {1.0, 2.0, 3.0}
+    text = render_metrics(stats, model="tiny").decode()
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "loraplex_engine_server_tenant_sequences"]
+    labels = {s.labels["tenant"] for s in samples}
+    assert len(labels) == TENANT_STATS_LIMIT + 1 and "_other" in labels
+    by = {(s.labels["tenant"], s.labels["state"]): s.value for s in samples}
+    assert sum(v for (t, state), v in by.items() if state == "running") == 4
+    while engine.has_unfinished_requests():
+        engine.step()
+    idle = engine_stats(engine)
+    assert idle["tenants"] == [] and idle["tenants_active"] == 0
