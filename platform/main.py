@@ -25,6 +25,7 @@ from loraplex.platform.engines.notifier import EngineNotifier, NoopNotifier
 from loraplex.platform.metrics import client_source, install_metrics
 from loraplex.platform.quotas import QuotaStore
 from loraplex.platform.routing import Replica
+from loraplex.platform.uploads.janitor import install_janitor
 
 logger = logging.getLogger(__name__)
 
@@ -80,4 +81,5 @@ def create_app(settings: Settings | None = None, *, blob_store: BlobStore | None
     install_inference_error_handler(app)
     install_metrics(app)       # app.state.metrics, app.state.engine_stats_poller, GET /metrics, upload counts
     install_dashboard(app)     # /admin/dashboard (admin key), reads app.state.metrics
+    install_janitor(app)       # spool heartbeat + janitor passes (interrupted uploads, orphans) in the lifespan
     return app
