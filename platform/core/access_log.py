@@ -25,7 +25,7 @@ def redact_target(target: str) -> str:
     parts = []
     for item in query.split("&"):
         name, eq, _ = item.partition("=")
-        if unquote_plus(name).strip().lower() in SENSITIVE:
+        if eq and unquote_plus(name).strip().lower() in SENSITIVE:
             parts.append(f"{name}={REDACTED}")
         else:
             parts.append(item)

@@ -30,8 +30,10 @@ class MetricsServer:
         scrape.state.metrics = app.state.metrics
         scrape.state.engine_stats_poller = app.state.engine_stats_poller
         scrape.include_router(metrics_router(protect=False))
-        self.server = _Server(uvicorn.Config(scrape, host=host, port=port, lifespan="off", access_log=False,
-                                             log_level="warning"))
+        # log_config / log_level None: a Config otherwise re-applies uvicorn's logging setup to the process's
+        # loggers (levels, handlers, access-log filters) and so would change the API server's logging
+        self.server = _Server(uvicorn.Config(scrape, host=host, port=port, lifespan="off", log_config=None,
+                                             log_level=None))
         self._task: asyncio.Task | None = None
 
     async def start(self, timeout_s: float = 10.0) -> None:
