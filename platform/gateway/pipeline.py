@@ -159,7 +159,8 @@ async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) 
     """Quota check; a denial is an ``InferenceError`` (429 / 400 / 503) carrying the rate-limit headers (and is
     counted by ``meter`` as a quota rejection of its kind)."""
     limits = QuotaLimits.resolve(prep.tenant, gw.settings)
-    decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.reserved_tokens)
+    decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.reserved_tokens,
+                                       request_id=prep.request_id)
     if not decision.allowed:
         if meter is not None:
             meter.quota_rejected(decision.reason or "unknown")
