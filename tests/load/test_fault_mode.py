@@ -16,8 +16,8 @@ from load_tests.invariants import failed
 from load_tests.run import check_and_report, engine_stats, faults_ok, run_load
 
 # what a probe request sent while the fault holds gets (proof the fault was in effect)
-DURING = {"engine": "exit -9", "redis": "quota_store_unavailable", "postgres": "database_unavailable",
-          "s3_down": "blob_store_unavailable"}
+DURING = {"engine": "exit -9", "redis": "quota_store_unavailable", "redis_stall": "quota_store_unavailable",
+          "postgres": "database_unavailable", "s3_down": "blob_store_unavailable"}
 
 
 @pytest.mark.slow
