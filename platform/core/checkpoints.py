@@ -8,7 +8,7 @@
 
 ``reached(step)`` does nothing unless a hook was installed (``install``); the platform never installs one. The
 crash tests start ``loraplex serve`` through ``tests/utils/crash_points.py``, which installs a hook that SIGKILLs the
-process at the step named in a file (see ``docs/reliability.md``, "Crash safety of uploads").
+process at the step named in a file (see ``docs/platform.md``, "Crash safety and the janitor").
 """
 from __future__ import annotations
 
