@@ -113,7 +113,9 @@ def test_an_app_with_settings_protects_the_scrape_with_the_admin_key_or_the_metr
     with TestClient(app) as client:
         for headers in ({}, {"Authorization": "Bearer nope"}):
             r = client.get("/metrics", headers=headers)
-            assert r.status_code == 401 and "missing or invalid admin key or metrics token" in r.json()["detail"]
+            body = r.json()
+            message = body["error"]["message"] if "error" in body else body["detail"]    # either error shape
+            assert r.status_code == 401 and "missing or invalid admin key or metrics token" in message
             assert "acme" not in r.text and r.headers["www-authenticate"] == "Bearer"
         for token in ("admin-key-0123456789", "metrics-token-0123456789"):
             r = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})

@@ -22,6 +22,12 @@ from loraplex.platform.uploads.spool import Spool
 from tests.platform.conftest import read_files
 
 
+def err(r) -> dict:
+    """The error of an answer, in OpenAI's shape or the older ``{"detail", "code"}``."""
+    body = r.json()
+    return body["error"] if "error" in body else {"message": body.get("detail"), "code": body.get("code")}
+
+
 def make_version(p, tenant_id: str, name: str, *, status=AdapterStatus.uploading, age_s: float = 0.0,
                  key: str = "new", idempotency_key: str | None = None):
     """A version row as the upload path writes it (``uploading`` with its intended key); returns (id, key)."""
@@ -119,7 +125,7 @@ def test_expired_upload_frees_its_idempotency_key(platform, adapter_dir):
     files = read_files(adapter_dir(seed=1))
     make_version(p, tid, "m", age_s=3600, idempotency_key="retry-me")
     r = p.upload({**auth, "Idempotency-Key": "retry-me"}, "m", files)
-    assert r.status_code == 409 and r.json()["code"] == "idempotency_in_progress"
+    assert r.status_code == 409 and err(r)["code"] == "idempotency_in_progress"
     Janitor(p.session_factory, p.store, stale_after_s=60).run_once()
     r = p.upload({**auth, "Idempotency-Key": "retry-me"}, "m", files)
     assert r.status_code == 201 and r.json()["number"] == 2, r.text
@@ -144,7 +150,7 @@ def test_an_upload_the_janitor_expired_while_it_ran_stores_nothing(platform, ada
         return real(session=session, version=version, **values)
     monkeypatch.setattr(adapters, "finish_upload", expire_first)
     r = p.upload(auth, "m", read_files(adapter_dir(seed=1)))
-    assert r.status_code == 503 and r.json()["code"] == "upload_interrupted", r.text
+    assert r.status_code == 503 and err(r)["code"] == "upload_interrupted", r.text
     assert p.store.list_keys() == [] and p.store.incomplete_uploads() == []
     assert p.sql("SELECT status FROM adapter_versions") == [("failed",)]
 
@@ -190,7 +196,7 @@ def test_tenant_delete_with_the_store_down_is_503_and_finishes_when_repeated(pg_
         assert p.upload(auth, "a", read_files(adapter_dir(seed=1))).status_code == 201
         proxy.down()
         r = p.client.delete(f"/admin/tenants/{tid}", headers=p.admin())
-        assert r.status_code == 503 and "repeat the DELETE" in r.json()["detail"], r.text
+        assert r.status_code == 503 and "repeat the DELETE" in err(r)["message"], r.text
         assert p.client.get("/v1/adapters", headers=auth).status_code == 403      # disabled meanwhile
         proxy.up()
         assert p.client.delete(f"/admin/tenants/{tid}", headers=p.admin()).status_code == 204
