@@ -59,6 +59,11 @@ def end_session(store: SessionStore, token: str | None) -> None:
         store.revoke(token_hash(token))
 
 
+def _epoch(text: str) -> bool:
+    """An epoch-seconds field: ASCII digits only ('²'.isdigit() is true) and short (int() has a digit limit)."""
+    return text.isascii() and text.isdigit() and len(text) <= 12
+
+
 def _link_signature(settings: Settings, expires: int, nonce: str) -> str:
     key = settings.admin_key.get_secret_value().encode()
     return hmac.new(key, f"loraplex-dashboard-link:{expires}:{nonce}".encode(), hashlib.sha256).hexdigest()
@@ -78,7 +83,7 @@ class LinkRedeemer:
 
     def redeem(self, settings: Settings, token: str | None, now: float | None = None) -> bool:
         parts = (token or "").split(".")
-        if len(parts) != 3 or not parts[0].isdigit():
+        if len(parts) != 3 or not _epoch(parts[0]):
             return False
         expires, nonce, signature = int(parts[0]), parts[1], parts[2]
         now = time.time() if now is None else now

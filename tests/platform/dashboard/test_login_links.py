@@ -46,6 +46,8 @@ def test_expired_tampered_and_other_key_tokens_are_refused(clock):
     head, sig = token.rsplit(".", 1)
     assert not redeemer.redeem(settings, f"{head}.{'0' * len(sig)}", now=now)    # tampered
     assert not redeemer.redeem(settings, "not-a-token", now=now)
+    assert not redeemer.redeem(settings, "²." + token.split(".", 1)[1], now=now)     # not ASCII digits
+    assert not redeemer.redeem(settings, "9" * 5000 + "." + token.split(".", 1)[1], now=now)
     assert redeemer.redeem(settings, token, now=now) and not redeemer.redeem(settings, token, now=now + 1)
     assert not LinkRedeemer(store).redeem(settings, token, now=now + 1)         # another replica: the same store
     clock.t += 100
