@@ -6,6 +6,9 @@ checked on the quiet stack before the load goes on.
     engine      SIGKILL of engine replica i (round robin); restarted on its port after the hold
                 recovered: the restarted replica served a request (its admissions counter moved)
     redis       the own redis-server SIGKILLed; restarted empty          recovered: a completion answered 200
+    redis_stall the own Redis stalled for writes (``CLIENT PAUSE <hold> WRITE``) while streams end; it resumes by
+                itself                                                   recovered: a completion answered 200;
+                the lease invariant is then given ``STALL_LEASE_TIMEOUT_S`` (released leases must all be gone)
     postgres    the own cluster stopped ``-m immediate`` (or, on the proxy fallback, cut); started again
                 recovered: ``GET /v1/adapters`` answered 200 (a database read)
     s3_down     the S3 proxy refuses and drops connections               recovered: an upload answered 201
@@ -39,16 +42,18 @@ from load_tests.invariants import check_all, failed
 from load_tests.population import Population, new_tenant, upload
 from load_tests.records import Record, error_kind
 
-FAULTS = ("engine", "redis", "postgres", "s3_down", "s3_slow", "disconnect")
+FAULTS = ("engine", "redis", "redis_stall", "postgres", "s3_down", "s3_slow", "disconnect")
 ALLOWED: dict[str, set[str]] = {
     "engine": {"engine_unavailable"},                       # streams/completions running on the killed replica
     "redis": {"quota_store_unavailable"},                   # fail closed
+    "redis_stall": {"quota_store_unavailable"},             # acquires time out (QUOTA_TIMEOUT_S): fail closed
     "postgres": {"database_unavailable", "registry_unavailable"},
     "s3_down": {"blob_store_unavailable", "adapter_fetch_unavailable"},
     "s3_slow": set(),
     "disconnect": set(),
 }
 RECOVERY_TIMEOUT_S = {"engine": 120.0}                      # model load on a busy CPU; 30 s for the others
+STALL_LEASE_TIMEOUT_S = 30.0                                # after a Redis stall: no lease may be left by then
 GRACE_S = 3.0                                               # after recovery, stragglers on old connections
 
 
@@ -212,6 +217,8 @@ class FaultSchedule:
         s.proxy.up()
         if s.redis.proc is None or s.redis.proc.poll() is not None:
             s.redis.start()
+        else:
+            _redis_command(s.redis.url, "CLIENT", "UNPAUSE")
         if hasattr(s.pg, "proxy") or not _port_open(s.pg.port):     # the proxy fallback: up() is idempotent
             s.pg.start()
         for e in s.engines:
@@ -227,7 +234,8 @@ class FaultSchedule:
             since, self._since = self._since, self.now()
             records = [r for r in self.load_records() + list(self.records) if r.started_s >= since]
             excuse(records, self.injections)
-            inj.invariants = check_all(self.local.info, records)
+            inj.invariants = check_all(self.local.info, records, lease_timeout_s=STALL_LEASE_TIMEOUT_S
+                                       if inj.fault == "redis_stall" else 10.0)
         except Exception as e:  # noqa: BLE001 - recorded; the load must go on
             inj.invariants = {"check": {"ok": False, "detail": f"{type(e).__name__}: {e}"}}
         finally:
@@ -303,6 +311,16 @@ class FaultSchedule:
         self.local.redis.start()
         self._until(inj, lambda: self._complete("redis").kind == "ok")
 
+    def _redis_stall(self, inj: Injection) -> None:
+        """Writes (every quota script) block for ``hold_s`` while the load runs: acquires time out and fail closed,
+        streams that end meanwhile cannot release their leases until it is over."""
+        start = time.monotonic()
+        _redis_command(self.local.redis.url, "CLIENT", "PAUSE", str(int(self.hold_s * 1000)), "WRITE")
+        inj.figures["during_kind"] = self._complete("redis_stall").kind
+        time.sleep(max(0.0, self.hold_s - (time.monotonic() - start)))
+        inj.restored_s = self.now()                        # the pause ends by itself
+        self._until(inj, lambda: self._complete("redis_stall").kind == "ok")
+
     def _postgres(self, inj: Injection) -> None:
         self.local.pg.stop("immediate")
         time.sleep(1.1)                                   # the gateway's auth cache (AUTH_CACHE_S = 1 s) runs out
@@ -360,6 +378,16 @@ class FaultSchedule:
         inj.restored_s = inj.recovered_s = self.now()
         inj.figures["disconnects"] = sum(r.kind == "client_disconnect" for r in records)
         inj.figures["requests"] = len(records)
+
+
+def _redis_command(url: str, *args: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        client.execute_command(*args)
+    finally:
+        client.close()
 
 
 def _port_open(port: int) -> bool:

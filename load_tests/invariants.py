@@ -161,11 +161,14 @@ def check_answers(records: list[Record]) -> tuple[bool, dict]:
                                             "unclear": dict(unclear)}
 
 
-def check_all(stack: Stack, records: list[Record], *, down: set[str] = frozenset()) -> dict[str, dict]:
-    """Every invariant; ``down`` names engines that are expected to be unreachable."""
+def check_all(stack: Stack, records: list[Record], *, down: set[str] = frozenset(),
+              lease_timeout_s: float = 10.0) -> dict[str, dict]:
+    """Every invariant; ``down`` names engines that are expected to be unreachable; leases are polled up to
+    ``lease_timeout_s``."""
     out = {}
     for name, fn in (("answers", lambda: check_answers(records)), ("usage", lambda: check_usage(stack, records)),
-                     ("leases", lambda: check_leases(stack)), ("kv", lambda: check_kv(stack, down=down)),
+                     ("leases", lambda: check_leases(stack, lease_timeout_s)),
+                     ("kv", lambda: check_kv(stack, down=down)),
                      ("blobs", lambda: check_blobs(stack))):
         ok, detail = fn()
         out[name] = {"ok": ok, **detail}

@@ -10,9 +10,9 @@ invariants, write ``report.json`` and ``report.md``.
 Scenarios: zipf (Locust, Zipf over the population), burst (tenants over quota), churn (uploads + deletes while
 inference runs), long (prompts filling the context), stream (asyncio streaming client: TTFT, inter-token gaps,
 some clients disconnect). ``all`` = every one at once. ``--faults`` (needs ``--spawn``): while they run, the
-fault schedule of ``faults.py`` breaks the stack in turn (engine, redis, postgres, s3_down, s3_slow, disconnect),
-checks every invariant after each fault and adds a fault matrix to the report. Exit status 1 when an invariant
-fails (after any fault or at the end) or a fault was not injected and recovered cleanly.
+fault schedule of ``faults.py`` breaks the stack in turn (engine, redis, redis_stall, postgres, s3_down,
+s3_slow, disconnect), checks every invariant after each fault and adds a fault matrix to the report. Exit status 1
+when an invariant fails (after any fault or at the end) or a fault was not injected and recovered cleanly.
 """
 from __future__ import annotations
 

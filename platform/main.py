@@ -27,6 +27,7 @@ from loraplex.platform.engines.notifier import EngineNotifier, NoopNotifier
 from loraplex.platform.metrics import client_source, install_metrics
 from loraplex.platform.quotas import QuotaStore
 from loraplex.platform.routing import Replica
+from loraplex.platform.uploads.janitor import install_janitor
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None, *, blob_store: BlobStore | None
     install_error_handlers(app)  # every error in OpenAI's shape, with x-request-id
     install_metrics(app)       # app.state.metrics, app.state.engine_stats_poller, GET /metrics, upload counts
     install_dashboard(app)     # /admin/dashboard (admin key), reads app.state.metrics
+    install_janitor(app)       # spool heartbeat + janitor passes (interrupted uploads, orphans) in the lifespan
     install_openapi(app)       # the schema documents the error shape (400, not FastAPI's 422)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestIdMiddleware)   # outermost: every answer has x-request-id

@@ -1,5 +1,19 @@
-"""``loraplex serve``: runs the control plane's API with uvicorn (settings from LORAPLEX_* env vars)."""
+"""``loraplex serve``: runs the control plane's API with uvicorn (settings from LORAPLEX_* env vars). The access log
+never shows credentials: the values of query parameters like ``key``/``login``/``token`` are redacted
+(``platform/core/access_log.py``). With ``LORAPLEX_METRICS_PORT`` the Prometheus scrape is served there too."""
 from __future__ import annotations
+
+import copy
+
+
+def log_config() -> dict:
+    """uvicorn's logging config with the query-string redaction filter on the access log."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["redact_query"] = {"()": "loraplex.platform.core.access_log.RedactQueryFilter"}
+    config["handlers"]["access"]["filters"] = ["redact_query"]
+    return config
 
 
 def register(subparsers) -> None:
@@ -27,7 +41,7 @@ def register(subparsers) -> None:
 
             run("upgrade", "head")
         uvicorn.run("loraplex.platform.main:create_app", factory=True, host=args.host, port=args.port,
-                    log_level="info")
+                    log_level="info", log_config=log_config())
         return 0
 
     p.set_defaults(func=_main)

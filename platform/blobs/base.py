@@ -2,7 +2,9 @@
 URIs (``s3://bucket/key``, ``file:///abs/path``) are what the registry stores and engines fetch."""
 from __future__ import annotations
 
-from typing import Iterator, Protocol, runtime_checkable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable, Iterator, Protocol, runtime_checkable
 
 
 class BlobStoreUnavailable(RuntimeError):
@@ -13,6 +15,22 @@ class BlobNotFound(KeyError):
     """No blob under that key."""
 
 
+@dataclass(frozen=True)
+class BlobInfo:
+    key: str
+    modified: datetime    # timezone-aware
+
+
+@dataclass(frozen=True)
+class IncompleteUpload:
+    """A blob write that never finished (its process died): an S3 multipart upload that was neither completed nor
+    aborted, or a local store's temp file. It is never visible as a blob; ``abort_incomplete`` removes it."""
+
+    key: str
+    upload_id: str
+    initiated: datetime
+
+
 @runtime_checkable
 class BlobStore(Protocol):
     """Streaming blob storage. Writes are all-or-nothing: a failed ``put_file`` leaves no object behind."""
@@ -20,8 +38,10 @@ class BlobStore(Protocol):
     def uri(self, key: str) -> str:
         """The URI of ``key`` as stored in the registry."""
 
-    def put_file(self, key: str, path: str, *, sha256: str) -> str:
-        """Streams the file at ``path`` to ``key`` (checksummed with ``sha256``, hex); returns its URI."""
+    def put_file(self, key: str, path: str, *, sha256: str,
+                 on_progress: Callable[[int], None] | None = None) -> str:
+        """Streams the file at ``path`` to ``key`` (checksummed with ``sha256``, hex); returns its URI.
+        ``on_progress(bytes so far)`` is called after each part; an exception from it aborts the write."""
 
     def exists(self, key: str) -> bool:
         """Whether a complete blob is stored under ``key``."""
@@ -37,3 +57,12 @@ class BlobStore(Protocol):
 
     def list_keys(self, prefix: str = "") -> list[str]:
         """Every key under ``prefix``."""
+
+    def list_blobs(self, prefix: str = "") -> list[BlobInfo]:
+        """Every blob under ``prefix`` with its last modification time."""
+
+    def incomplete_uploads(self, prefix: str = "") -> list[IncompleteUpload]:
+        """Writes under ``prefix`` that were started and never completed or aborted."""
+
+    def abort_incomplete(self, upload: IncompleteUpload) -> None:
+        """Removes an incomplete write (gone already is not an error)."""

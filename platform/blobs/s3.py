@@ -2,18 +2,20 @@
 
 Uploads are multipart (one part in memory at a time, each with a SHA-256 checksum S3 verifies), aborted on any
 failure so no object appears unless every part landed. botocore retries each call (standard mode, bounded
-attempts); connection failures surface as ``BlobStoreUnavailable``. A multipart upload that cannot even be aborted
-(the server is gone) is left to the bucket's AbortIncompleteMultipartUpload lifecycle rule; it is never visible
-as an object.
+attempts); connection failures surface as ``BlobStoreUnavailable``. A multipart upload that cannot be aborted
+(the server is gone, or the process was killed) is never visible as an object; ``incomplete_uploads`` lists it
+(ListMultipartUploads) and ``abort_incomplete`` aborts it: the janitor does both (``uploads/janitor.py``). A bucket
+lifecycle rule (AbortIncompleteMultipartUpload) is a good second net.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
-from loraplex.platform.blobs.base import BlobNotFound, BlobStoreUnavailable
+from loraplex.platform.blobs.base import BlobInfo, BlobNotFound, BlobStoreUnavailable, IncompleteUpload
+from loraplex.platform.core import checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ class S3BlobStore:
     def _unavailable(self, what: str, e: Exception) -> BlobStoreUnavailable:
         return BlobStoreUnavailable(f"blob store unavailable ({what}): {type(e).__name__}: {e}")
 
-    def put_file(self, key: str, path: str, *, sha256: str) -> str:
+    def put_file(self, key: str, path: str, *, sha256: str,
+                 on_progress: Callable[[int], None] | None = None) -> str:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -56,7 +59,7 @@ class S3BlobStore:
         except (BotoCoreError, ClientError) as e:
             raise self._unavailable(f"starting upload of {key}", e) from e
         try:
-            parts, digest = [], hashlib.sha256()
+            parts, digest, done = [], hashlib.sha256(), 0
             with open(path, "rb") as f:
                 number = 1
                 while True:
@@ -68,7 +71,12 @@ class S3BlobStore:
                     resp = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                    PartNumber=number, Body=data, ChecksumSHA256=checksum)
                     parts.append({"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": checksum})
+                    if number == 1:
+                        checkpoints.reached("blob.part_stored")
                     number += 1
+                    done += len(data)
+                    if on_progress is not None:
+                        on_progress(done)
                     if not data:
                         break
                     del data
@@ -76,6 +84,7 @@ class S3BlobStore:
                 raise BlobStoreUnavailable(f"checksum mismatch uploading {key}: the source changed during the upload")
             self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                   MultipartUpload={"Parts": parts})
+            checkpoints.reached("blob.completed")
         except BaseException as e:
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
@@ -127,15 +136,43 @@ class S3BlobStore:
             raise self._unavailable(f"deleting {key}", e) from e
 
     def list_keys(self, prefix: str = "") -> list[str]:
+        return [b.key for b in self.list_blobs(prefix)]
+
+    def list_blobs(self, prefix: str = "") -> list[BlobInfo]:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        keys = []
+        out = []
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-                keys += [o["Key"] for o in page.get("Contents", [])]
+                out += [BlobInfo(o["Key"], o["LastModified"]) for o in page.get("Contents", [])]
         except (BotoCoreError, ClientError) as e:
             raise self._unavailable(f"listing {prefix!r}", e) from e
-        return sorted(keys)
+        return sorted(out, key=lambda b: b.key)
+
+    def incomplete_uploads(self, prefix: str = "") -> list[IncompleteUpload]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        out = []
+        try:
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
+                                                                                    Prefix=prefix):
+                out += [IncompleteUpload(key=u["Key"], upload_id=u["UploadId"], initiated=u["Initiated"])
+                        for u in page.get("Uploads", [])]
+        except (BotoCoreError, ClientError) as e:
+            raise self._unavailable(f"listing multipart uploads under {prefix!r}", e) from e
+        return sorted(out, key=lambda u: (u.key, u.upload_id))
+
+    def abort_incomplete(self, upload: IncompleteUpload) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchUpload", "404"):
+                return
+            raise self._unavailable(f"aborting the upload of {upload.key}", e) from e
+        except BotoCoreError as e:
+            raise self._unavailable(f"aborting the upload of {upload.key}", e) from e
 
     def ensure_bucket(self) -> None:
         """Creates the bucket if it does not exist (development and tests)."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from functools import lru_cache
 from typing import Literal
 
@@ -52,6 +53,11 @@ class Settings(BaseSettings):
     quota_fail_open: bool = False  # Redis unreachable: admit without checks (True) or answer 503 (False)
     quota_timeout_s: float = Field(default=0.5, gt=0)
     quota_key_prefix: str = "loraplex:quota"  # Redis keys: <prefix>:{<tenant id>}:rpm|tpm|leases|day
+    # concurrency leases: a release that failed (Redis stalled or down) is retried in the background; every
+    # QUOTA_LEASE_REAP_S each process releases its own leases whose request is gone and those of processes that
+    # stopped refreshing their heartbeat key (it expires after QUOTA_INSTANCE_TTL_S)
+    quota_lease_reap_s: float = Field(default=10.0, gt=0)
+    quota_instance_ttl_s: float = Field(default=30.0, gt=0)
 
     # gateway: engine replicas (ENGINE_URLS: separate `loraplex engine serve` processes; else ENGINE_MODE)
     engine_urls: list[str] = []
@@ -88,7 +94,23 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     max_archive_members: int = Field(default=64, gt=0)
     upload_validation_threads: int = Field(default=2, ge=1)  # uploads validated at once (CPU-bound, in threads)
-    spool_dir: str | None = None  # where uploads are streamed before validation; default: the system temp dir
+    spool_dir: str | None = None  # where uploads are streamed before validation; default <system temp>/loraplex-spool
+    spool_lease_s: float = Field(default=60.0, gt=0)  # spool folders of other hosts' processes: gone when untouched
+
+    # janitor (uploads/janitor.py): expires `uploading` versions whose uploader stopped heartbeating for
+    # UPLOAD_STALE_AFTER_S, removes their blobs and incomplete multipart uploads, orphan blobs and spool leftovers.
+    # Runs in each platform process every JANITOR_INTERVAL_S (0: off, e.g. with the chart's CronJob instead).
+    janitor_interval_s: float = Field(default=300.0, ge=0)
+    upload_stale_after_s: float = Field(default=900.0, gt=0)
+
+    # metrics: GET /metrics on the API port needs the admin key or METRICS_TOKEN as a bearer token; with
+    # METRICS_PORT the same scrape is also served without auth on METRICS_HOST:METRICS_PORT (keep it pod-internal)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    metrics_host: str = "127.0.0.1"
+    metrics_token: SecretStr | None = None
+
+    # admin dashboard sign-ins (server-side sessions in the registry; sign-out revokes)
+    dashboard_session_s: int = Field(default=12 * 3600, gt=0)
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> "Settings":
@@ -108,6 +130,15 @@ class Settings(BaseSettings):
     @property
     def blob_path(self) -> str:
         return os.path.abspath(self.blob_dir or os.path.join(self.data_dir, "blobs"))
+
+    @property
+    def spool_path(self) -> str:
+        return os.path.abspath(self.spool_dir or os.path.join(tempfile.gettempdir(), "loraplex-spool"))
+
+    @property
+    def upload_heartbeat_s(self) -> float:
+        """How often an upload in progress refreshes its row's ``updated_at`` (well inside the stale threshold)."""
+        return min(30.0, self.upload_stale_after_s / 6)
 
     @property
     def adapter_path(self) -> str:

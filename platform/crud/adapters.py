@@ -1,7 +1,10 @@
 """Adapters, versions and aliases of one tenant."""
 from __future__ import annotations
 
-from sqlalchemy import delete, func, select
+from datetime import datetime
+from typing import Callable
+
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -9,6 +12,8 @@ from loraplex.platform.db.base import utcnow
 from loraplex.platform.db.models import Adapter, AdapterAlias, AdapterStatus, AdapterVersion, Tenant
 
 LATEST = "latest"
+IN_PROGRESS = (AdapterStatus.uploading, AdapterStatus.validating)
+LIVE = (AdapterStatus.ready, *IN_PROGRESS)          # versions whose blob must stay
 
 
 def get_adapter(*, session: Session, tenant: Tenant, name: str) -> Adapter | None:
@@ -53,17 +58,84 @@ def create_version(*, session: Session, adapter: Adapter, idempotency_key: str |
 
 
 def find_ready_blob(*, session: Session, adapter: Adapter, sha256: str) -> str | None:
-    """The blob URI of a ready version of ``adapter`` with this content, if any."""
-    return session.scalar(select(AdapterVersion.blob_uri).where(
+    """The blob key of a ready version of ``adapter`` with this content, if any."""
+    return session.scalar(select(AdapterVersion.blob_key).where(
         AdapterVersion.adapter_id == adapter.id, AdapterVersion.sha256 == sha256,
-        AdapterVersion.status == AdapterStatus.ready).limit(1))
+        AdapterVersion.status == AdapterStatus.ready, AdapterVersion.blob_key.is_not(None)).limit(1))
 
 
-def blob_in_use(*, session: Session, blob_uri: str, excluding: list[str]) -> bool:
-    """Whether a live (not deleted/failed) version other than ``excluding`` still points at ``blob_uri``."""
+def blob_in_use(*, session: Session, blob_key: str, excluding: list[str]) -> bool:
+    """Whether a live (ready or in progress) version other than ``excluding`` still needs ``blob_key``."""
     return session.scalar(select(func.count()).select_from(AdapterVersion).where(
-        AdapterVersion.blob_uri == blob_uri, AdapterVersion.id.not_in(excluding),
-        AdapterVersion.status.in_([AdapterStatus.ready, AdapterStatus.uploading, AdapterStatus.validating]))) > 0
+        AdapterVersion.blob_key == blob_key, AdapterVersion.id.not_in(excluding),
+        AdapterVersion.status.in_(LIVE))) > 0
+
+
+def live_blob_keys(*, session: Session, keys: list[str], uri_of: Callable[[str], str] | None = None,
+                   chunk: int = 500) -> set[str]:
+    """Those of ``keys`` that a live version needs: by its ``blob_key``, or, when ``uri_of`` is given, by its
+    ``blob_uri`` (rows that recorded no key: written by an older platform, e.g. during a rolling upgrade)."""
+    out: set[str] = set()
+    for i in range(0, len(keys), chunk):
+        part = keys[i:i + chunk]
+        out |= set(session.scalars(select(AdapterVersion.blob_key).where(
+            AdapterVersion.blob_key.in_(part), AdapterVersion.status.in_(LIVE))))
+        if uri_of is not None:
+            by_uri = {uri_of(k): k for k in part}
+            out |= {by_uri[u] for u in session.scalars(select(AdapterVersion.blob_uri).where(
+                AdapterVersion.blob_uri.in_(list(by_uri)), AdapterVersion.status.in_(LIVE)))}
+    return out
+
+
+def in_progress_blob_keys(*, session: Session) -> set[str]:
+    """The blob keys of every upload in progress (their store writes may be running)."""
+    return set(session.scalars(select(AdapterVersion.blob_key).where(
+        AdapterVersion.status.in_(IN_PROGRESS), AdapterVersion.blob_key.is_not(None))))
+
+
+def touch_upload(*, session: Session, version_id: str) -> bool:
+    """The uploader's heartbeat: ``updated_at`` = now while the version is in progress; False once it is not
+    (the janitor expired it)."""
+    result = session.execute(update(AdapterVersion).where(
+        AdapterVersion.id == version_id, AdapterVersion.status.in_(IN_PROGRESS)).values(updated_at=utcnow())
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1
+
+
+def finish_upload(*, session: Session, version: AdapterVersion, **values) -> bool:
+    """Sets ``values`` and status ``ready`` on ``version`` if it is still in progress (one conditional UPDATE, so an
+    upload the janitor expired meanwhile can never turn ready); False otherwise."""
+    result = session.execute(update(AdapterVersion).where(
+        AdapterVersion.id == version.id, AdapterVersion.status.in_(IN_PROGRESS))
+        .values(status=AdapterStatus.ready, updated_at=utcnow(), **values)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1
+
+
+def stale_uploads(*, session: Session, cutoff: datetime, limit: int = 1000) -> list[str]:
+    """Ids of in-progress versions whose heartbeat (``updated_at``) is older than ``cutoff``."""
+    return list(session.scalars(select(AdapterVersion.id).where(
+        AdapterVersion.status.in_(IN_PROGRESS), AdapterVersion.updated_at < cutoff)
+        .order_by(AdapterVersion.updated_at).limit(limit)))
+
+
+def expire_upload(*, session: Session, version_id: str, cutoff: datetime, error: str) -> str | None:
+    """Marks one stale in-progress version ``failed`` and frees its Idempotency-Key, if it is still stale (a
+    conditional UPDATE: of several janitors, one wins; an upload that heartbeated meanwhile is left alone).
+    Returns the version's blob key when this call expired it, else None (also "" when it had no key)."""
+    result = session.execute(update(AdapterVersion).where(
+        AdapterVersion.id == version_id, AdapterVersion.status.in_(IN_PROGRESS), AdapterVersion.updated_at < cutoff)
+        .values(status=AdapterStatus.failed, error=error, idempotency_key=None, updated_at=utcnow())
+        .execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        return None
+    return session.scalar(select(AdapterVersion.blob_key).where(AdapterVersion.id == version_id)) or ""
+
+
+def blob_keys_of_tenant(*, session: Session, tenant_id: str) -> set[str]:
+    """Every blob key any version of the tenant recorded (ready, intended, failed or deleted)."""
+    return set(session.scalars(select(AdapterVersion.blob_key).where(
+        AdapterVersion.tenant_id == tenant_id, AdapterVersion.blob_key.is_not(None))))
 
 
 def aliases_of(*, session: Session, adapter: Adapter) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Tenants and their API keys."""
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from loraplex.platform.core.security import hash_api_key, key_prefix, new_api_key, verify_api_key
@@ -77,3 +77,9 @@ def authenticate_key(*, session: Session, key: str, secret: str) -> ApiKey | Non
     if row is None or row.revoked_at is not None or not verify_api_key(key, row.key_hash, secret):
         return None
     return row
+
+
+def delete_tenant(*, session: Session, tenant: Tenant) -> None:
+    """Removes the tenant row; keys, adapters, versions, aliases and usage go with it (ON DELETE CASCADE)."""
+    session.execute(delete(Tenant).where(Tenant.id == tenant.id))
+    session.expire_all()

@@ -1,5 +1,7 @@
 """The admin dashboard: one page with live charts (Chart.js, shipped in ``static/vendor``; no CDN), polling
-``/admin/dashboard/data``. Sign in once with the admin key (form or ``?key=`` link); an HttpOnly cookie follows.
+``/admin/dashboard/data``. Sign in once with the admin key (the login form) or a one-time link; an HttpOnly cookie
+with a server-side session follows (``auth.py``, ``sessions.py``). Installing it also redacts credential-like query
+parameters from uvicorn's access log (``core/access_log.py``).
 
     install_metrics(app)       # loraplex.platform.metrics, first: the dashboard reads app.state.metrics
     install_dashboard(app)
@@ -28,6 +30,9 @@ def install_dashboard(app: Any, *, quota_source: QuotaSource | None = None) -> N
     if quota_source is None and getattr(app.state, "sessionmaker", None) is not None:
         quota_source = registry_quota_source(app.state.sessionmaker, app.state.settings)
     app.state.dashboard_quota_source = quota_source
+    from loraplex.platform.core import access_log
+
+    access_log.install()
     static = str(resources.files("loraplex.platform.dashboard").joinpath("static"))
     app.include_router(router)
     app.mount(f"{PAGE}/static", StaticFiles(directory=static), name="dashboard-static")

@@ -1,23 +1,27 @@
-"""Browser sessions for the admin dashboard. The admin key is typed once (login form, or a ``?key=`` link); the
-server answers with an HttpOnly cookie holding a signed expiry, never the key:
+"""Browser sessions for the admin dashboard. The admin key is typed once, in the login form (POSTed, never in a URL),
+or replaced by a one-time link; the server answers with an HttpOnly cookie holding a random session token:
 
-    cookie loraplex_dashboard = "<expires epoch s>.<hex HMAC-SHA256(admin key, 'loraplex-dashboard:<expires>')>"
+    cookie loraplex_dashboard = "<random token>"      the server keeps sha256(token) in its session store
+                                                      (sessions.py: the registry's dashboard_sessions table)
 
-A one-time login link (``POST /admin/dashboard/links`` with the admin key; ``loraplex demo`` prints one) carries
-no key either: ``?login=<expires>.<nonce>.<HMAC(admin key, 'loraplex-dashboard-link:<expires>:<nonce>')>``, valid
-``LINK_TTL_S`` and once (``LinkRedeemer`` remembers used nonces until they expire; per process, so behind several
-platform replicas a link could be used once on each within its few minutes).
+A session is valid while its row exists, is not revoked and has not expired (``LORAPLEX_DASHBOARD_SESSION_S``, 12 h),
+and was made under the current admin key (rows carry a fingerprint of it: a new admin key ends every session).
+Sign-out revokes the row, so a copy of the cookie stops working at once, on every replica.
 
-Changing ``LORAPLEX_ADMIN_KEY`` invalidates every session and link. The cookie is ``SameSite=Strict`` (no cross-site use),
-``Path=/admin/dashboard`` and ``Secure`` on HTTPS. API clients may send ``Authorization: Bearer <admin key>``
-instead: ``DashboardAdmin`` falls back to the admin API's own check (``require_admin``).
+A one-time login link (``POST /admin/dashboard/links`` with the admin key; ``loraplex demo`` prints one) carries no
+key: ``?login=<expires>.<nonce>.<HMAC(admin key, 'loraplex-dashboard-link:<expires>:<nonce>')>``, valid
+``LINK_TTL_S`` and once: redeeming stores its nonce (hashed) in the same store, which refuses it a second time on
+any replica.
+
+The cookie is ``SameSite=Strict`` (no cross-site use), ``Path=/admin/dashboard`` and ``Secure`` on HTTPS. API
+clients may send ``Authorization: Bearer <admin key>`` instead: ``DashboardAdmin`` falls back to the admin API's
+own check (``require_admin``).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
-import threading
 import time
 from typing import Annotated
 
@@ -26,31 +30,33 @@ from fastapi import Depends, Request, Response
 from loraplex.platform.api.deps import Credentials, SettingsDep, require_admin
 from loraplex.platform.core.config import Settings
 from loraplex.platform.core.security import same_secret
+from loraplex.platform.dashboard.sessions import SessionStore, session_store_of, token_hash
 
 COOKIE = "loraplex_dashboard"
 COOKIE_PATH = "/admin/dashboard"
-SESSION_S = 12 * 3600
 LINK_TTL_S = 600
 
 
-def _signature(settings: Settings, expires: int) -> str:
+def key_id(settings: Settings) -> str:
+    """A fingerprint of the admin key (not reversible), stored with each session."""
     key = settings.admin_key.get_secret_value().encode()
-    return hmac.new(key, f"loraplex-dashboard:{expires}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, b"loraplex-dashboard-session", hashlib.sha256).hexdigest()[:16]
 
 
-def session_token(settings: Settings, now: float | None = None, ttl_s: int = SESSION_S) -> str:
-    expires = int((time.time() if now is None else now) + ttl_s)
-    return f"{expires}.{_signature(settings, expires)}"
+def new_session(store: SessionStore, settings: Settings) -> str:
+    """A fresh session token, stored (hashed) for ``settings.dashboard_session_s``."""
+    token = secrets.token_urlsafe(32)
+    store.add("session", token_hash(token), key_id(settings), settings.dashboard_session_s)
+    return token
 
 
-def valid_session(settings: Settings, token: str | None, now: float | None = None) -> bool:
-    """True for an unexpired token signed with the current admin key."""
-    if not token or "." not in token:
-        return False
-    expires_text, signature = token.split(".", 1)
-    if not _epoch(expires_text) or int(expires_text) < (time.time() if now is None else now):
-        return False
-    return same_secret(signature, _signature(settings, int(expires_text)))
+def valid_session(store: SessionStore, settings: Settings, token: str | None) -> bool:
+    return bool(token) and len(token) <= 256 and store.is_valid(token_hash(token), key_id(settings))
+
+
+def end_session(store: SessionStore, token: str | None) -> None:
+    if token and len(token) <= 256:
+        store.revoke(token_hash(token))
 
 
 def _epoch(text: str) -> bool:
@@ -70,11 +76,10 @@ def login_link_token(settings: Settings, now: float | None = None, ttl_s: int = 
 
 
 class LinkRedeemer:
-    """Accepts each valid login-link token once (thread-safe; used nonces are forgotten when they expire)."""
+    """Accepts each valid login-link token once: its nonce goes into the session store, which refuses a repeat."""
 
-    def __init__(self) -> None:
-        self._used: dict[str, int] = {}
-        self._lock = threading.Lock()
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
 
     def redeem(self, settings: Settings, token: str | None, now: float | None = None) -> bool:
         parts = (token or "").split(".")
@@ -84,21 +89,15 @@ class LinkRedeemer:
         now = time.time() if now is None else now
         if expires < now or not same_secret(signature, _link_signature(settings, expires, nonce)):
             return False
-        with self._lock:
-            for old in [n for n, e in self._used.items() if e < now]:
-                del self._used[old]
-            if nonce in self._used:
-                return False
-            self._used[nonce] = expires
-        return True
+        return self.store.add("link", token_hash(f"link:{nonce}"), key_id(settings), max(1.0, expires - now))
 
 
 def valid_admin_key(settings: Settings, key: str | None) -> bool:
     return bool(key) and same_secret(key, settings.admin_key.get_secret_value())
 
 
-def set_session_cookie(response: Response, request: Request, settings: Settings) -> None:
-    response.set_cookie(COOKIE, session_token(settings), max_age=SESSION_S, path=COOKIE_PATH, httponly=True,
+def set_session_cookie(response: Response, request: Request, settings: Settings, token: str) -> None:
+    response.set_cookie(COOKIE, token, max_age=settings.dashboard_session_s, path=COOKIE_PATH, httponly=True,
                         samesite="strict", secure=request.url.scheme == "https")
 
 
@@ -107,11 +106,13 @@ def clear_session_cookie(response: Response) -> None:
 
 
 def has_session(request: Request, settings: Settings) -> bool:
-    return valid_session(settings, request.cookies.get(COOKIE))
+    """Blocking (the store may be the registry): call from a worker thread in async code."""
+    return valid_session(session_store_of(request.app), settings, request.cookies.get(COOKIE))
 
 
 def dashboard_admin(request: Request, settings: SettingsDep, credentials: Credentials) -> None:
-    """The dashboard session cookie, else the admin key as a bearer token (401 otherwise)."""
+    """The dashboard session cookie, else the admin key as a bearer token (401 otherwise). A sync dependency:
+    FastAPI runs it in a worker thread."""
     if has_session(request, settings):
         return
     require_admin(settings, credentials)

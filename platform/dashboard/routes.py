@@ -1,11 +1,11 @@
 """The admin dashboard's routes (``install_dashboard`` mounts them):
 
     GET  /admin/dashboard            the page with a session cookie (or an admin bearer token), else the login form
-    GET  /admin/dashboard?key=K      bootstrap link: a valid key sets the cookie and redirects to the bare URL
-    GET  /admin/dashboard?login=T    one-time link: the same, once, for a token from POST /admin/dashboard/links
+    GET  /admin/dashboard?login=T    one-time link: a session cookie + 303 to the bare URL, once per token
+    GET  /admin/dashboard?key=K      refused (400, the login form): a key in a URL ends up in logs and history
     POST /admin/dashboard/links      admin key (bearer) -> 201 {"url", "expires_at"}: a one-time login link
     POST /admin/dashboard/login      form field ``key`` -> cookie + 303 to the page; a wrong key -> 401 form
-    POST /admin/dashboard/logout     clears the cookie
+    POST /admin/dashboard/logout     revokes the session server-side and clears the cookie
     GET  /admin/dashboard/data       the JSON the page polls (cookie or bearer; 401 otherwise)
     GET  /admin/dashboard/static/*   the page's script, style and Chart.js (no secrets; no auth)
 """
@@ -19,11 +19,14 @@ from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from starlette.concurrency import run_in_threadpool
 
 from loraplex.platform.api.deps import Credentials, SettingsDep, require_admin
-from loraplex.platform.dashboard.auth import (DashboardAdmin, LinkRedeemer, clear_session_cookie, has_session,
-                                              login_link_token, set_session_cookie, valid_admin_key)
+from loraplex.platform.dashboard.auth import (COOKIE, DashboardAdmin, LinkRedeemer, clear_session_cookie,
+                                              end_session, has_session, login_link_token, new_session,
+                                              set_session_cookie, valid_admin_key)
 from loraplex.platform.dashboard.data import dashboard_data
+from loraplex.platform.dashboard.sessions import session_store_of
 
 logger = logging.getLogger(__name__)
 PAGE = "/admin/dashboard"
@@ -52,9 +55,10 @@ def _page() -> HTMLResponse:
     return HTMLResponse(_static_text("index.html"), headers=SECURITY_HEADERS)
 
 
-def _signed_in(request: Request, settings) -> RedirectResponse:
+async def _signed_in(request: Request, settings) -> RedirectResponse:
+    token = await run_in_threadpool(new_session, session_store_of(request.app), settings)
     response = RedirectResponse(PAGE, status_code=303, headers=SECURITY_HEADERS)
-    set_session_cookie(response, request, settings)
+    set_session_cookie(response, request, settings, token)
     return response
 
 
@@ -62,10 +66,7 @@ router = APIRouter(prefix=PAGE, tags=["dashboard"], include_in_schema=False)
 
 
 def _redeemer(request: Request) -> LinkRedeemer:
-    state = request.app.state
-    if getattr(state, "dashboard_links", None) is None:
-        state.dashboard_links = LinkRedeemer()
-    return state.dashboard_links
+    return LinkRedeemer(session_store_of(request.app))
 
 
 @router.get("")
@@ -73,15 +74,15 @@ async def page(request: Request, settings: SettingsDep, credentials: Credentials
                key: str | None = Query(default=None, max_length=512),
                login: str | None = Query(default=None, max_length=512)):
     if login is not None:
-        if _redeemer(request).redeem(settings, login):
-            return _signed_in(request, settings)
+        if await run_in_threadpool(_redeemer(request).redeem, settings, login):
+            return await _signed_in(request, settings)
         return _login("That login link has expired or was already used; sign in with the admin key.", 401)
     if key is not None:
-        if valid_admin_key(settings, key):
-            return _signed_in(request, settings)
-        return _login("That admin key is not valid; check LORAPLEX_ADMIN_KEY and try again.", 401)
+        logger.info("dashboard: refused an admin key in the URL (the access log shows it redacted)")
+        return _login("Admin keys are not accepted in URLs (they end up in logs and browser history); type the "
+                      "key below, or open a one-time link from POST /admin/dashboard/links.", 400)
     bearer_ok = credentials is not None and valid_admin_key(settings, credentials.credentials)
-    if has_session(request, settings) or bearer_ok:
+    if bearer_ok or await run_in_threadpool(has_session, request, settings):
         return _page()
     return _login(None, 401)
 
@@ -95,7 +96,7 @@ async def login(request: Request, settings: SettingsDep, credentials: Credential
     if not valid_admin_key(settings, key):
         logger.info("dashboard login refused (wrong admin key)")
         return _login("That admin key is not valid; check LORAPLEX_ADMIN_KEY and try again.", 401)
-    return _signed_in(request, settings)
+    return await _signed_in(request, settings)
 
 
 @router.post("/links", status_code=201, dependencies=[Depends(require_admin)])
@@ -106,7 +107,9 @@ async def new_link(settings: SettingsDep):
 
 
 @router.post("/logout")
-async def logout():
+async def logout(request: Request):
+    """Revokes the session server-side (a copy of the cookie stops working too) and clears the cookie."""
+    await run_in_threadpool(end_session, session_store_of(request.app), request.cookies.get(COOKIE))
     response = RedirectResponse(PAGE, status_code=303, headers=SECURITY_HEADERS)
     clear_session_cookie(response)
     return response

@@ -4,6 +4,7 @@
              ├─< adapters ─┬─< adapter_versions
              │             └─< adapter_aliases ──> adapter_versions
              └─< usage_records ──> adapter_versions (set null when the version row goes)
+    dashboard_sessions (admin dashboard sign-ins and used one-time login links; no foreign keys)
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from loraplex.platform.db.base import Base, new_id, utcnow
 
 class AdapterStatus(str, enum.Enum):
     """Lifecycle of an adapter version. Uploads validate before a row exists, so a row starts at ``uploading``
-    (blob being written); ``validating`` is for versions whose checks run after the row is written (imports)."""
+    (blob being written); ``validating`` is for versions whose checks run after the row is written (imports).
+    An ``uploading`` row whose ``updated_at`` (the uploader's heartbeat) is older than
+    ``UPLOAD_STALE_AFTER_S`` is expired to ``failed`` by the janitor (``uploads/janitor.py``)."""
 
     uploading = "uploading"
     validating = "validating"
@@ -86,7 +89,8 @@ class Adapter(Base):
 
 class AdapterVersion(Base):
     __tablename__ = "adapter_versions"
-    __table_args__ = (UniqueConstraint("adapter_id", "number"), UniqueConstraint("tenant_id", "idempotency_key"))
+    __table_args__ = (UniqueConstraint("adapter_id", "number"), UniqueConstraint("tenant_id", "idempotency_key"),
+                      Index("ix_adapter_versions_status_updated_at", "status", "updated_at"))
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), index=True)
@@ -104,6 +108,10 @@ class AdapterVersion(Base):
     base_model: Mapped[str | None] = mapped_column(String(300))
     adapter_config: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # as uploaded; the engine reads scaling here
     blob_uri: Mapped[str | None] = mapped_column(String(1024))
+    # the store key of this version's blob, recorded (status uploading) before any byte goes to the store, so a
+    # crash at any later point leaves a row that names what to remove; unique per version unless it reuses the
+    # blob of a ready version of the same adapter with the same sha256
+    blob_key: Mapped[str | None] = mapped_column(String(1024), index=True)
     error: Mapped[str | None] = mapped_column(Text)
     idempotency_key: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = _ts()
@@ -141,3 +149,18 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = _ts(index=True)
     day: Mapped[date | None] = mapped_column(Date)
     adapter_name: Mapped[str | None] = mapped_column(String(64))
+
+
+class DashboardSession(Base):
+    """A dashboard sign-in (``kind`` "session": the cookie's token, hashed) or a one-time login link already used
+    (``kind`` "link": its nonce, hashed). ``key_id`` fingerprints the admin key it was made under, so a new admin key
+    ends every session. Rows past ``expires_at`` are removed by the janitor."""
+
+    __tablename__ = "dashboard_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8))
+    key_id: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = _ts()
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

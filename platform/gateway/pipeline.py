@@ -12,6 +12,10 @@ mid-generation it runs once more on another replica (``WHOLE_RETRIES``), unseen 
 sent tokens is not retried (the router alone fails over, before the first chunk).
 Metrics go through a ``RequestMeter`` (``metering.py``): the route reports refusals before admission, ``admit``
 reports quota denials, and ``Generation``'s cleanup reports every admitted request with its final status.
+
+Engine errors reach tenants sanitised (``engine_errors.py``): adapter load and fetch failures and 5xx as a generic
+message with the request id, 4xx with blob URIs, endpoints, paths and addresses removed; the full message goes to
+the platform log under that request id.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from loraplex.platform.engines.limits import unservable_reason
 from loraplex.platform.engines.messages import AdapterReference, EngineChunk, EngineRequest
 from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter, version_is_ready
 from loraplex.platform.gateway.auth import TenantInfo
+from loraplex.platform.gateway.engine_errors import for_tenant, no_engine_error
 from loraplex.platform.gateway.metering import CLIENT_CLOSED, RequestMeter
 from loraplex.platform.gateway.state import Gateway
 from loraplex.platform.inference.chat_template import ChatTemplateError
@@ -159,7 +164,8 @@ async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) 
     """Quota check; a denial is an ``InferenceError`` (429 / 400 / 503) carrying the rate-limit headers (and is
     counted by ``meter`` as a quota rejection of its kind)."""
     limits = QuotaLimits.resolve(prep.tenant, gw.settings)
-    decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.reserved_tokens)
+    decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.reserved_tokens,
+                                       request_id=prep.request_id)
     if not decision.allowed:
         if meter is not None:
             meter.quota_rejected(decision.reason or "unknown")
@@ -197,9 +203,7 @@ class Generation:
         gw, prep = self.gw, self.prep
         if gw.router is None:
             await self._finish(503, "engine_unavailable")
-            reason = gw.engine_error or "LORAPLEX_ENGINE_MODE=none"
-            raise InferenceError(503, f"this deployment has no engine replica ({reason}); the operator must fix the "
-                                      "engine settings", code="engine_unavailable")
+            raise no_engine_error(prep.request_id, gw.engine_error or "LORAPLEX_ENGINE_MODE=none")
         request = EngineRequest(request_id=prep.request_id, tenant_id=prep.tenant.id, prompt=prep.prompt,
                                 sampling=prep.sampling, adapter=prep.reference,
                                 tenant_weight=QuotaLimits.scheduling_weight(prep.tenant, gw.settings))
@@ -220,20 +224,19 @@ class Generation:
         except NoReplicaAvailableError as e:
             status, error = 503, "engine_unavailable"
             retry = max(1, int(e.retry_after_s or 1))
-            raise InferenceError(503, "No engine replica is available right now; retry shortly.",
-                                 code="engine_unavailable", headers={"retry-after": str(retry)}) from None
+            raise InferenceError(503, f"No engine replica is available right now; retry shortly (request id "
+                                      f"{prep.request_id}).", code="engine_unavailable",
+                                 headers={"retry-after": str(retry), "x-request-id": prep.request_id}) from None
         except AdapterLoadFailedError as e:
             if self.prep.adapter is not None and not await run_in_threadpool(self._still_ready):
                 # resolved, then deleted before the engine fetched it: the model is gone, not broken
                 status, error = 404, "model_not_found"
                 raise model_not_found(self.prep.body.model) from None
             status, error = e.status_code, e.type_
-            raise InferenceError(e.status_code, e.message, code=e.type_) from None
+            raise for_tenant(e, prep) from None
         except EngineError as e:
             status, error = e.status_code, e.type_
-            retry = getattr(e, "retry_after_s", None)
-            raise InferenceError(e.status_code, e.message, code=e.type_,
-                                 headers={"retry-after": str(retry)} if retry else None) from None
+            raise for_tenant(e, prep) from None
         except BaseException as e:
             if self.finish_reason is None:  # the consumer left before the end (GeneratorExit, cancel), or a bug
                 gone = isinstance(e, (GeneratorExit, anyio.get_cancelled_exc_class()))

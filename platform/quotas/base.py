@@ -32,12 +32,15 @@ class QuotaStore(Protocol):
 
     fail_open: bool
 
-    async def acquire(self, tenant_id: str, limits: QuotaLimits, *, tokens: int = 0) -> QuotaDecision:
+    async def acquire(self, tenant_id: str, limits: QuotaLimits, *, tokens: int = 0,
+                      request_id: str | None = None) -> QuotaDecision:
         """Check every limit and, only if all pass, take one request, ``tokens`` tokens (tokens/min and the
-        day's budget) and a concurrency lease, atomically. ``tokens`` is prompt + max_tokens."""
+        day's budget) and a concurrency lease, atomically. ``tokens`` is prompt + max_tokens; ``request_id``
+        names the lease's request (so a lease whose request is gone can be told apart and released)."""
 
     async def finish(self, decision: QuotaDecision, *, used_tokens: int) -> None:
-        """Give back ``reserved_tokens - used_tokens`` and release the lease. Never raises for an outage."""
+        """Give back ``reserved_tokens - used_tokens`` and release the lease, once (a second call does nothing).
+        Never raises for an outage: a release that fails is retried in the background."""
 
     async def refund(self, decision: QuotaDecision, tokens: int) -> None:
         """Give back ``tokens`` of the decision's reservation (tokens/min and the day's budget)."""

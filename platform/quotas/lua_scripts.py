@@ -83,14 +83,28 @@ return {0, 0, req_rem, req_reset, tok_rem, tok_reset, day}
 """
 
 FINISH = r"""
--- loraplex quota finish: refund unused tokens and release the lease in one round trip.
+-- loraplex quota finish: refund unused tokens and release the lease in one round trip. Idempotent, so a release
+-- retried after a timeout (Redis stalled; the first attempt may or may not have run) never refunds twice: when a
+-- lease is named, its tokens are refunded only by the call that removed it.
 -- KEYS: 1 tokens tat, 2 leases, 3 day budget key (or "" when none)
 -- ARGV: 1 token interval (0 = off), 2 tokens to refund, 3 lease id (or ""), 4 lease ttl (renew when > 0)
 -- Returns 1 if the lease existed (released or renewed), else 0.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local tok_T, units, lease_id, renew_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-if units > 0 then
+if lease_id ~= '' and renew_ttl > 0 then
+  local expiry = tonumber(redis.call('ZSCORE', KEYS[2], lease_id))
+  if not expiry then return 0 end
+  if expiry <= now then  -- expired before its holder renewed it: gone
+    redis.call('ZREM', KEYS[2], lease_id)
+    return 0
+  end
+  redis.call('ZADD', KEYS[2], 'XX', now + renew_ttl, lease_id)
+  return 1
+end
+local removed = 0
+if lease_id ~= '' then removed = redis.call('ZREM', KEYS[2], lease_id) end
+if units > 0 and (lease_id == '' or removed == 1) then
   if tok_T > 0 then
     local tat = tonumber(redis.call('GET', KEYS[1]))
     if tat then
@@ -107,16 +121,5 @@ if units > 0 then
     if left < 0 then redis.call('SET', KEYS[3], 0, 'KEEPTTL') end
   end
 end
-if lease_id == '' then return 0 end
-if renew_ttl > 0 then
-  local expiry = tonumber(redis.call('ZSCORE', KEYS[2], lease_id))
-  if not expiry then return 0 end
-  if expiry <= now then  -- expired before its holder renewed it: gone
-    redis.call('ZREM', KEYS[2], lease_id)
-    return 0
-  end
-  redis.call('ZADD', KEYS[2], 'XX', now + renew_ttl, lease_id)
-  return 1
-end
-return redis.call('ZREM', KEYS[2], lease_id)
+return removed
 """

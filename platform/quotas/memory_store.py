@@ -1,6 +1,8 @@
-"""InMemoryQuotaStore: the same checks as ``redis_script.lua`` in this process (the embedded default).
+"""InMemoryQuotaStore: the same checks as ``lua_scripts.py`` in this process (the embedded default).
 
-Only correct when one process serves the tenant; several gateway processes need ``RedisQuotaStore``.
+Only correct when one process serves the tenant; several gateway processes need ``RedisQuotaStore``. Nothing can
+be unreachable here, so a release always lands; releasing twice is a no-op, and the tokens of a lease are refunded
+by the call that released it (as in ``FINISH``).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ class InMemoryQuotaStore:
         self._lock = threading.Lock()
         self._tenants: dict[str, _TenantState] = {}
 
-    async def acquire(self, tenant_id: str, limits: QuotaLimits, *, tokens: int = 0) -> QuotaDecision:
+    async def acquire(self, tenant_id: str, limits: QuotaLimits, *, tokens: int = 0,
+                      request_id: str | None = None) -> QuotaDecision:
         check_acquire_args(tenant_id, limits, tokens)
         with self._lock:
             return self._acquire(tenant_id, limits, tokens)
@@ -94,6 +97,8 @@ class InMemoryQuotaStore:
             now = self._clock()
             st = self._tenants.setdefault(decision.tenant_id, _TenantState())
             refund = max(0, min(refund, decision.reserved_tokens - decision.refunded_tokens))
+            if release and decision.lease_id is not None and decision.lease_id not in st.leases:
+                refund = 0          # the lease expired and was swept: as FINISH, no refund without its release
             if refund:
                 decision.refunded_tokens += refund
                 if limits.tokens_per_minute:

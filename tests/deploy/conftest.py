@@ -62,9 +62,11 @@ def rendered() -> dict[str, Rendering]:
 
 
 def pod_templates(rendering: Rendering) -> list[tuple[dict, dict]]:
-    """(workload, pod spec) of every Deployment, StatefulSet and Job."""
+    """(workload, pod spec) of every Deployment, StatefulSet, Job and CronJob."""
     out = []
     for m in rendering.manifests:
         if m["kind"] in ("Deployment", "StatefulSet", "Job"):
             out.append((m, m["spec"]["template"]["spec"]))
+        elif m["kind"] == "CronJob":
+            out.append((m, m["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
     return out

@@ -91,7 +91,8 @@ def test_every_manifest_validates_against_kubernetes_schemas(rendered, name):
         if (m["apiVersion"], m["kind"]) in crds:
             spec = m["spec"]
             assert spec["selector"]["matchLabels"] and spec["endpoints"], m
-            assert all(e["port"] == "http" and e["path"] == "/metrics" for e in spec["endpoints"])
+            assert [e["port"] for e in spec["endpoints"]][:1] == ["metrics"]        # the platform: its metrics port
+            assert all(e["port"] in ("metrics", "http") and e["path"] == "/metrics" for e in spec["endpoints"])
             continue
         try:
             kubernetes_validate.validate(m, KUBE_VERSION, strict=True)
@@ -122,7 +123,7 @@ def test_every_container_has_resources_and_long_running_ones_have_probes(rendere
             res = c.get("resources", {})
             assert res.get("requests", {}).get("cpu") and res.get("requests", {}).get("memory"), where
             assert res.get("limits", {}).get("memory"), where
-            if workload["kind"] != "Job":  # a run-to-completion job has nothing to probe
+            if workload["kind"] not in ("Job", "CronJob"):  # a run-to-completion job has nothing to probe
                 assert "readinessProbe" in c and "livenessProbe" in c, where
 
 
@@ -301,7 +302,8 @@ def test_platform_settings_parse_the_rendered_environment(rendered, name, monkey
 def test_switches_off_render_valid_manifests_without_the_switched_parts():
     r = render({"engine": {"enabled": False}, "redis": {"enabled": False}, "s3": {"existingSecret": ""},
                 "fullnameOverride": "lp"})
-    assert not r.of_kind("StatefulSet") and [s["metadata"]["name"] for s in r.of_kind("Service")] == ["lp-platform"]
+    assert not r.of_kind("StatefulSet")
+    assert sorted(s["metadata"]["name"] for s in r.of_kind("Service")) == ["lp-platform", "lp-platform-metrics"]
     env = {e["name"]: e for e in r.one("Deployment", "lp-platform")["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["LORAPLEX_ENGINE_MODE"]["value"] == "none" and "LORAPLEX_ENGINE_URLS" not in env
     assert "LORAPLEX_REDIS_URL" not in env and "LORAPLEX_S3_ACCESS_KEY_ID" not in env  # ambient S3 credentials
@@ -314,9 +316,48 @@ def test_servicemonitor_scrapes_engines_unless_turned_off(rendered):
         (expr,) = r.one("ServiceMonitor", "lpx-loraplex")["spec"]["selector"]["matchExpressions"]
         return expr["values"]
 
-    assert components(rendered["production"]) == ["platform", "engine"]   # engines serve /metrics: on by default
+    assert components(rendered["production"]) == ["platform-metrics", "engine"]   # engines serve /metrics too
     off = render({"metrics": {"serviceMonitor": {"enabled": True, "scrapeEngines": False}}})
-    assert components(off) == ["platform"]
+    assert components(off) == ["platform-metrics"]
+    assert [e["port"] for e in off.one("ServiceMonitor", "lpx-loraplex")["spec"]["endpoints"]] == ["metrics"]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_tenant_labelled_metrics_are_served_only_on_the_internal_metrics_service(rendered, name):
+    """The API Service (what an Ingress or LoadBalancer exposes) carries no metrics port; the scrape without auth
+    is a ClusterIP Service of its own on the pods' metrics port."""
+    r = rendered[name]
+    api, metrics = r.one("Service", "-platform"), r.one("Service", "-platform-metrics")
+    assert [p["name"] for p in api["spec"]["ports"]] == ["http"]
+    assert metrics["spec"]["type"] == "ClusterIP" and [p["targetPort"] for p in metrics["spec"]["ports"]] == ["metrics"]
+    assert metrics["spec"]["selector"] == api["spec"]["selector"]
+    (c,) = r.one("Deployment", "-platform")["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["LORAPLEX_METRICS_PORT"] == str(ports["metrics"]) == str(metrics["spec"]["ports"][0]["port"])
+    assert ports["metrics"] != ports["http"] and env["LORAPLEX_METRICS_HOST"] == "0.0.0.0"
+
+
+def test_janitor_runs_in_the_pods_and_optionally_as_a_cronjob(rendered):
+    assert not rendered["default"].of_kind("CronJob")
+    env = {e["name"]: e.get("value") for e in
+           rendered["default"].one("Deployment", "-platform")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LORAPLEX_JANITOR_INTERVAL_S"] == "300" and env["LORAPLEX_UPLOAD_STALE_AFTER_S"] == "900"
+    r = render({"janitor": {"intervalSeconds": 0, "staleAfterSeconds": 600,
+                            "cronJob": {"enabled": True, "schedule": "*/5 * * * *"}}})
+    cron = r.one("CronJob", "-janitor")
+    assert cron["spec"]["schedule"] == "*/5 * * * *" and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    (c,) = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    assert c["args"] == ["db", "janitor"]
+    cron_env = {e["name"]: e.get("value") for e in c["env"]}
+    assert cron_env["LORAPLEX_UPLOAD_STALE_AFTER_S"] == "600" and "LORAPLEX_DATABASE_URL" in cron_env
+    pod_env = {e["name"]: e.get("value") for e in
+               r.one("Deployment", "-platform")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert pod_env["LORAPLEX_JANITOR_INTERVAL_S"] == "0"
+    kubernetes_validate.validate(cron, KUBE_VERSION, strict=True)
+    with pytest.raises(helm.HelmValuesError, match="schedule"):
+        render({"janitor": {"intervalSeconds": 0, "staleAfterSeconds": 1, "cronJob": {"enabled": True,
+                                                                                       "schedule": "often"}}})
 
 
 def test_grafana_dashboard_configmap_is_the_repository_dashboard(rendered):

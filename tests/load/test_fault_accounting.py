@@ -76,5 +76,5 @@ def test_fault_options_are_checked(argv, message, capsys):
 
 
 def test_all_means_every_fault():
-    assert parse_args(["--spawn", "--faults", "all"]).fault_list == ["engine", "redis", "postgres", "s3_down",
-                                                                   "s3_slow", "disconnect"]
+    assert parse_args(["--spawn", "--faults", "all"]).fault_list == ["engine", "redis", "redis_stall", "postgres",
+                                                                   "s3_down", "s3_slow", "disconnect"]

@@ -167,7 +167,8 @@ def _s3_outage(stack, http, tenant, files, infer, warm, cold, cold2, doomed) -> 
     r = infer(cold)
     cold_down_s = time.time() - t
     # a clear, retryable error naming the blob store, not a hang (also test_cold_adapter_during_s3_outage...)
-    assert r.status_code == 503 and "blob store is unreachable" in r.json()["error"]["message"], r.text
+    assert r.status_code == 503 and "temporarily unavailable; retry shortly" in r.json()["error"]["message"], r.text
+    assert "s3://" not in r.text and "http://" not in r.text                      # sanitised for the tenant
     cold_status, cold_code = r.status_code, r.json()["error"].get("code")
     r = http.delete(f"/v1/adapters/{doomed}", headers=headers)
     assert r.status_code == 503 and r.json()["error"]["message"], r.text

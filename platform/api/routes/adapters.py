@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import re
-import tempfile
 from typing import Annotated, Any, Callable
 
 import anyio
@@ -23,6 +22,7 @@ from loraplex.platform.uploads.deletion import delete_versions, delete_whole_ada
 from loraplex.platform.uploads.errors import UploadError
 from loraplex.platform.uploads.intake import spool_multipart
 from loraplex.platform.uploads.service import find_idempotent, register_upload
+from loraplex.platform.uploads.spool import spool_of
 from loraplex.platform.uploads.validate import peft_files, validate_adapter
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
@@ -72,7 +72,7 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
     """Uploads a new version of adapter ``name`` (created on first upload). It is validated before anything is
     stored; on success it is ``ready`` and the ``latest`` alias names it. With ``Idempotency-Key``, a repeated
     request returns the version the first one made (200, header ``Idempotent-Replayed: true``)."""
-    with tempfile.TemporaryDirectory(dir=settings.spool_dir, prefix="loraplex-upload-") as work:
+    with spool_of(request.app).upload_dir() as work:
         form = await spool_multipart(request.stream(), request.headers.get("content-type"),
                                      request.headers.get("content-length"), dest_dir=work,
                                      max_bytes=settings.max_upload_bytes)
@@ -90,7 +90,8 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
         validated = await off_loop(request, validate_adapter, config_path, weights_path, settings=settings,
                                    model=model, limits=limits)
         version = await run_in_threadpool(register_upload, session=session, store=store, tenant=tenant, name=name,
-                                          adapter=validated, idempotency_key=idempotency_key)
+                                          adapter=validated, idempotency_key=idempotency_key,
+                                          heartbeat_s=settings.upload_heartbeat_s)
     return version_public(version.adapter, version)
 
 

@@ -6,13 +6,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from sqlalchemy.exc import IntegrityError
 
-from loraplex.platform.api.deps import AdminKey, SessionDep
+from loraplex.platform.api.deps import AdminKey, BlobStoreDep, NotifierDep, SessionDep
 from loraplex.platform.api.errors import ApiError
 from loraplex.platform.crud import tenants as crud
 from loraplex.platform.db.models import Tenant
 from loraplex.platform.gateway.auth import forget_cached_keys
 from loraplex.platform.schemas.tenants import Quotas, TenantCreate, TenantPublic, TenantsPublic
 from loraplex.platform.schemas.types import Limit, Offset, RowId
+from loraplex.platform.uploads.deletion import delete_tenant as delete_tenant_and_blobs
 
 router = APIRouter(prefix="/admin/tenants", tags=["admin: tenants"])
 
@@ -79,3 +80,15 @@ def set_quotas(request: Request, session: SessionDep, tenant: AdminTenant, body:
     session.commit()
     forget_cached_keys(request.app)
     return tenant_public(tenant)
+
+
+@router.delete("/{tenant_id}", status_code=204)
+def delete_tenant(request: Request, session: SessionDep, tenant: AdminTenant, store: BlobStoreDep,
+                  notifier: NotifierDep) -> None:
+    """Deletes the tenant with its keys, adapters, versions and usage: its keys stop working at once, engines evict
+    its adapters, and every blob of every version (recorded or intended) is removed. Store down: 503, the tenant
+    stays disabled; repeat the DELETE to finish."""
+    try:
+        delete_tenant_and_blobs(session=session, store=store, notifier=notifier, tenant=tenant)
+    finally:
+        forget_cached_keys(request.app)

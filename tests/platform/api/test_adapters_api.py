@@ -21,7 +21,8 @@ def test_upload_ready_with_metadata(platform, adapter_dir):
     assert v["rank"] == 4 and v["alpha"] == 8 and v["dtype"] == "F32" and v["base_model"] == "tiny-base"
     assert set(v["targets"]) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                  "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
-    key = f"adapters/{tid}/support-bot/{sha}.safetensors"
+    [(vid,)] = platform.sql("SELECT id FROM adapter_versions")
+    key = f"adapters/{tid}/support-bot/{vid}/{sha}.safetensors"
     assert platform.store.list_keys() == [key]
     assert b"".join(platform.store.iter_chunks(key)) == files["adapter_model.safetensors"]
     row = platform.sql("SELECT status, blob_uri, adapter_config FROM adapter_versions")[0]

@@ -68,3 +68,44 @@ def test_s3_down(tmp_path):
 def test_local_store_refuses_keys_outside_its_folder(tmp_path):
     with pytest.raises(ValueError, match="leaves the blob folder"):
         LocalBlobStore(str(tmp_path)).exists("../../etc/passwd")
+
+
+def _leave_incomplete(store, key: str) -> None:
+    """What a process killed in the middle of ``put_file`` leaves behind."""
+    if isinstance(store, S3BlobStore):
+        upload_id = store.client.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
+        store.client.upload_part(Bucket=store.bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"x" * 100)
+    else:
+        path = store._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.part-abc123"), "wb") as f:
+            f.write(b"x" * 100)
+
+
+def test_incomplete_uploads_are_listed_by_key_and_aborted(store, tmp_path):
+    keys = ["adapters/t1/a/v1/s.safetensors", "adapters/t1/b/v2/s.safetensors", "adapters/t2/a/v3/s.safetensors"]
+    for key in keys:
+        _leave_incomplete(store, key)
+    path, _, sha = blob(tmp_path, 100)
+    store.put_file("adapters/t1/a/v4/s.safetensors", path, sha256=sha)      # a complete one is not listed
+    assert [u.key for u in store.incomplete_uploads("adapters/")] == keys
+    assert [u.key for u in store.incomplete_uploads("adapters/t1/")] == keys[:2]
+    assert store.list_keys() == ["adapters/t1/a/v4/s.safetensors"]          # never visible as blobs
+    assert all(u.initiated.tzinfo is not None for u in store.incomplete_uploads())
+    for u in store.incomplete_uploads("adapters/t1/"):
+        store.abort_incomplete(u)
+        store.abort_incomplete(u)                                           # gone already: not an error
+    assert [u.key for u in store.incomplete_uploads()] == keys[2:]
+
+
+def test_progress_callback_sees_every_part_and_can_abort(store, tmp_path):
+    path, _, sha = blob(tmp_path, 12000)
+    seen = []
+    store.put_file("adapters/t/a/v1/s.safetensors", path, sha256=sha, on_progress=seen.append)
+    assert seen[-1] == 12000 and seen == sorted(seen) and len(seen) >= (3 if isinstance(store, S3BlobStore) else 1)
+
+    def refuse(done: int) -> None:
+        raise RuntimeError("the registry says this upload expired")
+    with pytest.raises(RuntimeError, match="expired"):
+        store.put_file("adapters/t/a/v2/s.safetensors", path, sha256=sha, on_progress=refuse)
+    assert store.list_keys() == ["adapters/t/a/v1/s.safetensors"] and store.incomplete_uploads() == []

@@ -1,9 +1,11 @@
-"""The dashboard behind the admin key: login form, ?key= bootstrap, HttpOnly session cookie, bearer fallback."""
+"""The dashboard behind the admin key: login form, HttpOnly cookie of a server-side session (revoked at sign-out,
+expired by the server), ``?key=`` refused, bearer fallback."""
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from loraplex.platform.dashboard.auth import COOKIE, session_token, valid_session
+from loraplex.platform.dashboard.auth import COOKIE, new_session, valid_session
+from loraplex.platform.dashboard.sessions import MemorySessionStore
 from tests.platform.dashboard.conftest import ADMIN_KEY, make_app
 
 WRONG_KEY = "That admin key is not valid"
@@ -34,19 +36,21 @@ def test_login_form_sets_an_httponly_cookie_that_opens_page_and_data(app):
         assert "default-src 'self'" in r.headers["content-security-policy"]
         r = c.get("/admin/dashboard/data")
         assert r.status_code == 200 and r.json()["tenants"][0]["tenant"] == "acme"
+        token = c.cookies[COOKIE]
         r = c.post("/admin/dashboard/logout", follow_redirects=False)
         assert r.status_code == 303 and COOKIE not in c.cookies
         assert c.get("/admin/dashboard/data").status_code == 401
+        c.cookies.set(COOKIE, token, path="/admin/dashboard")          # a copy of the cookie, replayed
+        assert c.get("/admin/dashboard/data").status_code == 401       # revoked server-side
+        assert c.get("/admin/dashboard").status_code == 401
 
 
-def test_key_bootstrap_link_redirects_to_the_bare_url(app):
+def test_admin_key_in_the_url_is_refused(app):
     with TestClient(app) as c:
-        r = c.get("/admin/dashboard", params={"key": "wrong"})
-        assert r.status_code == 401 and WRONG_KEY in r.text
         r = c.get("/admin/dashboard", params={"key": ADMIN_KEY}, follow_redirects=False)
-        assert r.status_code == 303 and r.headers["location"] == "/admin/dashboard"
-        assert r.headers["referrer-policy"] == "no-referrer"
-        assert c.get("/admin/dashboard/data").status_code == 200
+        assert r.status_code == 400 and "not accepted in URLs" in r.text and COOKIE not in c.cookies
+        assert ADMIN_KEY not in r.text and r.headers["referrer-policy"] == "no-referrer"
+        assert c.get("/admin/dashboard/data").status_code == 401
 
 
 def test_bearer_admin_key_works_without_a_cookie_and_forged_cookies_do_not(app):
@@ -57,15 +61,19 @@ def test_bearer_admin_key_works_without_a_cookie_and_forged_cookies_do_not(app):
         assert c.get("/admin/dashboard/data").status_code == 401
 
 
-def test_session_tokens_expire_and_die_with_a_new_admin_key():
-    app = make_app()
-    settings = app.state.settings
-    token = session_token(settings, now=1000.0, ttl_s=60)
-    assert valid_session(settings, token, now=1059.0)
-    assert not valid_session(settings, token, now=1061.0)
-    other = make_app().state.settings.model_copy(update={"admin_key": settings.admin_key.__class__("another-key-xyz")})
-    assert not valid_session(other, token, now=1001.0)
-    assert not valid_session(settings, None) and not valid_session(settings, "garbage")
+def test_sessions_expire_server_side_and_die_with_a_new_admin_key(clock):
+    settings = make_app().state.settings.model_copy(update={"dashboard_session_s": 60})
+    store = MemorySessionStore(clock=clock)
+    token = new_session(store, settings)
+    clock.t += 59
+    assert valid_session(store, settings, token)
+    clock.t += 2
+    assert not valid_session(store, settings, token)                  # expired, whatever the browser keeps
+    token = new_session(store, settings)
+    other = settings.model_copy(update={"admin_key": settings.admin_key.__class__("another-key-xyz")})
+    assert not valid_session(store, other, token) and valid_session(store, settings, token)
+    assert not valid_session(store, settings, None) and not valid_session(store, settings, "garbage")
+    assert not valid_session(store, settings, "x" * 10_000)
 
 
 def test_data_reports_every_panel(app, clock):

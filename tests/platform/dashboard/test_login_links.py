@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from loraplex.platform.core.config import Settings
 from loraplex.platform.dashboard.auth import COOKIE, LinkRedeemer, login_link_token
+from loraplex.platform.dashboard.sessions import MemorySessionStore
 from tests.platform.dashboard.conftest import ADMIN_KEY
 
 USED = "That login link has expired or was already used"
@@ -32,11 +33,12 @@ def test_a_link_opens_the_dashboard_once(app):
         assert c.get("/admin/dashboard/data").status_code == 401
 
 
-def test_expired_tampered_and_other_key_tokens_are_refused():
+def test_expired_tampered_and_other_key_tokens_are_refused(clock):
     settings = Settings(environment="test", admin_key=ADMIN_KEY, secret_key="secret-" * 4)
     other = Settings(environment="test", admin_key="another-admin-key-0123456789", secret_key="secret-" * 4)
-    now = 1_000_000.0
-    redeemer = LinkRedeemer()
+    now = clock.t
+    store = MemorySessionStore(clock=clock)
+    redeemer = LinkRedeemer(store)
     token, expires = login_link_token(settings, now=now, ttl_s=60)
     assert expires == int(now + 60)
     assert not redeemer.redeem(settings, token, now=now + 61)                   # expired
@@ -44,7 +46,27 @@ def test_expired_tampered_and_other_key_tokens_are_refused():
     head, sig = token.rsplit(".", 1)
     assert not redeemer.redeem(settings, f"{head}.{'0' * len(sig)}", now=now)    # tampered
     assert not redeemer.redeem(settings, "not-a-token", now=now)
+    assert not redeemer.redeem(settings, "²." + token.split(".", 1)[1], now=now)     # not ASCII digits
+    assert not redeemer.redeem(settings, "9" * 5000 + "." + token.split(".", 1)[1], now=now)
     assert redeemer.redeem(settings, token, now=now) and not redeemer.redeem(settings, token, now=now + 1)
-    fresh, _ = login_link_token(settings, now=now + 100, ttl_s=60)
-    assert redeemer.redeem(settings, fresh, now=now + 100)
-    assert list(redeemer._used) == [fresh.split(".")[1]]                        # the expired nonce was forgotten
+    assert not LinkRedeemer(store).redeem(settings, token, now=now + 1)         # another replica: the same store
+    clock.t += 100
+    fresh, _ = login_link_token(settings, now=clock.t, ttl_s=60)
+    assert redeemer.redeem(settings, fresh, now=clock.t)
+    assert len(store._rows) == 1                                                # the used, expired nonce was dropped
+
+
+def test_a_link_is_used_once_across_replicas_sharing_the_registry(tmp_path):
+    """Two platform apps on one registry: a link redeemed on one is refused on the other."""
+    from loraplex.commands.db import run
+    from loraplex.platform.db.session import make_sessionmaker
+    from loraplex.platform.dashboard.sessions import SqlSessionStore
+
+    settings = Settings(environment="test", admin_key=ADMIN_KEY, secret_key="secret-" * 4,
+                        data_dir=str(tmp_path))
+    run("upgrade", "head", url=settings.sqlalchemy_url)
+    sessions = make_sessionmaker(settings)
+    token, _ = login_link_token(settings)
+    assert LinkRedeemer(SqlSessionStore(sessions)).redeem(settings, token)
+    assert not LinkRedeemer(SqlSessionStore(sessions)).redeem(settings, token)
+    sessions.kw["bind"].dispose()

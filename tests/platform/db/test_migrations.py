@@ -11,7 +11,8 @@ from loraplex.platform.db.base import Base
 from loraplex.platform.db.session import make_engine
 from tests.utils.services import create_database, drop_database
 
-TABLES = {"tenants", "api_keys", "adapters", "adapter_versions", "adapter_aliases", "usage_records"}
+TABLES = {"tenants", "api_keys", "adapters", "adapter_versions", "adapter_aliases", "usage_records",
+          "dashboard_sessions"}
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -54,3 +55,27 @@ def test_cli_db_upgrade(tmp_path):
     assert tables(url) >= TABLES
     assert main(["db", "downgrade", "base", "--url", url]) == 0
     assert tables(url) & TABLES == set()
+
+
+def test_blob_keys_of_existing_versions_are_backfilled(url):
+    """Versions written before 0003 get the key of their URI, so deletes and the janitor can find their blobs."""
+    from sqlalchemy import text
+
+    run("upgrade", "0002", url=url)
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO tenants (id, name, disabled, created_at) VALUES ('t1', 'a', false, "
+                          "CURRENT_TIMESTAMP)"))
+        conn.execute(text("INSERT INTO adapters (id, tenant_id, name, created_at, updated_at) VALUES ('a1', 't1', "
+                          "'bot', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+        for vid, number, uri in (("v1", 1, "s3://bucket/adapters/t1/bot/abc.safetensors"),
+                                 ("v2", 2, "file:///data/blobs/adapters/t1/bot/def.safetensors"), ("v3", 3, None)):
+            conn.execute(text("INSERT INTO adapter_versions (id, adapter_id, tenant_id, number, status, targets, "
+                              "blob_uri, created_at, updated_at) VALUES (:i, 'a1', 't1', :n, 'ready', '[]', :u, "
+                              "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"), {"i": vid, "n": number, "u": uri})
+    run("upgrade", "head", url=url)
+    with engine.connect() as conn:
+        keys = dict(conn.execute(text("SELECT id, blob_key FROM adapter_versions")).all())
+    engine.dispose()
+    assert keys == {"v1": "adapters/t1/bot/abc.safetensors", "v2": "adapters/t1/bot/def.safetensors", "v3": None}
+    run("downgrade", "base", url=url)

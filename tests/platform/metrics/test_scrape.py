@@ -97,6 +97,48 @@ def test_two_apps_in_one_process_do_not_share_metrics():
     assert mb.registry is not ma.registry
 
 
+def _app_with_settings(**kw):
+    from loraplex.platform.api.errors import install_error_handlers
+    from loraplex.platform.core.config import Settings
+
+    app = FastAPI()
+    app.state.settings = Settings(environment="test", admin_key="admin-key-0123456789", secret_key="s" * 24, **kw)
+    install_error_handlers(app)
+    return app, install_metrics(app)
+
+
+def test_an_app_with_settings_protects_the_scrape_with_the_admin_key_or_the_metrics_token():
+    app, m = _app_with_settings(metrics_token="metrics-token-0123456789")
+    m.observe_request("acme", "bot", 200)
+    with TestClient(app) as client:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = client.get("/metrics", headers=headers)
+            body = r.json()
+            message = body["error"]["message"] if "error" in body else body["detail"]    # either error shape
+            assert r.status_code == 401 and "missing or invalid admin key or metrics token" in message
+            assert "acme" not in r.text and r.headers["www-authenticate"] == "Bearer"
+        for token in ("admin-key-0123456789", "metrics-token-0123456789"):
+            r = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 200 and 'tenant="acme"' in r.text
+
+
+def test_the_metrics_port_serves_the_scrape_without_auth_while_the_app_runs():
+    import httpx
+
+    from tests.utils.services import free_port
+
+    port = free_port()
+    app, m = _app_with_settings(metrics_port=port)
+    m.observe_request("acme", "bot", 200)
+    with TestClient(app) as client:
+        assert client.get("/metrics").status_code == 401
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert r.status_code == 200 and 'tenant="acme"' in r.text
+        assert httpx.get(f"http://127.0.0.1:{port}/admin/dashboard", timeout=10).status_code == 404
+    with pytest.raises(httpx.ConnectError):                   # stopped with the app's lifespan
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
 def test_protected_route_needs_the_admin_key():
     from loraplex.platform.api.errors import install_error_handlers
     from loraplex.platform.core.config import Settings
@@ -111,3 +153,16 @@ def test_protected_route_needs_the_admin_key():
         assert r.status_code == 401 and "missing or invalid admin key" in r.json()["error"]["message"]
         r = client.get("/metrics", headers={"Authorization": "Bearer admin-key-0123456789"})
         assert r.status_code == 200 and "loraplex_requests_total" in r.text
+
+
+def test_access_log_lines_never_show_credential_query_parameters():
+    import logging
+
+    from loraplex.platform.core.access_log import RedactQueryFilter, redact_target
+
+    assert redact_target("/admin/dashboard?key=s3cr3t&bin=5") == "/admin/dashboard?key=[REDACTED]&bin=5"
+    assert redact_target("/x?Api_Key=1&login=a.b.c&k=2&token") == "/x?Api_Key=[REDACTED]&login=[REDACTED]&k=2&token"
+    assert redact_target("/x?%6Bey=1") == "/x?%6Bey=[REDACTED]" and redact_target("/plain") == "/plain"
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("1.2.3.4:5", "GET", "/admin/dashboard?key=s3cr3t", "1.1", 400), None)
+    assert RedactQueryFilter().filter(record) and "s3cr3t" not in record.getMessage()

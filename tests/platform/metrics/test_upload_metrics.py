@@ -30,7 +30,7 @@ def test_platform_uploads_are_counted_by_outcome_and_reason(embedded, adapter_di
                       files=[("files", ("adapter_model.safetensors", io.BytesIO(b"\x80\x04junk")))])
     assert r.status_code == 422
     code2 = r.json()["error"]["code"]
-    v = parse_scrape(p.client.get("/metrics").text)
+    v = parse_scrape(p.client.get("/metrics", headers=p.admin()).text)
     assert sample(v, "loraplex_uploads_total", outcome="ready", reason="ok") == 2
     assert sample(v, "loraplex_uploads_total", outcome="replayed", reason="ok") == 1
     if code == code2:

@@ -16,7 +16,8 @@ def test_upload_flow_on_sqlite_and_local_folder(embedded, adapter_dir):
     r = p.upload(auth, "m", a)
     assert r.status_code == 201 and r.json()["status"] == "ready"
     sha = hashlib.sha256(a["adapter_model.safetensors"]).hexdigest()
-    key = f"adapters/{tid}/m/{sha}.safetensors"
+    [(vid, key)] = p.sql("SELECT id, blob_key FROM adapter_versions")
+    assert key == f"adapters/{tid}/m/{vid}/{sha}.safetensors"        # recorded before the blob was written
     assert p.store.list_keys() == [key]
     path = os.path.join(p.settings.blob_path, key)
     assert open(path, "rb").read() == a["adapter_model.safetensors"]
@@ -31,6 +32,7 @@ def test_upload_flow_on_sqlite_and_local_folder(embedded, adapter_dir):
     assert p.client.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 2, "prod": 1}
     assert p.client.delete("/v1/adapters/m", headers=auth).status_code == 204
     assert p.store.list_keys() == [] and p.sql("SELECT count(*) FROM adapters")[0][0] == 0
+    assert os.listdir(p.settings.blob_path) == []                     # emptied folders pruned
 
 
 def test_hostile_upload_on_embedded_defaults(embedded, adapter_dir):

@@ -1,7 +1,7 @@
 """tenants: scheduling_weight, the tenant's share of the engines' tenant-fair scheduling (null: the default)
 
-Revision ID: 0003_tenant_scheduling_weight
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-12-01 09:00:00.000000
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0003_tenant_scheduling_weight'
-down_revision = '0002'
+revision = '0004'
+down_revision = '0003'
 branch_labels = None
 depends_on = None
 
