@@ -31,6 +31,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; in-flight requests are failed with this error."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended one request on a fault of its own (the message says what); other requests go on."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -81,8 +85,9 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                        adapter: object | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, one per step that gives it a token; the last has ``finished=True``.
-        Bad input raises ValueError from the first iteration; an adapter that cannot be loaded raises
-        AdapterLoadError (its message says why); other requests are unaffected."""
+        Bad input raises ValueError from the first iteration (a grammar that does not compile too, once its compile
+        failed); an adapter that cannot be loaded raises AdapterLoadError (its message says why); other requests
+        are unaffected."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}")
         loop = asyncio.get_running_loop()
@@ -146,7 +151,11 @@ class AsyncEngine:
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if target is not None:
-                if out.finish_reason == "error":  # e.g. its adapter failed to load: the consumer gets it raised
+                if out.finish_reason == "error" and out.error_type == "invalid_request":
+                    item = ValueError(out.error)  # e.g. its grammar does not compile: raised to the consumer
+                elif out.finish_reason == "error" and out.error_type == "engine_error":
+                    item = RequestFailedError(out.error)
+                elif out.finish_reason == "error":  # its adapter failed to load: the consumer gets it raised
                     item = AdapterLoadError(out.error, retryable=out.error_retryable)
                 else:
                     item = out
