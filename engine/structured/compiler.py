@@ -118,9 +118,15 @@ class GrammarCompiler:
 def _describe(kind: str, error: str) -> str:
     what = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
             "grammar": "grammar", "choice": "choice list"}[kind]
-    if error.startswith("Unimplemented keys"):
-        return (f"unsupported JSON schema keyword(s): {_short(error.split(':', 1)[1].strip())}; remove them, or send "
-                f"strict=false to leave them unchecked")
+    fix = "remove it, or send strict=false to leave it unchecked"
+    if error.startswith("Unimplemented keys:"):
+        try:
+            keys = ", ".join(json.loads(error.split(":", 1)[1]))
+        except ValueError:
+            keys = error.split(":", 1)[1].strip()
+        return f"unsupported JSON schema keyword(s): {_short(keys)}; {fix.replace('it', 'them')}"
+    if error.startswith("Unknown format:"):
+        return f"unsupported JSON schema format {error.split(':', 1)[1].strip()!r}; {fix}"
     return f"the {what} does not compile: {_short(error)}"
 
 
