@@ -18,7 +18,8 @@ scheduler skips the request while it compiles, like a loading adapter; a compile
 ``finish_reason="error"`` and ``error_type="invalid_request"``. Each step the constrained sequences' masks are
 filled on the host and applied in the sampler; after the step each matcher consumes its sequence's token, and a
 sequence whose grammar is complete finishes ("stop"). Overlapped steps launch the forward of step n+1 first, then
-resolve step n (tokens -> matchers), fill the masks and launch the sampling of n+1.
+resolve step n's tokens (stop checks, matchers), fill the masks and launch the sampling of n+1, and only then build
+step n's outputs (detokenizer, stop strings), so the device waits on the host's mask work at most.
 
 With ``async_scheduling`` on, plain decode steps overlap: ``step()`` launches the next step before it reads the
 tokens of the one in flight, and returns that one's outputs (step_pipeline.py). One step may then be in flight
@@ -274,10 +275,11 @@ class LLMEngine:
         if self.async_scheduling and can_overlap(out, self.runner, lambda rid: self._requests[rid].params):
             prev = self._inflight
             prev_tokens = prev.tokens if prev is not None else None
-            if self._has_constrained(out):  # the masks need step n's tokens: forward first, then resolve, then sample
+            if self._has_constrained(out):  # masks need step n's tokens: forward, resolve n, masks, sample, outputs
                 logits = self.runner.launch_forward(out, lora_slots, prev_tokens)
-                outputs = self._resolve_inflight() if prev is not None else []
+                resolved = self._resolve_tokens() if prev is not None else None
                 tokens = self.runner.sample_launched(out, sampling, logits, self._bitmask(out))
+                outputs = self._resolved_outputs(*resolved) if resolved is not None else []
             else:
                 tokens = self.runner.launch_decode(out, sampling, lora_slots, prev_tokens)
                 outputs = self._resolve_inflight() if prev is not None else []
@@ -306,10 +308,19 @@ class LLMEngine:
 
     def _resolve_inflight(self) -> list[RequestOutput]:
         """Wait for the overlapped step's tokens, write them into their sequences, stop checks, outputs."""
+        return self._resolved_outputs(*self._resolve_tokens())
+
+    def _resolve_tokens(self) -> tuple[list[str], set[str], list[RequestOutput]]:
+        """The token half of ``_resolve_inflight``: wait for the tokens, write them in, stop checks, grammar
+        matchers. Returns (requests that got a token, requests finished, outputs of requests failed)."""
         inflight, self._inflight = self._inflight, None
         accepted, finished = self.scheduler.update_resolved(inflight.out, inflight.tokens.wait())
         sampled, done = [seq.request_id for seq in accepted], {g.request_id for g in finished}
-        failed = self._advance_grammars(sampled, done)
+        return sampled, done, self._advance_grammars(sampled, done)
+
+    def _resolved_outputs(self, sampled: list[str], done: set[str],
+                          failed: list[RequestOutput]) -> list[RequestOutput]:
+        """The output half: stop strings, detokenization, RequestOutputs."""
         return failed + self._step_outputs(sampled, done)
 
     def _step_outputs(self, sampled: list[str], finished: set[str]) -> list[RequestOutput]:

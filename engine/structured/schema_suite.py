@@ -39,7 +39,8 @@ SCHEMAS: dict[str, dict] = {
         {"type": "integer", "minimum": 0, "maximum": 50}, {"type": "string", "maxLength": 4},
         {"type": "boolean"}]}}, "required": ["value"], "additionalProperties": False},
     "one_of_objects": {"oneOf": [
-        {"type": "object", "properties": {"cat": {"const": "meow"}}, "required": ["cat"], "additionalProperties": False},
+        {"type": "object", "properties": {"cat": {"const": "meow"}}, "required": ["cat"],
+         "additionalProperties": False},
         {"type": "object", "properties": {"dog": {"const": "woof"}}, "required": ["dog"],
          "additionalProperties": False}]},
     "string_pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
