@@ -151,9 +151,10 @@ class AsyncEngine:
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if target is not None:
-                if out.finish_reason == "error" and out.error_type == "invalid_request":
+                kind = getattr(out, "error_type", None)
+                if out.finish_reason == "error" and kind == "invalid_request":
                     item = ValueError(out.error)  # e.g. its grammar does not compile: raised to the consumer
-                elif out.finish_reason == "error" and out.error_type == "engine_error":
+                elif out.finish_reason == "error" and kind == "engine_error":
                     item = RequestFailedError(out.error)
                 elif out.finish_reason == "error":  # its adapter failed to load: the consumer gets it raised
                     item = AdapterLoadError(out.error, retryable=out.error_retryable)

@@ -24,7 +24,7 @@ Variants (CUDA graphs and overlapped scheduling on, as the engine defaults on a 
 Checks: every constrained output is accepted token by token by a fresh matcher of its grammar, every request
 decodes ``--output-len`` tokens. Reports TPOT (median and mean over requests, after the warm-up ones) per variant
 and half/free, host ms per step spent filling masks and advancing matchers, the grammar cache's hit rate and
-compile times of the engine's schemas, and compile + first-mask times of the 24 suite schemas
+compile times of the engine's schemas, and compile + first-mask times of the 25 suite schemas
 (engine/structured/schema_suite.py) against the 201k vocabulary. Prints a table; writes
 ``$OUT/bench_structured_gpu.json``.
 """

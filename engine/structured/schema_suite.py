@@ -1,6 +1,6 @@
 """JSON schemas that cover the features structured outputs support, for tests and benchmarks (torch-free).
 
-    for name, schema in SCHEMAS.items(): ...          # 24 schemas, each exercising one or two features
+    for name, schema in SCHEMAS.items(): ...          # 25 schemas, each exercising one or two features
 
 Every string has a ``maxLength``, ``pattern``, ``enum`` or ``format``, every array a ``maxItems`` and every number
 bounds, so a constrained random model finishes the document in a few dozen tokens. ``UNSUPPORTED`` holds schemas
@@ -90,6 +90,21 @@ SCHEMAS: dict[str, dict] = {
             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
             "required": ["city", "unit"], "additionalProperties": False}},
         "required": ["name", "arguments"], "additionalProperties": False},
+    # a nested Pydantic v2 model's schema made strict the way OpenAI's client does for parse() ($defs, $ref,
+    # titles, Optional as anyOf-null, every property required, additionalProperties false)
+    "pydantic_strict": {
+        "$defs": {"Reading": {"properties": {"city": {"maxLength": 10, "title": "City", "type": "string"},
+                                             "unit": {"$ref": "#/$defs/Unit"},
+                                             "value": {"maximum": 60, "minimum": -50, "title": "Value",
+                                                       "type": "number"}},
+                              "required": ["city", "unit", "value"], "title": "Reading", "type": "object",
+                              "additionalProperties": False},
+                  "Unit": {"enum": ["celsius", "fahrenheit"], "title": "Unit", "type": "string"}},
+        "properties": {"readings": {"items": {"$ref": "#/$defs/Reading"}, "maxItems": 2, "minItems": 1,
+                                    "title": "Readings", "type": "array"},
+                       "note": {"anyOf": [{"maxLength": 6, "type": "string"}, {"type": "null"}], "title": "Note"},
+                       "kind": {"const": "daily", "title": "Kind", "type": "string"}},
+        "required": ["readings", "note", "kind"], "title": "Report", "type": "object", "additionalProperties": False},
     "array_tuple": {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 9},
                                                      {"enum": ["a", "b"]}], "items": False, "minItems": 2},
 }
