@@ -93,14 +93,14 @@ SCHEMAS: dict[str, dict] = {
     # a nested Pydantic v2 model's schema made strict the way OpenAI's client does for parse() ($defs, $ref,
     # titles, Optional as anyOf-null, every property required, additionalProperties false)
     "pydantic_strict": {
-        "$defs": {"Reading": {"properties": {"city": {"maxLength": 10, "title": "City", "type": "string"},
+        "$defs": {"Reading": {"properties": {"city": {"maxLength": 6, "title": "City", "type": "string"},
                                              "unit": {"$ref": "#/$defs/Unit"},
                                              "value": {"maximum": 60, "minimum": -50, "title": "Value",
-                                                       "type": "number"}},
+                                                       "type": "integer"}},
                               "required": ["city", "unit", "value"], "title": "Reading", "type": "object",
                               "additionalProperties": False},
                   "Unit": {"enum": ["celsius", "fahrenheit"], "title": "Unit", "type": "string"}},
-        "properties": {"readings": {"items": {"$ref": "#/$defs/Reading"}, "maxItems": 2, "minItems": 1,
+        "properties": {"readings": {"items": {"$ref": "#/$defs/Reading"}, "maxItems": 1, "minItems": 1,
                                     "title": "Readings", "type": "array"},
                        "note": {"anyOf": [{"maxLength": 6, "type": "string"}, {"type": "null"}], "title": "Note"},
                        "kind": {"const": "daily", "title": "Kind", "type": "string"}},

@@ -22,7 +22,7 @@ FREE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 FREE_PROMPTS = [[1, 40, 41, 42], [1, 7, 8, 9, 10, 11], [1, 200, 3], [1, 60, 61, 62, 63]]
 
 
-def constrained(schema: dict, max_tokens: int = 96) -> SamplingParams:
+def constrained(schema: dict, max_tokens: int = 128) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=StructuredOutput(json_schema=schema))
 
 
