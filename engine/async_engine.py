@@ -31,6 +31,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; in-flight requests are failed with this error."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended one request on a fault of its own (the message says what); other requests go on."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -85,8 +89,8 @@ class AsyncEngine:
                        weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, one per step that gives it a token; the last has ``finished=True``.
         ``tenant`` / ``weight``: see ``LLMEngine.add_request``. Bad input raises ValueError from the first
-        iteration; an adapter that cannot be loaded raises AdapterLoadError (its message says why); other
-        requests are unaffected."""
+        iteration (a grammar that does not compile too, once its compile failed); an adapter that cannot be loaded
+        raises AdapterLoadError (its message says why); other requests are unaffected."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}")
         loop = asyncio.get_running_loop()
@@ -150,7 +154,12 @@ class AsyncEngine:
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if target is not None:
-                if out.finish_reason == "error":  # e.g. its adapter failed to load: the consumer gets it raised
+                kind = getattr(out, "error_type", None)
+                if out.finish_reason == "error" and kind == "invalid_request":
+                    item = ValueError(out.error)  # e.g. its grammar does not compile: raised to the consumer
+                elif out.finish_reason == "error" and kind == "engine_error":
+                    item = RequestFailedError(out.error)
+                elif out.finish_reason == "error":  # its adapter failed to load: the consumer gets it raised
                     item = AdapterLoadError(out.error, retryable=out.error_retryable)
                 else:
                     item = out

@@ -12,6 +12,15 @@ Each sequence has its own detokenizer and stop-string matcher; a matched stop st
 ``Scheduler.finish_seq``. A request with ``n > 1`` reports ``n`` completions in ``RequestOutput.outputs``
 (``best_of``: the best by cumulative logprob; beam search: the best hypotheses, on the final output only).
 
+Structured outputs (``SamplingParams.structured``, engine/structured/): ``add_request`` checks the spec and starts
+its grammar's compile on a small executor (a cached grammar is ready at once; a cached failure raises here); the
+scheduler skips the request while it compiles, like a loading adapter; a compile that fails finishes it with
+``finish_reason="error"`` and ``error_type="invalid_request"``. Each step the constrained sequences' masks are
+filled on the host and applied in the sampler; after the step each matcher consumes its sequence's token, and a
+sequence whose grammar is complete finishes ("stop"). Overlapped steps launch the forward of step n+1 first, then
+resolve step n's tokens (stop checks, matchers), fill the masks and launch the sampling of n+1, and only then build
+step n's outputs (detokenizer, stop strings), so the device waits on the host's mask work at most.
+
 With ``async_scheduling`` on, plain decode steps overlap: ``step()`` launches the next step before it reads the
 tokens of the one in flight, and returns that one's outputs (step_pipeline.py). One step may then be in flight
 between two calls; ``has_unfinished_requests`` stays True until it is resolved.
@@ -41,6 +50,7 @@ from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from loraplex.engine.step_pipeline import InflightStep, can_overlap
 from loraplex.engine.stop_strings import StopStringMatcher
+from loraplex.engine.structured.decoding import StructuredDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +153,8 @@ class LLMEngine:
                             eos_token_ids=eos, max_loras=config.max_loras if config.enable_lora else None,
                             preemption_mode=config.preemption_mode, policy=config.scheduling_policy,
                             vtc_input_weight=config.vtc_input_weight, vtc_output_weight=config.vtc_output_weight),
-            self.kv_cache, adapter_slots=self.adapters)
+            self.kv_cache, can_admit=self._grammar_ready, adapter_slots=self.adapters)
+        self.structured: StructuredDecoding | None = None  # made on the first constrained request
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
 
@@ -191,6 +202,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and the model at {self.config.model!r} has none; use "
                              "stop_token_ids")
+        if params.structured is not None:
+            self._structured_decoding()  # ValueError without a tokenizer
         token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
@@ -202,6 +215,12 @@ class LLMEngine:
         generators = [self.runner.make_generator(_child_seed(params.seed, i)) if params.seed is not None else None
                       for i in range(params.num_sequences)]
         self.scheduler.add(group)  # validates budget fit; raises before anything is recorded here
+        if params.structured is not None:
+            try:
+                self.structured.add_request(request_id, params.structured)  # a known-bad grammar raises here
+            except ValueError:
+                self.scheduler.abort(request_id)
+                raise
         self._requests[request_id] = _RequestState(group, params, generators, RequestMetrics(arrival))
         if adapter is not None and self.adapters.slot_of(adapter) is None:
             self.adapters.ensure_loading(adapter)  # off the step loop, from now on
@@ -227,6 +246,8 @@ class LLMEngine:
         if state is None:
             return False
         self.scheduler.abort(request_id)
+        if self.structured is not None:
+            self.structured.remove(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -241,7 +262,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the outputs of the requests it advanced (with overlapped
         scheduling: of the step before it, whose tokens it read after launching this one)."""
-        failed = self._fail_adapter_requests()
+        failed = self._fail_adapter_requests() + self._fail_grammar_requests()
         out = self.scheduler.schedule()
         now = time.monotonic()
         for request_id in out.preempted:
@@ -253,13 +274,22 @@ class LLMEngine:
                 return failed + self._resolve_inflight()
             if not failed and self.adapters is not None:
                 self.adapters.wait_for_progress(0.01)  # everyone waits on an adapter load: don't spin
+            if not failed and self.structured is not None:
+                self.structured.wait_for_compiles(0.01)  # or on a grammar compile
             return failed
         sampling = self._sampling(out, now)
         lora_slots = self._lora_slots(out) if self.adapters is not None else None
         if self.async_scheduling and can_overlap(out, self.runner, lambda rid: self._requests[rid].params):
             prev = self._inflight
-            tokens = self.runner.launch_decode(out, sampling, lora_slots, prev.tokens if prev is not None else None)
-            outputs = self._resolve_inflight() if prev is not None else []
+            prev_tokens = prev.tokens if prev is not None else None
+            if self._has_constrained(out):  # masks need step n's tokens: forward, resolve n, masks, sample, outputs
+                logits = self.runner.launch_forward(out, lora_slots, prev_tokens)
+                resolved = self._resolve_tokens() if prev is not None else None
+                tokens = self.runner.sample_launched(out, sampling, logits, self._bitmask(out))
+                outputs = self._resolved_outputs(*resolved) if resolved is not None else []
+            else:
+                tokens = self.runner.launch_decode(out, sampling, lora_slots, prev_tokens)
+                outputs = self._resolve_inflight() if prev is not None else []
             self.scheduler.update_launched(out)
             self._inflight = InflightStep(out, tokens)
             self.num_overlapped_steps += 1
@@ -270,21 +300,35 @@ class LLMEngine:
             out.scheduled = [s for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
             if not out.scheduled and not moves:
                 return failed + drained
+        mask = self._bitmask(out)
+        kw = {"token_bitmask": mask} if mask is not None else {}
         if self.adapters is None:
-            result = self.runner.execute(out, sampling)
+            result = self.runner.execute(out, sampling, **kw)
         else:
-            result = self.runner.execute(out, sampling, lora_slots=lora_slots)
+            result = self.runner.execute(out, sampling, lora_slots=lora_slots, **kw)
         self._record_logprobs(out, result)
         finished = {g.request_id for g in self.scheduler.update(out, result.sampled, result.logprobs,
                                                                 result.beam_logprobs)}
         sampled = [s.seq.request_id for s in out.scheduled if s.sample]
+        failed += self._advance_grammars(sampled, finished)
         return failed + drained + self._step_outputs(sampled, finished)
 
     def _resolve_inflight(self) -> list[RequestOutput]:
         """Wait for the overlapped step's tokens, write them into their sequences, stop checks, outputs."""
+        return self._resolved_outputs(*self._resolve_tokens())
+
+    def _resolve_tokens(self) -> tuple[list[str], set[str], list[RequestOutput]]:
+        """The token half of ``_resolve_inflight``: wait for the tokens, write them in, stop checks, grammar
+        matchers. Returns (requests that got a token, requests finished, outputs of requests failed)."""
         inflight, self._inflight = self._inflight, None
         accepted, finished = self.scheduler.update_resolved(inflight.out, inflight.tokens.wait())
-        return self._step_outputs([seq.request_id for seq in accepted], {g.request_id for g in finished})
+        sampled, done = [seq.request_id for seq in accepted], {g.request_id for g in finished}
+        return sampled, done, self._advance_grammars(sampled, done)
+
+    def _resolved_outputs(self, sampled: list[str], done: set[str],
+                          failed: list[RequestOutput]) -> list[RequestOutput]:
+        """The output half: stop strings, detokenization, RequestOutputs."""
+        return failed + self._step_outputs(sampled, done)
 
     def _step_outputs(self, sampled: list[str], finished: set[str]) -> list[RequestOutput]:
         """Stop strings and one RequestOutput per request that got a token or finished; finished ones are
@@ -305,6 +349,8 @@ class LLMEngine:
             outputs.append(self._make_output(state, done, now))
         for request_id in finished:
             self._requests.pop(request_id, None)
+            if self.structured is not None:
+                self.structured.remove(request_id)
         return outputs
 
     def _sampling(self, out: SchedulerOutput, now: float) -> dict:
@@ -391,6 +437,85 @@ class LLMEngine:
             st.text = st.matcher.text
         return group_done
 
+    # ---- structured outputs ---------------------------------------------------------------------------------
+    def _structured_decoding(self) -> StructuredDecoding:
+        if self.structured is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured outputs need a tokenizer, and the model at {self.config.model!r} has "
+                                 "none")
+            self.structured = StructuredDecoding(self.tokenizer, vocab_size=self.model_config.vocab_size,
+                                                 eos_token_ids=self.eos_token_ids,
+                                                 pin_memory=self.runner.device.type == "cuda")
+        return self.structured
+
+    def _grammar_ready(self, group: SequenceGroup) -> bool:
+        """The scheduler's admission check: a constrained request waits until its grammar is compiled."""
+        return self.structured is None or self.structured.state(group.request_id) in (None, "ready")
+
+    def _has_constrained(self, out: SchedulerOutput) -> bool:
+        return self.structured is not None and any(self.structured.is_constrained(s.seq.request_id)
+                                                   for s in out.scheduled)
+
+    def _bitmask(self, out: SchedulerOutput):
+        """The grammar masks of the step's running constrained sequences that sample (None: none)."""
+        if self.structured is None:
+            return None
+        return self.structured.bitmask([s.seq for s in out.scheduled
+                                        if s.sample and s.seq.status is SequenceStatus.RUNNING])
+
+    def _advance_grammars(self, sampled: list[str], finished: set[str]) -> list[RequestOutput]:
+        """Feed the step's new tokens to the matchers of constrained requests that sampled; a sequence whose grammar
+        is complete finishes ("stop"; its request joins ``finished`` when it was the last). Returns the outputs of
+        requests failed because their grammar refused a token (an engine fault)."""
+        if self.structured is None:
+            return []
+        seqs = [seq for rid in dict.fromkeys(sampled) if rid in self._requests and self.structured.is_constrained(rid)
+                for seq in self._requests[rid].group.seqs]
+        if not seqs:
+            return []
+        done, refused = self.structured.advance(seqs)
+        for seq in done:
+            if self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED) is not None:
+                finished.add(seq.request_id)
+        outputs = []
+        for seq, error in refused:
+            state = self._requests.get(seq.request_id)
+            if state is not None:
+                logger.error("request %s: %s", seq.request_id, error)
+                outputs.append(self._fail_request(state, error, "engine_error"))
+                finished.discard(seq.request_id)
+        return outputs
+
+    def _fail_grammar_requests(self) -> list[RequestOutput]:
+        """Finish requests whose grammar failed to compile, with finish_reason "error" (an invalid request)."""
+        if self.structured is None:
+            return []
+        outputs = []
+        for request_id in self.structured.failed_requests():
+            state = self._requests.get(request_id)
+            if state is None:
+                self.structured.remove(request_id)
+                continue
+            kind = state.params.structured.kind
+            reason = self.structured.error(request_id)
+            logger.info("request %s failed: its %s did not compile", request_id, kind)
+            outputs.append(self._fail_request(state, f"structured.{kind}: {reason}", "invalid_request"))
+        return outputs
+
+    def _fail_request(self, state: _RequestState, error: str, error_type: str,
+                      retryable: bool = False) -> RequestOutput:
+        """End a request with finish_reason "error": free everything it holds, return its last output."""
+        request_id = state.group.request_id
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        if self.structured is not None:
+            self.structured.remove(request_id)
+        out = self._make_output(state, True, time.monotonic())
+        out.finish_reason, out.error, out.error_retryable, out.error_type = "error", error, retryable, error_type
+        for c in out.outputs:
+            c.finish_reason = "error"
+        return out
+
     # ---- adapters -------------------------------------------------------------------------------------------
     def _lora_slots(self, out) -> dict[int, int]:
         """{seq_id: GPU slot} of this step's sequences that use an adapter (the scheduler activated them)."""
@@ -417,14 +542,8 @@ class LLMEngine:
             reason = self.adapters.error(adapter)
             err = AdapterLoadError(f"adapter {adapter.adapter_id!r} could not be loaded: {reason}",
                                    retryable=is_transient_failure(reason))
-            self.scheduler.abort(seq.request_id)
-            del self._requests[seq.request_id]
-            out = self._make_output(state, True, time.monotonic())
-            out.finish_reason, out.error, out.error_retryable = "error", str(err), err.retryable
-            for c in out.outputs:
-                c.finish_reason = "error"
             logger.info("request %s failed: adapter %s did not load", seq.request_id, adapter.adapter_id)
-            outputs.append(out)
+            outputs.append(self._fail_request(state, str(err), "adapter_load_error", err.retryable))
         return outputs
 
     def load_adapter(self, adapter: AdapterRef, *, wait: bool = False, timeout: float | None = None) -> str:
@@ -469,6 +588,8 @@ class LLMEngine:
             self._inflight = None
         if self.adapters is not None:
             self.adapters.close()
+        if self.structured is not None:
+            self.structured.close()
         shutdown = getattr(self.runner, "shutdown", None)  # tensor parallel: stop the workers
         if shutdown is not None:
             shutdown()

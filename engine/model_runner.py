@@ -7,7 +7,13 @@ of a step.
 
 A pure decode step (one new token per sequence) instead goes through ``DecodeGraphs`` (cuda_graphs.py) once
 ``init_decode_graphs`` ran: padded to a batch-size bucket in static buffers, a CUDA graph replay on CUDA.
-``launch_decode`` runs such a step without reading its tokens back (overlapped scheduling, step_pipeline.py).
+``launch_decode`` runs such a step without reading its tokens back (overlapped scheduling, step_pipeline.py); it is
+``launch_forward`` (the forward pass, enqueued) then ``sample_launched`` (sampling, enqueued), which the engine
+calls apart when a grammar mask needs the previous step's tokens in between.
+
+Grammar masks (structured outputs) come as a ``TokenBitmask`` (host rows by sequence id): each drawn row gets its
+sequence's row on the device (a fork's copies share the parent's), free rows an all-allowed one; the sampler
+applies it to the logits, outside any captured graph.
 
 At a parallel-sampling fork step the parent's logits row is repeated ``num_samples`` times (one draw per future
 sequence, each from its own generator); a beam's row becomes ``Sampler.beam_logprobs``.
@@ -35,6 +41,7 @@ from loraplex.kernels import ops
 if TYPE_CHECKING:
     from loraplex.engine.cuda_graphs import DecodeGraphs
     from loraplex.engine.lora.slots import LoRASlots
+    from loraplex.engine.structured.bitmask import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -357,10 +364,12 @@ class ModelRunner:
     # ---- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],
-                lora_slots: dict[int, int] | None = None) -> ModelStepOutput:
+                lora_slots: dict[int, int] | None = None,
+                token_bitmask: "TokenBitmask | None" = None) -> ModelStepOutput:
         """Run one step. ``sampling`` maps each sampling sequence id to its params and generator (None: unseeded;
         at a fork step a list of ``num_samples`` generators, one per future sequence); ``lora_slots`` maps
-        sequence ids to the LoRA slot of their adapter (absent / None: base model)."""
+        sequence ids to the LoRA slot of their adapter (absent / None: base model); ``token_bitmask`` holds the
+        grammar masks of constrained sequences."""
         result = ModelStepOutput()
         self.move_blocks(out)
         if not out.scheduled:
@@ -396,27 +405,44 @@ class ModelRunner:
             for k, seq in enumerate(seqs):
                 result.beam_logprobs[seq.seq_id] = rows[k]
         if draw_rows:
-            self._draw(logits, draw_rows, sample_seqs, by_id, sampling, result)
+            self._draw(logits, draw_rows, sample_seqs, by_id, sampling, result, token_bitmask)
         return result
 
     @torch.inference_mode()
     def launch_decode(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],
-                      lora_slots: dict[int, int] | None = None, prev: PendingTokens | None = None) -> PendingTokens:
+                      lora_slots: dict[int, int] | None = None, prev: PendingTokens | None = None,
+                      token_bitmask: "TokenBitmask | None" = None) -> PendingTokens:
         """Launch one overlappable decode step (``step_pipeline.can_overlap``) and return without waiting for it:
         the padded decode path, rows whose input token is pending taking it from ``prev`` on the device, then
         logits and sampling on the device. ``sampling``: as in ``execute`` (one generator per sequence)."""
+        logits = self.launch_forward(out, lora_slots, prev)
+        return self.sample_launched(out, sampling, logits, token_bitmask)
+
+    @torch.inference_mode()
+    def launch_forward(self, out: SchedulerOutput, lora_slots: dict[int, int] | None = None,
+                       prev: PendingTokens | None = None) -> torch.Tensor:
+        """The forward half of ``launch_decode``: enqueue the padded decode step and its logits [n, V] (one row
+        per scheduled sequence); nothing is read back."""
         self._check_lora_slots(out, lora_slots)
         pending = (prev.device_ids, prev.row_of) if prev is not None else None
         hidden = self.decode_graphs.run(out, lora_slots, pending)  # [n, H]
-        logits = self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def sample_launched(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],
+                        logits: torch.Tensor, token_bitmask: "TokenBitmask | None" = None) -> PendingTokens:
+        """The sampling half of ``launch_decode``: enqueue sampling of ``launch_forward``'s logits (with the grammar
+        masks, uploaded without a host sync) and the tokens' copy to the host."""
         seqs = [s.seq for s in out.scheduled]
+        mask = token_bitmask.rows_for([s.seq_id for s in seqs], self.device) if token_bitmask is not None else None
         tokens = self.sampler.choose(logits, [sampling[s.seq_id][0] for s in seqs],
-                                     [sampling[s.seq_id][1] for s in seqs])
+                                     [sampling[s.seq_id][1] for s in seqs], token_bitmask=mask)
         return PendingTokens([s.seq_id for s in seqs], tokens)
 
     def _draw(self, logits: torch.Tensor, rows: list[int], seqs: list, by_id: dict, sampling: dict,
-              result: ModelStepOutput) -> None:
-        """Sample the drawing rows; a fork row is repeated ``num_samples`` times, one generator per copy."""
+              result: ModelStepOutput, token_bitmask: "TokenBitmask | None" = None) -> None:
+        """Sample the drawing rows; a fork row is repeated ``num_samples`` times, one generator per copy (and its
+        grammar mask row with it)."""
         index, params, gens, hist, owners = [], [], [], [], []
         for j in rows:
             seq = seqs[j]
@@ -433,7 +459,8 @@ class ModelRunner:
         # every row drawn once, in order (no fork, no beam): the logits as they are, no gather (on CUDA a gather by
         # a Python list also copies the index to the device, which waits for the step's kernels)
         rows_logits = logits if index == list(range(logits.shape[0])) else logits[index]
-        sampled = self.sampler.forward(rows_logits, params, gens, hist)
+        mask = token_bitmask.rows_for(owners, self.device) if token_bitmask is not None else None
+        sampled = self.sampler.forward(rows_logits, params, gens, hist, token_bitmask=mask)
         for seq_id, token, entry in zip(owners, sampled.token_ids, sampled.logprobs):
             result.sampled.setdefault(seq_id, []).append(token)
             result.logprobs.setdefault(seq_id, []).append(entry)

@@ -64,5 +64,8 @@ class RequestOutput:
     adapter: object | None = field(default=None, repr=False)
     error: str | None = None  # why the request failed (finish_reason "error"), e.g. its adapter did not load
     error_retryable: bool = False  # the failure was transient (blob store down): the same request may succeed later
+    # what failed: "adapter_load_error", "invalid_request" (e.g. a grammar that does not compile: the client's to
+    # fix), "engine_error"; None unless finish_reason is "error"
+    error_type: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list["TokenLogprob | None"] | None = None

@@ -1,6 +1,9 @@
 """Token selection from the last-position logits of each sampled sequence.
 
-    logits [N, V] float32 -> penalties (repetition, presence, frequency) and the min_tokens mask, rows that use them
+    logits [N, V] float32 -> + logit_bias, rows that set it
+                          -> grammar mask (structured outputs: a packed int32 bitmask [N, ceil(V / 32)], disallowed
+                             tokens -inf; free rows' mask allows everything, so their logits are untouched)
+                          -> penalties (repetition, presence, frequency) and the min_tokens mask, rows that use them
                           -> greedy rows: argmax
                           -> others: / temperature -> top-k -> top-p -> min-p -> draw
                           -> logprobs of the chosen tokens under the raw logits, rows that ask for them
@@ -26,6 +29,7 @@ import torch
 
 from loraplex.engine.logprobs import TokenLogprob, compute_logprobs
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.structured.bitmask import apply_token_bitmask
 
 
 class TokenHistory(Protocol):
@@ -69,21 +73,22 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               seqs: list[TokenHistory] | None = None) -> list[int]:
+               seqs: list[TokenHistory] | None = None, token_bitmask: torch.Tensor | None = None) -> list[int]:
         """One token per row. ``logits`` [N, V]; ``params``, ``generators`` (None: unseeded) and ``seqs`` (needed
-        only by rows with penalties or ``min_tokens``) have N entries."""
-        return self.forward(logits, params, generators, seqs).token_ids
+        only by rows with penalties or ``min_tokens``) have N entries; ``token_bitmask`` (int32 [N, ceil(V / 32)] on
+        the logits' device, or None) is the grammar mask of each row."""
+        return self.forward(logits, params, generators, seqs, token_bitmask).token_ids
 
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                seqs: list[TokenHistory] | None = None) -> SamplerOutput:
+                seqs: list[TokenHistory] | None = None, token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """``sample`` plus the logprob entries of rows whose params set ``logprobs`` or ``best_of > n`` (add
         ``entry.logprob`` to the sequence with ``append_token(token, logprob)``)."""
         n = self._check(logits, params, generators)
         if n == 0:
             return SamplerOutput([], [])
         raw = logits.float()
-        token_ids = self._choose(raw, params, generators, seqs).tolist()
+        token_ids = self._choose(raw, params, generators, seqs, token_bitmask).tolist()
         logprobs: list[TokenLogprob | None] = [None] * n
         # rows that report logprobs, and best_of rows (their cumulative logprob ranks the sequences)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None or p.num_sequences > p.n]
@@ -96,11 +101,11 @@ class Sampler:
 
     @torch.no_grad()
     def choose(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               seqs: list[TokenHistory] | None = None) -> torch.Tensor:
+               seqs: list[TokenHistory] | None = None, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """``sample`` without reading the tokens back: int64 [N] on the logits' device. Rows without penalties or
-        ``min_tokens`` make no host sync on the way."""
+        ``min_tokens`` make no host sync on the way (logit_bias and the grammar mask make none)."""
         self._check(logits, params, generators)
-        return self._choose(logits.float(), params, generators, seqs)
+        return self._choose(logits.float(), params, generators, seqs, token_bitmask)
 
     @staticmethod
     def _check(logits: torch.Tensor, params: list, generators: list) -> int:
@@ -112,10 +117,13 @@ class Sampler:
         return n
 
     def _choose(self, raw: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                seqs: list[TokenHistory] | None) -> torch.Tensor:
+                seqs: list[TokenHistory] | None, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [N] (int64, on the device) from float32 logits [N, V]."""
         n = raw.shape[0]
-        logits = self.apply_penalties(raw, params, seqs)
+        logits = self.apply_logit_bias(raw, params)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask)
+        logits = self.apply_penalties(logits, params, seqs)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(rows) == n:  # all rows draw: no argmax, index tensor, gather or scatter
             return self._draw(self.probs(logits, params), generators)
@@ -130,8 +138,28 @@ class Sampler:
     def beam_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
                       seqs: list[TokenHistory] | None = None) -> torch.Tensor:
         """Beam search scores of the next token [N, V]: log_softmax of the logits, then the penalties and the
-        ``min_tokens`` mask applied to those log-probs without renormalising (transformers' ``_beam_search``)."""
-        return self.apply_penalties(torch.log_softmax(logits.float(), dim=-1), params, seqs)
+        ``min_tokens`` mask applied to those log-probs without renormalising (transformers' ``_beam_search``);
+        ``logit_bias`` is added to the logits first."""
+        return self.apply_penalties(torch.log_softmax(self.apply_logit_bias(logits.float(), params), dim=-1), params,
+                                    seqs)
+
+    @staticmethod
+    def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """``logits`` plus each row's ``logit_bias`` (sparse: one scatter-add for the whole batch, its indices sent
+        up through pinned memory: no host sync). Returns ``logits`` itself when no row sets a bias."""
+        rows, ids, values = [], [], []
+        for i, p in enumerate(params):
+            for token, bias in p.logit_bias.items():
+                rows.append(i)
+                ids.append(token)
+                values.append(bias)
+        if not rows:
+            return logits
+        device = logits.device
+        out = logits.clone()
+        out.index_put_((row_tensor(rows, torch.int64, device), row_tensor(ids, torch.int64, device)),
+                       row_tensor(values, torch.float32, device), accumulate=True)
+        return out
 
     def apply_penalties(self, logits: torch.Tensor, params: list[SamplingParams],
                         seqs: list[TokenHistory] | None) -> torch.Tensor:

@@ -20,6 +20,11 @@ keeps one step in flight (pipeline depth one):
       4. Scheduler.update_launched()  step n+1's surviving sequences: input token computed, a pending token added
       not overlappable:               drain step n (3), then run step n+1 synchronously as without overlap
 
+A step with grammar-constrained sequences (structured outputs) overlaps too, with 2 split in two: its masks need
+step n's tokens, so the engine launches step n+1's forward (``ModelRunner.launch_forward``), resolves step n's
+tokens (3, up to the matchers), fills and uploads the masks and launches the sampling (``sample_launched``), then
+builds step n's outputs; the mask work runs on the host while the device computes the forward.
+
 A step is overlappable when the runner's padded decode path (CUDA graphs, or ``init_decode_graphs(capture=False)``)
 serves it, it moves no blocks (swap, copy-on-write), no logits hook is set, and every scheduled sequence is a plain
 decode of a "simple" request: one sequence (no n > 1, best_of or beam search), no logprobs, no penalties or

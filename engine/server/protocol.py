@@ -6,6 +6,15 @@
        "prompt_tokens", "completion_tokens", "cached_tokens"}
       an error after the stream started is a last line {"request_id", "finished": true, "error": {"message","type"}}
 
+``sampling`` holds ``SamplingParams`` fields by name; among them (absent = off, so older clients are unaffected):
+
+      "structured": {"json_schema": {...}, "strict": true} | {"json_object": true} | {"regex": "..."} |
+                    {"grammar": "<Lark or GBNF>"} | {"choice": ["a", "b"]}       (engine/structured/spec.py)
+      "logit_bias": {"<token id>": bias in [-100, 100], ...}                       (JSON object keys are strings)
+
+A grammar that does not compile (unsupported keyword, syntax error) is a 400 ``invalid_request`` naming the
+problem, sent before any token, like every other invalid sampling field.
+
 The top-level ``token_ids`` / ``text`` / ``finish_reason`` are the first completion's (what clients of one
 sequence read); ``completion_tokens`` counts the output tokens of every completion reported. A request with
 ``n > 1``, ``best_of`` or ``logprobs`` also gets, per chunk, the completions that changed in it:

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from loraplex.engine.server.errors import (AdapterFetchUnavailableError, AdapterInUseError, AdapterUnavailableError,
-                                           EngineUnavailableError, InvalidRequestError)
+                                           EngineServiceError, EngineUnavailableError, InvalidRequestError)
 from loraplex.engine.server.chunks import ChunkEncoder, TokenTexts
 from loraplex.engine.server.protocol import AdapterSpec, GenerateRequest
 
@@ -45,7 +45,7 @@ class EngineService:
     # ---- generation ---------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """Chunk dicts (``protocol.chunk_dict``); raises ``EngineServiceError`` subclasses."""
-        from loraplex.engine.async_engine import EngineDeadError
+        from loraplex.engine.async_engine import EngineDeadError, RequestFailedError
         from loraplex.engine.lora.manager import AdapterLoadError
         from loraplex.engine.sampling_params import SamplingParams
 
@@ -70,6 +70,8 @@ class EngineService:
             raise (AdapterFetchUnavailableError if e.retryable else AdapterUnavailableError)(str(e)) from None
         except EngineDeadError as e:
             raise EngineUnavailableError(str(e)) from None
+        except RequestFailedError as e:
+            raise EngineServiceError(str(e)) from None
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(str(e)) from None
         finally:

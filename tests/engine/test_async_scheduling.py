@@ -356,8 +356,8 @@ def test_config_and_flags(tiny_checkpoint, monkeypatch):
     seen = []
     monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw["async_scheduling"]))
     monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
-    for flags in ([], ["--async-scheduling"], ["--no-async-scheduling"]):
-        main(["engine", "serve", "--model", "/m", *flags])
+    for flags in ([], ["--async-scheduling"], ["--no-async-scheduling"]):  # a real folder: settings are checked
+        main(["engine", "serve", "--model", tiny_checkpoint("llama"), *flags])
     assert seen == [None, True, False]
     from loraplex.commands.bench import config_from_args, register  # the bench's flag too
 
