@@ -106,14 +106,15 @@ def harmony_messages(messages: Iterable[Any], *, tools: Iterable[Any] | None = N
                      knowledge_cutoff: str | None = None, model_identity: str | None = None) -> list:
     """The harmony ``Message`` list of an OpenAI conversation (``ChatMessage`` models or dicts), system message
     first. ``current_date``: ``YYYY-MM-DD`` (default today, UTC)."""
-    from openai_harmony import (Author, DeveloperContent, Message, ReasoningEffort, Role, SystemContent)
+    from openai_harmony import Author, DeveloperContent, Message, ReasoningEffort, Role, SystemContent
 
     effort = reasoning_effort or DEFAULT_REASONING_EFFORT
     if effort not in REASONING_EFFORTS:
         raise HarmonyRenderError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
                                  param="reasoning_effort")
-    system = SystemContent.new().with_reasoning_effort(ReasoningEffort(effort.capitalize())).with_conversation_start_date(
-        current_date or datetime.now(timezone.utc).strftime("%Y-%m-%d"))
+    date = current_date or datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    system = SystemContent.new().with_reasoning_effort(ReasoningEffort(effort.capitalize())) \
+        .with_conversation_start_date(date)
     if knowledge_cutoff:
         system = system.with_knowledge_cutoff(knowledge_cutoff)
     if model_identity:

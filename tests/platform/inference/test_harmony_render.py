@@ -43,7 +43,7 @@ def renderer(encoding):
     return HarmonyRenderer(encoding)
 
 
-def system(effort: str = "medium", *, tools: bool = False) -> Message:
+def system(effort: str = "medium") -> Message:
     content = SystemContent.new().with_reasoning_effort(ReasoningEffort(effort.capitalize())) \
         .with_conversation_start_date(DATE)
     return Message.from_role_and_content(Role.SYSTEM, content)
