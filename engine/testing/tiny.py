@@ -101,7 +101,7 @@ def make_tiny_checkpoint(family: str, out_dir: str | os.PathLike, *, seed: int =
     save_kw: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **save_kw)
     model.generation_config.save_pretrained(out_dir)
-    build_tiny_tokenizer(kw["vocab_size"]).save_pretrained(out_dir)
+    build_tiny_tokenizer(kw["vocab_size"], harmony=family == "gpt_oss").save_pretrained(out_dir)
     return out_dir
 
 

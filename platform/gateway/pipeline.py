@@ -111,11 +111,10 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
             raise InferenceError(400, f"the model `{body.model}` cannot be served by this deployment: {reason}",
                                  param="model", code="adapter_not_servable")
     if kind == "chat":
-        try:
-            text = gw.tokenizer.chat_template.render(body.messages)
+        try:   # the model's chat template; harmony for GPT-OSS
+            prompt, n_prompt = gw.tokenizer.chat_prompt(body)
         except ChatTemplateError as e:
             raise InferenceError(400, str(e), param="messages") from None
-        prompt, n_prompt = gw.tokenizer.prompt(text, add_special_tokens=False)
         requested = body.requested_max_tokens
     else:
         raw = body.prompts()[0]
@@ -128,6 +127,8 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
         raise InferenceError(400, "the prompt is empty; send at least one token", param="prompt")
     max_tokens = resolve_max_tokens(requested, n_prompt, gw.max_model_len)
     sampling = body.sampling_params(max_tokens)
+    if kind == "chat":
+        sampling.update(gw.tokenizer.chat_sampling())   # GPT-OSS: harmony's stop tokens
     plan = body.choice_plan()
     limit = gw.settings.engine_max_num_seqs
     if plan.engine_n > limit:

@@ -2,7 +2,8 @@
 (aborting the engine request) when the client goes away.
 
 Stream layout (chat): a first chunk with ``delta.role`` per choice, one chunk per choice and engine chunk with text
-(and that text's tokens' logprobs), each choice's last chunk with ``finish_reason``, a usage chunk
+(and that text's tokens' logprobs; GPT-OSS: ``delta.reasoning_content`` and ``delta.tool_calls`` beside
+``delta.content``), each choice's last chunk with ``finish_reason``, a usage chunk
 (``choices: []``) when ``stream_options.include_usage``, then ``[DONE]``. An
 engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
 """
@@ -21,7 +22,8 @@ from loraplex.platform.inference.errors import InferenceError
 from loraplex.platform.inference.logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 from loraplex.platform.inference.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                                   ChatCompletionChunk, ChatDelta, Completion, CompletionChoice,
-                                                  CompletionLogprobs, Usage, now_s, openai_finish_reason)
+                                                  CompletionLogprobs, FunctionCall, FunctionCallDelta, ToolCall,
+                                                  ToolCallDelta, Usage, now_s, openai_finish_reason)
 from loraplex.platform.inference.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 logger = logging.getLogger(__name__)
@@ -50,19 +52,40 @@ def _echo_logprobs(gen: Generation, choices: Choices) -> CompletionLogprobs | No
                                first_token=_first_prompt_token(gen))[0]
 
 
+def _choices(gen: Generation) -> Choices:
+    """The request's choices; GPT-OSS chat parses each completion's harmony channels."""
+    parser = None
+    if gen.prep.kind == "chat" and gen.gw.tokenizer.harmony is not None:
+        parser = lambda: gen.gw.tokenizer.output_parser(gen.prep.body)  # noqa: E731
+    return Choices(gen.prep.plan, parser)
+
+
+def _message(c) -> AssistantMessage:
+    calls = [ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in c.tool_calls]
+    return AssistantMessage(content=c.text if c.text or not calls else None, reasoning_content=c.reasoning or None,
+                            tool_calls=calls or None)
+
+
+def _delta(d, role: bool = False) -> ChatDelta:
+    calls = [ToolCallDelta(index=t.index, id=t.id, type="function" if t.id else None,
+                           function=FunctionCallDelta(name=t.name, arguments=t.arguments)) for t in d.tool_calls]
+    return ChatDelta(role="assistant" if role else None, content=d.text or None,
+                     reasoning_content=d.reasoning or None, tool_calls=calls or None)
+
+
 async def complete(gen: Generation) -> ChatCompletion | Completion:
     """Run to the end and build the whole answer: ``n`` choices (best_of: the best ``n``), with logprobs and the
     echoed prompt when asked."""
     prep = gen.prep
     plan = prep.plan
-    choices = Choices(plan)
+    choices = _choices(gen)
     async for chunk in gen.chunks():
         choices.add(chunk)
     final = choices.final(gen.finish_reason)
     k = plan.logprobs
     if prep.kind == "chat":
         return ChatCompletion(id=prep.request_id, created=now_s(), model=prep.body.model, usage=_usage(gen), choices=[
-            ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=_reason(c.finish_reason),
+            ChatChoice(index=c.index, message=_message(c), finish_reason=_reason(c.finish_reason),
                        logprobs=chat_logprobs(c.logprobs, k) if k is not None else None) for c in final])
     echo = prep.echo_text if plan.echo else ""
     prompt_lp = _echo_logprobs(gen, choices)
@@ -86,12 +109,14 @@ async def sse_stream(gen: Generation, chunks: AsyncIterator, first: list) -> Asy
     prep = gen.prep
     plan, k = prep.plan, prep.plan.logprobs
     created, model, chat = now_s(), prep.body.model, prep.kind == "chat"
-    choices = Choices(plan)
+    choices = _choices(gen)
     offsets = {i: len(prep.echo_text) if plan.echo else 0 for i in range(plan.n)}  # legacy text_offset per choice
 
-    def event(index: int, text: str | None, reason: str | None, *, role: bool = False, logprobs=None) -> bytes:
+    def event(index: int, text: str | None, reason: str | None, *, role: bool = False, logprobs=None,
+              parsed=None) -> bytes:
         if chat:
-            delta = ChatDelta(role="assistant" if role else None, content=text)
+            delta = _delta(parsed) if parsed is not None else ChatDelta(role="assistant" if role else None,
+                                                                        content=text)
             lp = chat_logprobs(logprobs, k) if k is not None and logprobs else None
             return sse_event(ChatCompletionChunk(id=prep.request_id, created=created, model=model, choices=[
                 ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=lp)]))
@@ -126,9 +151,10 @@ async def sse_stream(gen: Generation, chunks: AsyncIterator, first: list) -> Asy
             events = []
             for d in choices.add(chunk):
                 reason = openai_finish_reason(d.finish_reason)
-                if d.text or reason or (k is not None and d.logprobs):
+                if d.text or d.reasoning or d.tool_calls or reason or (k is not None and d.logprobs):
                     events.append(event(d.index, d.text if d.text or not chat else None, reason,
-                                        logprobs=d.logprobs if k is not None else None))
+                                        logprobs=d.logprobs if k is not None else None,
+                                        parsed=d if chat else None))
             if chunk.finished:
                 events.extend(event(i, None if chat else "", _reason(chunk.finish_reason))
                               for i in choices.unfinished())

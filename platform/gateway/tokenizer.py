@@ -3,28 +3,52 @@
 Uses the ``tokenizers`` library on the base model's ``tokenizer.json`` (fast, no torch); falls back to
 transformers' ``AutoTokenizer`` for folders without one. No tokenizer at all (``ENGINE_MODE=null`` without a
 base model): prompts go to the engine as text and count as ``ceil(len(text) / 4)`` tokens.
+
+Chat prompts (``chat_prompt``): the model's chat template, except for GPT-OSS (``model_type`` gpt_oss with the
+harmony tokens), whose prompts are rendered in harmony (``loraplex.platform.inference.harmony``) with the
+request's ``reasoning_effort`` and ``tools``; its requests also stop at ``<|return|>`` / ``<|call|>``
+(``chat_sampling``) and its outputs are parsed into content, reasoning and tool calls (``output_parser``).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+from typing import Any
 
 from loraplex.platform.inference.chat_template import ChatTemplate
+from loraplex.platform.inference.errors import InferenceError
+
+
+def model_type(folder: str | None) -> str | None:
+    """``model_type`` of the folder's config.json (None without one)."""
+    path = os.path.join(folder, "config.json") if folder else None
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("model_type")
 
 
 class PromptTokenizer:
     def __init__(self, folder: str | None) -> None:
         self._fast = None
+        self._plain = None    # the same tokenizer with special tokens' text encoded as text (built when needed)
         self._hf = None
         self.chat_template = ChatTemplate.from_pretrained(folder) if folder else ChatTemplate(None)
         if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):
             from tokenizers import Tokenizer
 
             self._fast = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+            self._json = os.path.join(folder, "tokenizer.json")
         elif folder and os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
             from transformers import AutoTokenizer
 
             self._hf = AutoTokenizer.from_pretrained(folder)
+        self.harmony = None
+        if self.available and model_type(folder) == "gpt_oss":
+            from loraplex.platform.inference.harmony import HarmonyChat
+
+            self.harmony = HarmonyChat.for_model(folder, self)
 
     @property
     def available(self) -> bool:
@@ -37,6 +61,27 @@ class PromptTokenizer:
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
         raise RuntimeError("no tokenizer loaded")
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special token recognised (``"<|end|>"`` typed by a tenant stays text)."""
+        if self._fast is not None:
+            if self._plain is None:
+                from tokenizers import Tokenizer
+
+                self._plain = Tokenizer.from_file(self._json)
+                self._plain.encode_special_tokens = True
+            return self._plain.encode(text, add_special_tokens=False).ids
+        if self._hf is not None:
+            return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+        raise RuntimeError("no tokenizer loaded")
+
+    def token_to_id(self, token: str) -> int | None:
+        if self._fast is not None:
+            return self._fast.token_to_id(token)
+        if self._hf is not None:
+            i = self._hf.convert_tokens_to_ids(token)
+            return None if i is None or i == self._hf.unk_token_id else int(i)
+        return None
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids, special tokens skipped (what ``echo`` returns for a token-id prompt)."""
@@ -52,3 +97,56 @@ class PromptTokenizer:
             return text, max(1, math.ceil(len(text) / 4))
         ids = self.encode(text, add_special_tokens=add_special_tokens)
         return ids, len(ids)
+
+    # ---- chat ----
+    def chat_prompt(self, body: Any) -> tuple[str | list[int], int]:
+        """(what the engine gets, prompt token count) of a chat request: harmony for GPT-OSS, else the model's
+        chat template (``ChatTemplateError`` when it refuses). ``reasoning_effort`` and ``tools`` other than for
+        GPT-OSS are a 400 naming them."""
+        effort = getattr(body, "reasoning_effort", None)
+        tools = self._chat_tools(body)
+        if self.harmony is None:
+            if effort is not None:
+                raise InferenceError(400, "'reasoning_effort' applies to reasoning models in the harmony format "
+                                          "(GPT-OSS); this deployment's base model is not one: leave it unset",
+                                     param="reasoning_effort", code="unsupported_parameter")
+            if tools:
+                raise InferenceError(400, "'tools' are not supported for this deployment's base model yet",
+                                     param="tools", code="unsupported_parameter")
+            return self.prompt(self.chat_template.render(body.messages), add_special_tokens=False)
+        if self.harmony.renderer is None:   # no o200k vocabulary: the model's own template, told the effort
+            if tools:
+                raise InferenceError(400, f"'tools' need the harmony renderer, which is unavailable here: "
+                                          f"{self.harmony.vocab_error}", param="tools", code="unsupported_parameter")
+            return self.prompt(self.chat_template.render(body.messages, reasoning_effort=effort or "medium"),
+                               add_special_tokens=False)
+        from loraplex.platform.inference.harmony import HarmonyRenderError
+
+        try:
+            ids = self.harmony.prompt(body.messages, tools=tools, reasoning_effort=effort)
+        except HarmonyRenderError as e:
+            raise InferenceError(400, str(e), param=e.param) from None
+        return ids, len(ids)
+
+    def chat_sampling(self) -> dict[str, Any]:
+        """Engine sampling fields every chat request adds: harmony's stop tokens for GPT-OSS."""
+        return {"stop_token_ids": self.harmony.stop_token_ids} if self.harmony is not None else {}
+
+    def output_parser(self, body: Any):
+        """A fresh parser of one chat completion's token ids (``harmony.TokenFeed``), None outside harmony."""
+        if self.harmony is None:
+            return None
+        tools = self._chat_tools(body)
+        return self.harmony.parser(functions=[_tool_name(t) for t in tools] if tools else None)
+
+    @staticmethod
+    def _chat_tools(body: Any) -> list:
+        """The request's tools unless ``tool_choice`` is "none" (then the model is not told of them)."""
+        if getattr(body, "tool_choice", None) == "none":
+            return []
+        return list(getattr(body, "tools", None) or [])
+
+
+def _tool_name(tool: Any) -> str:
+    fn = tool.get("function") if isinstance(tool, dict) else getattr(tool, "function", None)
+    return (fn.get("name") if isinstance(fn, dict) else getattr(fn, "name", "")) or ""

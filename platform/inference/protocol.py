@@ -8,6 +8,11 @@ OpenAI's own API does for fields it does not know. ``sampling_params()`` turns a
 
 Choices and logprobs: ``n`` (both endpoints), chat ``logprobs`` + ``top_logprobs`` (0..20), completions
 ``logprobs`` (0..5), ``echo`` and ``best_of`` (>= n; the n best by cumulative logprob; not with ``stream``).
+
+Reasoning models (GPT-OSS, harmony): ``reasoning_effort`` (low | medium | high) on the request; the chain of
+thought comes back as ``reasoning_content`` on the message (``delta.reasoning_content`` when streaming), apart
+from ``content``; ``tools`` with ``tool_choice`` "auto" / "none" give ``tool_calls`` (finish reason
+"tool_calls"). Fields that are None (``reasoning_content``, ``tool_calls``) are left out of the JSON.
 """
 from __future__ import annotations
 
@@ -15,12 +20,13 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from loraplex.platform.inference.errors import InferenceError
 from loraplex.platform.inference.plan import MAX_N, ChoicePlan, plan_choices
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+ReasoningEffort = Literal["low", "medium", "high"]
 MAX_INT32 = 2**31 - 1
 MAX_STOP_CHARS = 1024
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
@@ -33,12 +39,28 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(BaseModel):
+    """An assistant message's tool call, in history (request) and in answers."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None      # assistant: calls it made
+    tool_call_id: str | None = None               # tool: the call this answers
+    reasoning_content: str | None = None          # assistant: its chain of thought (harmony drops it as due)
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -47,6 +69,21 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+MAX_TOOLS = 128
 
 
 class StreamOptions(BaseModel):
@@ -105,13 +142,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: str | dict | None = None
+    reasoning_effort: ReasoningEffort | None = None
     response_format: dict | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported by this deployment")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format other than 'text' is not supported")
         return self
@@ -129,6 +166,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """Engine ``SamplingParams`` fields, ``max_tokens`` resolved by the caller (``resolve_max_tokens``)."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise InferenceError(400, "'tool_choice' takes \"auto\" or \"none\" here (the model decides whether to "
+                                      "call a tool); a required or named tool is not supported yet",
+                                 param="tool_choice", code="unsupported_parameter")
         return self._with_plan(max_tokens)
 
 
@@ -183,10 +224,25 @@ def now_s() -> int:
 
 
 def openai_finish_reason(engine_reason: str | None) -> FinishReason | None:
-    """Engine reasons to OpenAI's: "length" stays, everything else that ended the stream is "stop"."""
+    """Engine reasons to OpenAI's: "length" and "tool_calls" (a parsed tool call) stay, everything else that
+    ended the stream is "stop"."""
     if engine_reason is None:
         return None
-    return "length" if engine_reason == "length" else "stop"
+    return engine_reason if engine_reason in ("length", "tool_calls") else "stop"
+
+
+class _OmitNone(BaseModel):
+    """Leaves ``_omit_none`` fields out of the JSON while they are None (fields only some models produce)."""
+
+    _omit_none: tuple[str, ...] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        data = handler(self)
+        for name in self._omit_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class PromptTokensDetails(BaseModel):
@@ -206,9 +262,13 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_OmitNone):
+    _omit_none = ("reasoning_content", "tool_calls")
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -255,9 +315,31 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ChatDelta(BaseModel):
+class FunctionCallDelta(_OmitNone):
+    _omit_none = ("name", "arguments")
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_OmitNone):
+    """A streamed tool call's part: ``id``, ``type`` and ``function.name`` in its first chunk, then arguments."""
+
+    _omit_none = ("id", "type")
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(_OmitNone):
+    _omit_none = ("reasoning_content", "tool_calls")
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -48,8 +48,10 @@ def test_completion_request_prompts():
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature",
      "less than or equal to 2"),
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "Input should be"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None,
-     "tools are not supported"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools.0.function", "Field required"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"},
+     "reasoning_effort", "'low', 'medium' or 'high'"),
     ({"messages": [{"role": "user", "content": "x"}]}, "model", "Field required"),
 ])
 def test_bad_requests_name_the_parameter(body, param, message):
