@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_CAP_BYTES = 256 << 20
+CPU_ADAPTER_MEMORY_BYTES = 256 << 20  # default adapter budget off CUDA (at least 4 of the largest adapters)
 CUDA_SWAP_SPACE_BYTES = 1 << 30  # default CPU swap pool beside a CUDA KV cache
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,8 +82,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.decode_graphs: "DecodeGraphs | None" = None  # set by init_decode_graphs()
-        self.lora_reserved_bytes = self._lora_reserve_bytes()
+        if max_num_seqs is None:  # a config not through LLMEngine (a hand-started tensor-parallel worker)
+            from loraplex.engine.engine_config import CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS
+
+            max_num_seqs = CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS
+        self.max_num_seqs = max_num_seqs
         self.graph_reserved_bytes = self._graph_reserve_bytes(max_num_seqs)
+        self.adapter_budget_bytes = 0  # GPU bytes for resident adapters (set by _size_kv_pool with enable_lora)
         self.num_blocks = self._size_kv_pool(max_model_len, max_num_seqs)
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
@@ -98,9 +104,9 @@ class ModelRunner:
         self.lora: "LoRASlots | None" = None  # set by init_lora()
         # Debug/test hook: called with (sequences, logits [N, V] float32) before sampling.
         self.logits_hook: Callable[[list, torch.Tensor], None] | None = None
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB, %s on %s (reserved beside it: LoRA "
-                    "slots %.0f MiB, CUDA graphs %.0f MiB)", self.num_blocks, self.block_size, self.kv_cache_tokens,
-                    self.kv_cache_bytes / 2**30, self.dtype, self.device, self.lora_reserved_bytes / 2**20,
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB, %s on %s (reserved beside it: adapters "
+                    "%.2f GiB, CUDA graphs %.0f MiB)", self.num_blocks, self.block_size, self.kv_cache_tokens,
+                    self.kv_cache_bytes / 2**30, self.dtype, self.device, self.adapter_budget_bytes / 2**30,
                     self.graph_reserved_bytes / 2**20)
 
     def _load_model(self):
@@ -132,19 +138,32 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def _size_kv_pool(self, max_model_len: int, max_num_seqs: int) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        """KV blocks, and (with ``enable_lora``) ``adapter_budget_bytes``. On CUDA both come from one budget:
+
+            total x gpu_memory_utilization - in use (weights) - activation headroom - CUDA-graph headroom
+              = available;  adapters = adapter_memory_bytes or adapter_memory_fraction x available;
+              KV pool = available - adapters
+
+        fixed at start: KV blocks are never given to adapters nor adapters' memory to KV."""
         per_block = self.bytes_per_block
         blocks_per_seq = -(-max_model_len // self.block_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-            budget -= self._activation_headroom_bytes() + self.lora_reserved_bytes + self.graph_reserved_bytes
+            available = int(total * self.config.gpu_memory_utilization) - (total - free)
+            available -= self._activation_headroom_bytes() + self.graph_reserved_bytes
+            self.adapter_budget_bytes = self._adapter_budget(available)
+            if self.config.num_kv_blocks is not None:
+                return self.config.num_kv_blocks
+            budget = available - self.adapter_budget_bytes
             if budget < per_block * blocks_per_seq:
                 raise RuntimeError(
                     f"not enough GPU memory for one sequence of {max_model_len} tokens: {budget / 2**30:.2f} GiB left "
-                    f"for the KV cache after weights; raise gpu_memory_utilization or lower max_model_len")
+                    f"for the KV cache after weights and {self.adapter_budget_bytes / 2**30:.2f} GiB for adapters; "
+                    f"raise gpu_memory_utilization, lower max_model_len or the adapter memory budget")
             return budget // per_block
+        self.adapter_budget_bytes = self._adapter_budget(None)
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             budget = min(CPU_KV_CACHE_CAP_BYTES, per_block * blocks_per_seq * max_num_seqs)
@@ -174,16 +193,21 @@ class ModelRunner:
     def _activation_headroom_bytes(self) -> int:
         return self.config.max_num_batched_tokens * self._activation_bytes_per_token() + (1 << 30)
 
-    def _lora_reserve_bytes(self) -> int:
-        """Bytes the LoRA slot buffers will take (``init_lora`` comes after the pool is sized): kept out of the KV
-        pool's budget. 0 unless ``enable_lora``."""
+    def _adapter_budget(self, available: int | None) -> int:
+        """GPU bytes resident adapters may take (0 without ``enable_lora``): ``adapter_memory_bytes``, else
+        ``adapter_memory_fraction`` of ``available`` (CUDA), else 256 MiB but at least four of the largest adapters
+        this deployment accepts (CPU)."""
         c = self.config
         if not c.enable_lora:
             return 0
-        from loraplex.engine.lora.slots import LoRASlots
+        if c.adapter_memory_bytes is not None:
+            return c.adapter_memory_bytes
+        if available is not None:
+            return max(0, int(available * c.adapter_memory_fraction))
+        from loraplex.engine.lora.slots import max_adapter_bytes
 
-        return LoRASlots.estimate_nbytes(self.model, max_loras=c.max_loras, max_rank=c.max_lora_rank,
-                                         dtype=self.dtype)
+        return max(CPU_ADAPTER_MEMORY_BYTES, 4 * max_adapter_bytes(self.model, max_rank=c.max_lora_rank,
+                                                                   dtype=self.dtype))
 
     def graphs_enabled(self) -> bool:
         """Decode steps replay CUDA graphs: CUDA, one rank (tensor-parallel workers receive each step in a forward
@@ -193,7 +217,10 @@ class ModelRunner:
                 and c.tensor_parallel_size == 1)
 
     def _graph_max_batch_size(self, max_num_seqs: int) -> int:
-        return max(1, min(max_num_seqs, getattr(self.config, "cuda_graph_max_batch_size", 64)))
+        """The largest decode batch with a graph: ``cuda_graph_max_batch_size`` (None: max_num_seqs), at most
+        max_num_seqs."""
+        cap = getattr(self.config, "cuda_graph_max_batch_size", None) or max_num_seqs
+        return max(1, min(max_num_seqs, cap))
 
     def _graph_reserve_bytes(self, max_num_seqs: int) -> int:
         """Headroom for the graphs' private memory pool (the largest bucket's activations plus slack)."""
@@ -219,9 +246,9 @@ class ModelRunner:
                 self.decode_graphs = None
                 return None
             capture = True
-        max_batch = self._graph_max_batch_size(self.config.max_num_seqs)
+        max_batch = self._graph_max_batch_size(self.max_num_seqs)
         graphs = DecodeGraphs(self, max_batch, self.max_model_len, capture=capture)
-        if capture and not graphs.capture_all():
+        if capture and not graphs.capture_all(getattr(self.config, "cuda_graph_capture_budget_s", None)):
             self.decode_graphs = None
             return None
         self.decode_graphs = graphs
@@ -284,13 +311,14 @@ class ModelRunner:
         )
 
     # ---- multi-LoRA -----------------------------------------------------------------------------------------
-    def init_lora(self, *, max_loras: int, max_rank: int) -> "LoRASlots":
-        """Attach multi-LoRA to the model: slot buffers on this runner's device and dtype. Returns the slots
-        (for the AdapterManager); ``execute(..., lora_slots=...)`` then routes tokens to them."""
+    def init_lora(self, *, max_rank: int, copier=None) -> "LoRASlots":
+        """Attach multi-LoRA to the model, on this runner's device and dtype (adapters of up to ``max_rank``, up to
+        ``max_num_seqs`` distinct ones per step). Returns the slots (for the AdapterManager);
+        ``execute(..., lora_slots=...)`` then routes tokens to them. ``copier``: see ``LoRASlots``."""
         from loraplex.engine.lora.slots import LoRASlots
 
-        self.lora = LoRASlots(self.model, self.model_config, max_loras=max_loras, max_rank=max_rank,
-                              device=self.device, dtype=self.dtype)
+        self.lora = LoRASlots(self.model, self.model_config, max_rank=max_rank, max_step_slots=self.max_num_seqs,
+                              device=self.device, dtype=self.dtype, copier=copier)
         self._recapture_after_lora()
         return self.lora
 

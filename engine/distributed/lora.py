@@ -1,5 +1,5 @@
 """Multi-LoRA on a tensor-parallel rank: the slots are the ordinary ``LoRASlots`` built on the sharded model (so
-their buffers take the shard sizes), and every adapter is cut to this rank's part on its way in.
+their table entries take the shard sizes), and every adapter is cut to this rank's part on its way in.
 
 Shape legend: r rank, E experts, K in, N out (full sizes; the plan of ``sharding.py`` picks the part).
 
@@ -59,7 +59,22 @@ def shard_adapter_weights(weights: AdapterWeights, plan: ShardPlan) -> AdapterWe
         return weights
     modules = {key: shard_lora_tensors(t, key[1], plan) for key, t in weights.modules.items()}
     nbytes = sum(t.lora_a.nbytes + t.lora_b.nbytes for t in modules.values())
-    return replace(weights, modules=modules, nbytes=nbytes)
+    return replace(weights, modules=modules, nbytes=nbytes, flat=None).pack()
+
+
+def shard_nbytes(weights: AdapterWeights, plan: ShardPlan) -> int:
+    """``shard_adapter_weights(weights, plan).nbytes`` without cutting: the part's shapes follow the plan."""
+    if plan.world_size == 1:
+        return weights.nbytes
+    total = 0
+    for (_, target), t in weights.modules.items():
+        kept = _rows_of(plan, target).numel()
+        a, b = t.lora_a, t.lora_b
+        if target in COLUMN_PARALLEL:  # B keeps `kept` of its N rows
+            total += a.nbytes + b.nbytes // b.shape[-2] * kept
+        else:  # A keeps `kept` of its K columns
+            total += a.nbytes // a.shape[-1] * kept + b.nbytes
+    return total
 
 
 class TPLoRASlots(LoRASlots):
@@ -77,13 +92,21 @@ class TPLoRASlots(LoRASlots):
         if self._journal is not None and not self._in_load:
             self._journal(entry)
 
-    def load(self, slot: int, weights: AdapterWeights) -> None:
+    def prepare(self, weights: AdapterWeights) -> AdapterWeights:
+        return shard_adapter_weights(weights, self.plan)
+
+    def footprint(self, weights: AdapterWeights) -> int:
+        return shard_nbytes(weights, self.plan) // weights.flat.element_size() * self.elem_size \
+            if weights.flat is not None else super().footprint(self.prepare(weights))
+
+    def load(self, slot: int, weights: AdapterWeights):
         self._in_load = True  # its inner clear() is part of the load, not an entry of its own
         try:
-            super().load(slot, shard_adapter_weights(weights, self.plan))
+            handle = super().load(slot, weights)
         finally:
             self._in_load = False
         self._record(("load", slot, weights))
+        return handle
 
     def clear(self, slot: int) -> None:
         super().clear(slot)
@@ -106,4 +129,5 @@ class TPLoRASlots(LoRASlots):
             raise ValueError(f"unknown LoRA journal entry {kind!r}")
 
 
-__all__ = ["TPLoRASlots", "shard_adapter_weights", "shard_lora_tensors", "COLUMN_PARALLEL", "ROW_PARALLEL"]
+__all__ = ["TPLoRASlots", "shard_adapter_weights", "shard_lora_tensors", "shard_nbytes", "COLUMN_PARALLEL",
+           "ROW_PARALLEL"]

@@ -3,6 +3,9 @@
     weights = load_adapter_weights("/cache/tenant-a/v3", model_config, max_rank=16, dtype=torch.bfloat16)
     slots.load(0, weights)
 
+Every factor sits at the module's own rank, and all of them are views into one flat tensor (``flat``, module
+keys in sorted order, A then B), so an adapter moves to the GPU in one copy and costs there exactly ``nbytes``.
+
 Shape legend: r the module's rank, E experts, K in features, N out features.
 
     plain target  (self_attn.q_proj, mlp.down_proj, ...):   lora_a [r, K],     lora_b [N, r]
@@ -48,19 +51,49 @@ class AdapterWeights:
     """One adapter converted to the engine's layout (CPU tensors; ``pin_memory()`` before H2D copies on CUDA)."""
 
     adapter_id: str
-    rank: int                                   # largest rank of any module (slots zero-pad to max_rank)
-    nbytes: int
+    rank: int                                   # largest rank of any module
+    nbytes: int                                 # of all factors: what the adapter takes on the GPU
     spec: AdapterSpec
     modules: dict[tuple[int, str], LoraTensors] = field(default_factory=dict)  # (layer, target) -> factors
+    flat: torch.Tensor | None = None            # every factor, packed (``pack``): one host->device copy
 
     @property
     def targets(self) -> tuple[str, ...]:
         return self.spec.targets
 
+    def pack(self) -> "AdapterWeights":
+        """Moves every factor into one flat tensor (sorted keys, A then B) and makes the modules views of it."""
+        if self.flat is not None:
+            return self
+        keys = sorted(self.modules)
+        parts = [t for k in keys for t in (self.modules[k].lora_a, self.modules[k].lora_b)]
+        dtypes = {t.dtype for t in parts}
+        if len(dtypes) > 1:
+            raise ValueError(f"adapter {self.adapter_id!r} mixes dtypes {sorted(map(str, dtypes))}")
+        self.flat = torch.cat([t.reshape(-1) for t in parts]) if parts else torch.empty(0)
+        self._view_modules()
+        return self
+
+    def layout(self) -> list[tuple[tuple[int, str], int, torch.Size, int, torch.Size]]:
+        """(key, A offset, A shape, B offset, B shape) in ``flat``, in elements."""
+        out, off = [], 0
+        for key in sorted(self.modules):
+            t = self.modules[key]
+            a, b = t.lora_a.shape, t.lora_b.shape
+            out.append((key, off, a, off + a.numel(), b))
+            off += a.numel() + b.numel()
+        return out
+
+    def _view_modules(self) -> None:
+        for key, a_off, a_shape, b_off, b_shape in self.layout():
+            self.modules[key] = LoraTensors(lora_a=self.flat[a_off:a_off + a_shape.numel()].view(a_shape),
+                                            lora_b=self.flat[b_off:b_off + b_shape.numel()].view(b_shape))
+
     def pin_memory(self) -> "AdapterWeights":
-        """Page-locks every tensor in place (for asynchronous copies into GPU slots)."""
-        for m in self.modules.values():
-            m.lora_a, m.lora_b = m.lora_a.pin_memory(), m.lora_b.pin_memory()
+        """Packs and page-locks the factors in place (for asynchronous copies to the GPU)."""
+        self.pack()
+        self.flat = self.flat.pin_memory()
+        self._view_modules()
         return self
 
 
@@ -89,7 +122,7 @@ def load_adapter_weights(folder: str | os.PathLike, model_config: ModelConfig, *
         modules[(mod.layer, mod.target)] = _convert(mod, a, b, model_config, dtype)
     nbytes = sum(t.lora_a.nbytes + t.lora_b.nbytes for t in modules.values())
     return AdapterWeights(adapter_id=adapter_id or os.path.basename(folder.rstrip("/")), rank=spec.rank,
-                          nbytes=nbytes, spec=spec, modules=modules)
+                          nbytes=nbytes, spec=spec, modules=modules).pack()
 
 
 def _read_pair(path: str, mod: LoraModule) -> tuple[torch.Tensor, torch.Tensor]:
