@@ -94,14 +94,15 @@ class LoRAFusedExperts(_LoRAWrapper):
     """FusedExperts with expert LoRA applied to each token's routed experts only.
 
     ``w13`` / ``w2``: the gate_up / down target's columns of the step's LoRA table (A [E, r, H] / B [E, 2I, r],
-    A [E, r, I] / B [E, H, r] per adapter); either may be None (no buffers for that target)."""
+    A [E, r, I] / B [E, H, r] per adapter), or a stacked pair (lora_a [L, E, R, K], lora_b [L, E, N, R]: every
+    step slot at rank R, as the ops accept it; tests); either may be None (no LoRA on that target)."""
 
-    def __init__(self, base: nn.Module, state: LoRAState, w13: TargetTable | None, w2: TargetTable | None) -> None:
+    def __init__(self, base: nn.Module, state: LoRAState, w13, w2) -> None:
         super().__init__(base, state)
         self.num_experts, self.hidden_size = base.num_experts, base.hidden_size
         self.intermediate_size = base.intermediate_size
         self.activation, self.alpha, self.limit = base.activation, base.alpha, base.limit
-        self.w13_table, self.w2_table = w13, w2
+        self.w13_lora, self.w2_lora = w13, w2
         self.targets = [t for t, w in (("mlp.experts.gate_up_proj", w13), ("mlp.experts.down_proj", w2)) if w]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -117,12 +118,16 @@ class LoRAFusedExperts(_LoRAWrapper):
         else:
             w13, w2, w2_scale = base.w13, base.w2, None
         s = self.state
-        w13_lora = self.w13_table.at(s.num_slots) if self.w13_table is not None else None
-        w2_lora = self.w2_table.at(s.num_slots) if self.w2_table is not None else None
         return ops.moe_experts_lora(x, w13, w2, topk_weights, topk_ids, s.token_lora_idx, s.scaling,
-                                    w13_lora=w13_lora, w2_lora=w2_lora, activation=self.activation,
+                                    w13_lora=_at(self.w13_lora, s.num_slots), w2_lora=_at(self.w2_lora, s.num_slots),
+                                    activation=self.activation,
                                     b13=base.b13, b2=base.b2, alpha=self.alpha, limit=self.limit,
                                     w13_scale=w13_scale, w2_scale=w2_scale)
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, E={self.num_experts}"
+
+
+def _at(lora, num_slots: int):
+    """The LoRA operand for a step of ``num_slots`` step slots: a TargetTable's table, else as it is."""
+    return lora.at(num_slots) if isinstance(lora, TargetTable) else lora

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.engine.attention_metadata import AttentionMetadata
-from loraplex.engine.distributed.lora import TPLoRASlots, shard_adapter_weights
+from loraplex.engine.distributed.lora import TPLoRASlots, shard_adapter_weights, shard_nbytes
 from loraplex.engine.distributed.parallel_state import TensorParallel
 from loraplex.engine.distributed.sharding import shard_plan
 from loraplex.engine.distributed.tensor_parallel import apply_tp
@@ -36,7 +36,7 @@ def _metadata(lens: list[int], new: list[int]) -> AttentionMetadata:
 def _generate(path: str, adapters: list[str], tp) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Prefill + DECODE_STEPS greedy steps on rank ``tp`` (world_size 1: the unsharded model)."""
     model, cfg = load_model(path, progress=False)
-    kw = dict(max_loras=len(adapters), max_rank=MAX_RANK, device="cpu", dtype=torch.float32)
+    kw = dict(max_step_slots=len(adapters), max_rank=MAX_RANK, device="cpu", dtype=torch.float32)
     if tp.world_size > 1:
         plan = apply_tp(model, cfg, tp)
         slots, kv_heads = TPLoRASlots(model, cfg, plan=plan, **kw), plan.num_kv_heads
@@ -102,7 +102,7 @@ def test_kv_cache_holds_only_the_rank_heads(tiny_checkpoint):
 
 def test_apply_tp_refuses_a_model_with_lora_attached(tiny_checkpoint):
     model, cfg = load_model(tiny_checkpoint("llama"), progress=False)
-    LoRASlots(model, cfg, max_loras=1, max_rank=4, device="cpu", dtype=torch.float32)
+    LoRASlots(model, cfg, max_step_slots=1, max_rank=4, device="cpu", dtype=torch.float32)
     with pytest.raises(RuntimeError, match="apply_tp must run before LoRA is attached"):
         apply_tp(model, cfg, TensorParallel(rank=0, world_size=2))
 
@@ -112,6 +112,7 @@ def test_shards_of_an_adapter_rebuild_it(tiny_checkpoint, tp_adapter):
     _, cfg = load_model(path, load_format="dummy", progress=False)
     full = load_adapter_weights(tp_adapter(path, seed=1), cfg, max_rank=MAX_RANK, dtype=torch.float32)
     parts = [shard_adapter_weights(full, shard_plan(cfg, r, 2)) for r in range(2)]
+    assert [shard_nbytes(full, shard_plan(cfg, r, 2)) for r in range(2)] == [p.nbytes for p in parts]
     for (layer, target), t in full.modules.items():
         a0, a1 = (p.modules[(layer, target)] for p in parts)
         if target.endswith(("o_proj", "down_proj")):      # row-parallel: A split along in, B replicated
