@@ -10,7 +10,7 @@ import torch
 from loraplex.engine import LLMEngine, SamplingParams
 from loraplex.engine.lora.fetch import file_uri
 from loraplex.engine.lora.ref import AdapterRef
-from tests.engine.lora.test_pool import ManualCopier
+from tests.engine.lora.fakes import ManualCopier
 
 
 def test_a_cold_copy_holds_back_only_its_own_request(tiny_checkpoint, peft_adapter, peft_logits, tmp_path):

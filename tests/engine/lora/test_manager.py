@@ -14,35 +14,7 @@ from loraplex.engine.engine_config import EngineConfig
 from loraplex.engine.lora.fetch import AdapterFetchError, FileFetcher, file_uri
 from loraplex.engine.lora.manager import AdapterManager, sha256_file
 from loraplex.engine.lora.ref import AdapterRef
-
-
-SIZE = 100  # device bytes of every adapter in FakeSlots
-
-
-class FakeSlots:
-    """Records what the manager puts in which slot; every adapter takes SIZE bytes, copies complete at once."""
-
-    max_rank = 16
-
-    def __init__(self, n: int) -> None:
-        self.held = [None] * n
-        self.loads = 0
-
-    def footprint(self, weights):
-        return SIZE
-
-    def max_footprint(self):
-        return SIZE
-
-    def load(self, slot, weights):
-        from loraplex.engine.lora.device_copy import CopyDone
-
-        self.held[slot] = weights.adapter_id
-        self.loads += 1
-        return CopyDone()
-
-    def clear(self, slot):
-        self.held[slot] = None
+from tests.engine.lora.fakes import SIZE, FakeSlots
 
 
 class CountingFetcher(FileFetcher):
@@ -171,7 +143,7 @@ def test_activation_evicts_the_lru_unpinned_adapter_not_in_use(make_manager, ref
     assert m.activate(a) == 0 and m.activate(b) == 1 and m.counters.evictions == 0
     assert m.activate(a) == 0 and m.counters.slot_hits == 1  # a is now the most recently used
     assert m.activate(c) == 1 and m.slot_of(b) is None and m.counters.evictions == 1  # b was LRU
-    assert m.slots.held == [a.adapter_id, c.adapter_id]
+    assert list(m.slots.held.values()) == [a.adapter_id, c.adapter_id]
     assert m.activate(d, in_use={a, c}) is None  # every byte serves a running request
     assert m.residency()["gpu_bytes"] == 2 * SIZE == m.residency()["gpu_budget_bytes"]
     assert m.activate(d, in_use={c}) == 0 and m.slot_of(a) is None and m.counters.evictions == 2

@@ -10,33 +10,7 @@ from loraplex.engine.loader import load_model
 from loraplex.engine.lora.pool import AdapterPool, AdapterTooLargeError
 from loraplex.engine.lora.slots import LoRASlots
 from loraplex.engine.testing.adapters import random_adapter
-
-
-class ManualCopier:
-    """Copies at once (the data is there) but reports them done only when the test says: a side stream stands-in."""
-
-    def __init__(self) -> None:
-        self.pending: list["ManualCopier.Handle"] = []
-
-    class Handle:
-        def __init__(self) -> None:
-            self.finished = False
-
-        def done(self) -> bool:
-            return self.finished
-
-        @property
-        def seconds(self):
-            return 0.001 if self.finished else None
-
-    def copy(self, source: torch.Tensor):
-        h = ManualCopier.Handle()
-        self.pending.append(h)
-        return source.clone(), h
-
-    def finish_all(self) -> None:
-        for h in self.pending:
-            h.finished = True
+from tests.engine.lora.fakes import ManualCopier
 
 
 @pytest.fixture
