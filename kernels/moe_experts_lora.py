@@ -22,6 +22,7 @@ from loraplex.kernels import tuning
 from loraplex.kernels import fused_moe_lora as fml
 from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
+from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align, moe_align_lora
 from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
 
@@ -36,8 +37,9 @@ class _Shape:
 def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
     """The config ``fused_moe_lora`` would look up itself for this call (tuned file, nearest M, or default);
     ``y`` / ``x`` need only a ``shape``."""
+    k = lora_a.in_features if isinstance(lora_a, LoRATable) else lora_a.shape[-1]
     return tuning.get_config("fused_moe_lora", fml.shape_of(y, x, lora_a, topk_ids), topk_ids.shape[0],
-                             fml.default_config(lora_a.shape[-1]))
+                             fml.default_config(k))
 
 
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,

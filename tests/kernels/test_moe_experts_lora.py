@@ -85,6 +85,18 @@ def test_stacked_pairs_are_accepted():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_tables_with_the_looked_up_lora_config():
+    """No config override: the LoRA config comes from the tuning lookup for the table's shape (default here)."""
+    x, w13, w2, weights, ids, kw = _inputs(7, True)
+    idx = token_adapters(7, L)
+    scaling = torch.rand(L) + 0.5
+    lora = dict(w13_lora=_expert_lora(H, 2 * INTER), w2_lora=_expert_lora(INTER, H))
+    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, config=BASE_CFG, activation="swiglu_clamp",
+                           **lora, **kw)
+    want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", **lora, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_without_adapter_map_is_fused_moe():
     x, w13, w2, weights, ids, kw = _inputs(7, True)
     got = moe_experts_lora(x, w13, w2, weights, ids, None, torch.ones(L), w13_lora=_expert_lora(H, 2 * INTER),
