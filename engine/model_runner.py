@@ -20,11 +20,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from loraplex.engine.attention_metadata import AttentionMetadata
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.engine_config import EngineConfig
+from loraplex.engine.engine_config import EngineConfig, with_device_defaults
 from loraplex.engine.logprobs import prompt_logprobs
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
@@ -68,9 +69,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len: int, max_num_seqs: int):
-        self.config = config
+    def __init__(self, config: EngineConfig, max_model_len: int, max_num_seqs: int | None):
         self.device = resolve_device(config.device)
+        # a config not through LLMEngine (a hand-started tensor-parallel worker) still gets the device defaults
+        self.config = config = with_device_defaults(config, self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = self._load_model()
         if getattr(config, "quantization", None):
@@ -82,11 +84,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.decode_graphs: "DecodeGraphs | None" = None  # set by init_decode_graphs()
-        if max_num_seqs is None:  # a config not through LLMEngine (a hand-started tensor-parallel worker)
-            from loraplex.engine.engine_config import CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS
-
-            max_num_seqs = CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = max_num_seqs = max_num_seqs or config.max_num_seqs
         self.graph_reserved_bytes = self._graph_reserve_bytes(max_num_seqs)
         self.adapter_budget_bytes = 0  # GPU bytes for resident adapters (set by _size_kv_pool with enable_lora)
         self.num_blocks = self._size_kv_pool(max_model_len, max_num_seqs)
@@ -266,48 +264,43 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The eager step's inputs, built with a few array operations over all sequences (a mixed step of a prefill
+        chunk and many decodes is host-bound: no per-sequence tensors here)."""
+        scheduled = out.scheduled
+        n = len(scheduled)
         bs = self.block_size
+        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        total = int(qsl[-1])
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        sample_rows: list[int] = []
-        sample_seqs: list = []
-        tables: list[list[int]] = []
-        for s in out.scheduled:
-            seq = s.seq
-            start, n = seq.num_computed_tokens, s.num_new_tokens
-            ids.extend(seq.all_token_ids[start:start + n])
-            pos = torch.arange(start, start + n, dtype=torch.int64)
-            table = torch.tensor(s.block_ids, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            seq_lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-            tables.append(s.block_ids)
-            if s.sample:
-                sample_rows.append(qsl[-1] - 1)
-                sample_seqs.append(seq)
-        width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        for s, start, count in zip(scheduled, starts.tolist(), counts.tolist()):
+            ids.extend(s.seq.token_ids_slice(start, start + count))
+        width = max(len(s.block_ids) for s in scheduled)
+        block_tables = np.zeros((n, width), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            block_tables[i, :len(s.block_ids)] = s.block_ids
+        row = np.repeat(np.arange(n), counts)                               # sequence of each token
+        positions = np.arange(total, dtype=np.int64) - qsl[:-1][row] + starts[row]
+        slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (starts + counts).astype(np.int32)
+        sample = [i for i, s in enumerate(scheduled) if s.sample]
+        sample_rows = qsl[1:][sample] - 1
         dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
         attn = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=to_dev(slot_mapping), block_tables=to_dev(block_tables), seq_lens=to_dev(seq_lens),
+            query_start_loc=to_dev(qsl.astype(np.int32)), max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.cat(positions).to(dev, non_blocking=True),
-            attn=attn,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
-            sample_seqs=sample_seqs,
+            positions=to_dev(positions), attn=attn, sample_rows=to_dev(sample_rows.astype(np.int64)),
+            sample_seqs=[scheduled[i].seq for i in sample],
         )
 
     # ---- multi-LoRA -----------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ def register(subparsers) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences per step (default: 256 on CUDA, 64 on CPU); decode graphs cover every batch size")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, the prefill chunk included (default: 4096 on CUDA, 2048 on CPU)")
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs of the host (gloo processes on CPU)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
             return null_service(model_name=args.model_name or "null", num_tokens=args.null_tokens,
                                 token_delay_s=args.null_delay_ms / 1000)
     else:
-        kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, progress=False,
+        kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, progress=False,
                       tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                       cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, quantization=args.quantization,
                       async_scheduling=args.async_scheduling,
