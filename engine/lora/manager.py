@@ -118,6 +118,7 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="loraplex-adapter-load")
         self._cpu: OrderedDict[AdapterRef, Any] = OrderedDict()   # LRU first
         self.load_seconds: deque[float] = deque(maxlen=1024)       # disk / fetch -> CPU times of completed loads
+        self._copied: set[AdapterRef] = set()  # activated, their first admission not yet made (no slot hit)
         self._loading: dict[AdapterRef, threading.Event] = {}  # set when the load is over
         self._failed: dict[AdapterRef, BaseException] = {}
         self._pinned: set[AdapterRef] = set()
@@ -346,7 +347,11 @@ class AdapterManager:
             slot = pool.slot_of(ref)
             if slot is not None:
                 pool.touch(ref)
-                self.counters.slot_hits += 1
+                if ref in self._copied:  # the admission its own copy was made for: no hit
+                    if pool.is_ready(ref):
+                        self._copied.discard(ref)
+                else:
+                    self.counters.slot_hits += 1
                 return slot
             weights = self._cpu.get(ref)
             if weights is None:
@@ -365,6 +370,9 @@ class AdapterManager:
             self.counters.evictions += before + 1 - len(pool)
             self._cpu.move_to_end(ref)
             self.counters.activations += 1
+            self._copied.intersection_update(pool.resident().values())  # forget evicted ones
+            if not pool.is_ready(ref):  # a copy in flight: the activate() that finds it done admits, no hit
+                self._copied.add(ref)
             return slot
 
     # ---- operator controls ------------------------------------------------------------------------------------
@@ -392,6 +400,7 @@ class AdapterManager:
             found |= self._loading.pop(ref, None) is not None
             found |= self._cpu.pop(ref, None) is not None
             self._pinned.discard(ref)
+            self._copied.discard(ref)
             self.pool.unpin(ref)
             if self.pool.evict(ref):
                 self.counters.evictions += 1
