@@ -6,8 +6,8 @@
                    rank-R h = scaling * A[l, e] @ x_row in registers (A re-read from L2 per column block),
                    then adds w(p) * B-tile @ h into y: one launch instead of two, no buffer.
 
-Each slot's factors are read at its own rank r through the ``LoRATable`` (A [E, r, K], B [E, N, r]: address
-and rank per slot); a slot whose adapter does not target this module has rank 0 and its programs leave at once.
+Each slot's factors are read at its own rank r through the ``LoRATable`` (A [E, r, K] and B stored as B^T
+[E, r, N]: address and rank per slot); a slot whose adapter does not target this module has rank 0 and its programs leave at once.
 
 A slot's table holds only pairs of tokens using it; the grid's block dimension runs over the blocks all slots
 use together (``slot_blocks``: each program finds its slot and block from num_tokens_post_pad), so tokens
@@ -140,7 +140,7 @@ def _moe_lora_shrink_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
 def _moe_lora_expand_kernel(
     y_ptr, buf_ptr, entries_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # y [T*A, N]; buf [NUM_PARTS, T*A, R] fp32; entries [L, 1, 3] (A address, B [E, N, r] address, r);
+    # y [T*A, N]; buf [NUM_PARTS, T*A, R] fp32; entries [L, 1, 3] (A address, B^T [E, r, N] address, r);
     # topk_weights [T*A]; tables [L, *]
     num_pairs, capacity, num_blocks, num_flat, N, R, L,
     stride_yt, stride_el, stride_split,
@@ -165,22 +165,23 @@ def _moe_lora_expand_kernel(
     r_ok = r < rank
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    b = tl.load(b_ptr + expert * N * rank + cols[None, :].to(tl.int64) * rank + r[:, None],  # B [E, N, r]
+    b = tl.load(b_ptr + (expert * rank + r[:, None]) * N + cols[None, :],  # B stored as B^T [E, r, N]
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
     # ---- after: shrink's buf, the base output y, the routing weights
     pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)
     h_ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
-    h = tl.load(h_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    h_ok = row_ok[:, None] & (r < R)[None, :]  # shrink wrote zeros past the slot's rank: the buffer's width masks
+    h = tl.load(h_ptrs, mask=h_ok, other=0.0)
     for part in range(1, NUM_PARTS):  # split-K partial sums
-        h += tl.load(h_ptrs + part * stride_split, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        h += tl.load(h_ptrs + part * stride_split, mask=h_ok, other=0.0)
     _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
 def _moe_lora_fused_kernel(
     y_ptr, x_ptr, entries_ptr, scaling_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # y [T*A, N]; x [T or T*A, K]; entries [L, 1, 3] (A [E, r, K] address, B [E, N, r] address, r);
+    # y [T*A, N]; x [T or T*A, K]; entries [L, 1, 3] (A [E, r, K] address, B^T [E, r, N] address, r);
     # scaling [>= L]; topk_weights [T*A]
     num_pairs, capacity, num_blocks, num_flat, K, N, L,
     stride_xt, stride_yt, stride_el,
@@ -208,11 +209,11 @@ def _moe_lora_fused_kernel(
     h = _shrink_rows(x_ptr, a_ptr + expert * rank * K, (pairs // ROW_DIV).to(tl.int64), row_ok, 0, K, rank,
                      stride_xt, K, BLOCK_M, BLOCK_R, BLOCK_K, 1, EVEN_K)
     h *= tl.load(scaling_ptr + lora).to(tl.float32)
-    # ---- expand of one column block (B [E, N, r])
+    # ---- expand of one column block (B stored as B^T [E, r, N])
     r = tl.arange(0, BLOCK_R)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    b = tl.load(b_ptr + expert * N * rank + cols[None, :].to(tl.int64) * rank + r[:, None],
+    b = tl.load(b_ptr + (expert * rank + r[:, None]) * N + cols[None, :],
                 mask=(r < rank)[:, None] & col_ok[None, :], other=0.0)
     _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
 

@@ -4,8 +4,8 @@ Grid: (token blocks of all slots together x column blocks, slices); each program
 segment lengths (``slot_blocks``), so idle slots launch nothing. Programs are ordered in groups of GROUP_M
 token blocks per column block so a B tile stays in L2 while its token blocks pass. Each token has one
 adapter, so the read-add-write of y needs no atomics; programs past the used blocks or their slice's width
-leave at once, and so do those of a (slot, slice) with rank 0. Each slot's B [N_s, r] is read at its own rank
-through the ``LoRATable``. Up to three output slices (q/k/v or gate/up) are passed as scalars, so no per-call
+leave at once, and so do those of a (slot, slice) with rank 0. Each slot's B is read at its own rank through the
+``LoRATable`` (stored as B^T [r, N_s]: a tile's rows are contiguous runs of columns). Up to three output slices (q/k/v or gate/up) are passed as scalars, so no per-call
 host tensors.
 Config "PDL": 1 (sm_90+) launches it with programmatic dependent launch: the programs start while the kernel
 before (the grouping, or shrink) finishes and wait for it before their first read (``slot_blocks.pdl_wait``),
@@ -33,8 +33,8 @@ MAX_SLICES = 3
 @triton.jit(do_not_specialize=["num_flat"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, entries_ptr, order_ptr, seg_start_ptr, seg_len_ptr,
-    # y [T, N]; buf [S, T, R] fp32; entries [L, S, 3] (A address, B address, rank); order [T]; seg_start, seg_len [L]
-    num_flat, L, OFF1, OFF2, W0, W1, W2,
+    # y [T, N]; buf [S, T, R] fp32; entries [L, S, 3] (A, B^T addresses, rank); order [T]; seg_start, seg_len [L]
+    num_flat, R, L, OFF1, OFF2, W0, W1, W2,
     stride_yt, stride_bs, stride_bt, stride_el, stride_es,
     W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
@@ -61,9 +61,9 @@ def _lora_expand_kernel(
     r_ok = r < rank
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
-    h = tl.load(buf_ptr + sl * stride_bs + tok[:, None] * stride_bt + r[None, :],
-                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    b = tl.load(b_ptr + cols[None, :].to(tl.int64) * rank + r[:, None],  # B [width, rank] row-major
+    h = tl.load(buf_ptr + sl * stride_bs + tok[:, None] * stride_bt + r[None, :],  # zeros past the rank
+                mask=row_ok[:, None] & (r < R)[None, :], other=0.0)
+    b = tl.load(b_ptr + r[:, None].to(tl.int64) * width + cols[None, :],  # B stored as B^T [rank, width]
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
     delta = dot(h.to(b.dtype), b)  # [BLOCK_M, BLOCK_N] fp32
     # ---- fused add into the base output
@@ -104,7 +104,7 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: LoRATable | torch.Te
     pdl = bool(int(cfg.get("PDL", 0))) and pdl_enabled(y.device)
     ent = table.entries
     _lora_expand_kernel[(num_flat * num_n, len(output_slices))](
-        y, buf, ent, order, seg_start, seg_len, num_flat, max_loras, offsets[1], offsets[2], *widths,
+        y, buf, ent, order, seg_start, seg_len, num_flat, buf.shape[2], max_loras, offsets[1], offsets[2], *widths,
         y.stride(0), buf.stride(0), buf.stride(1), ent.stride(0), ent.stride(1),
         W_DTYPE=tl_dtype(table.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r(buf.shape[2]),
         GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=triton.next_power_of_2(max_loras),

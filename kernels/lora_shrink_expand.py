@@ -70,10 +70,10 @@ def _lora_shrink_expand_kernel(
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     h *= tl.load(scaling_ptr + lora).to(tl.float32)
-    # ---- expand into this column block (B [width, rank] row-major), fused add
+    # ---- expand into this column block (B stored as B^T [rank, width]), fused add
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
-    b = tl.load(b_ptr + cols[None, :].to(tl.int64) * rank + r[:, None],
+    b = tl.load(b_ptr + r[:, None].to(tl.int64) * width + cols[None, :],
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
     delta = dot(h.to(b.dtype), b)
     cols = offset + cols

@@ -4,19 +4,22 @@ Shape legend: L step slots (the distinct adapters of one step, ``token_lora_idx`
 of a fused target (q/k/v, gate/up; 1 for experts), r the rank of one adapter's module, R the largest rank any
 slot may hold, K in, N_s out features of slice s, E experts.
 
-    entries [L, S, 3] int64     (address of A, address of B, rank r) of step slot l, slice s; r = 0: no weights
-    dense  slice s:   A [r, K]       B [N_s, r]          (row-major, contiguous)
-    expert (S = 1):   A [E, r, K]    B [E, N, r]
+    entries [L, S, 3] int64     (address of A, address of B^T, rank r) of step slot l, slice s; r = 0: no weights
+    dense  slice s:   A [r, K]       B^T [r, N_s]        (row-major, contiguous; B itself is [N_s, r])
+    expert (S = 1):   A [E, r, K]    B^T [E, r, N]
 
-An adapter costs exactly its own factors: nothing is padded to R, and slices an adapter does not target hold no
-memory (rank 0). The kernels mask the rank dimension with each slot's r (their tile is ``max_rank`` wide), so
+Both factors are stored rank-major, so a tile's rows are contiguous runs along K or N, and every factor starts on
+a 16-byte boundary (``ALIGN_BYTES``): the kernels then read them with vector loads (they assume that alignment;
+the engine's blobs and the tables built here keep it). An adapter costs exactly its own factors: nothing is padded
+to R, and slices an adapter does not target hold no memory (rank 0). The kernels mask the rank dimension with each slot's r (their tile is ``max_rank`` wide), so
 one launch serves a batch mixing ranks. ``entries`` is a device tensor the caller writes before the launch (the
 engine rewrites one shared table per step in place, so a CUDA graph reads new adapters on every replay); the
 torch references read the same factors through ``lookup`` instead of addresses.
 
 The stacked layout of the earlier API -- ``lora_a [S, L, R, K]`` / ``lora_b [L, N, R]`` (dense) or
 ``[L, E, R, K]`` / ``[L, E, N, R]`` (experts), every slot zero-padded to R -- is one such table with rank R in
-every slot: ``from_stacked`` builds it (device arithmetic only, so it is allowed inside a CUDA-graph capture).
+every slot: ``from_stacked`` builds it (device operations only -- B transposed into a new tensor -- so it is
+allowed inside a CUDA-graph capture).
 """
 from __future__ import annotations
 
@@ -25,14 +28,16 @@ from typing import Callable, Sequence
 
 import torch
 
-Factors = tuple[torch.Tensor, torch.Tensor]  # (A, B) of one slot and slice, at the slot's rank
+Factors = tuple[torch.Tensor, torch.Tensor]  # (A, B) of one slot and slice, at the slot's rank (B [.., N, r])
+ALIGN_BYTES = 16  # every factor of a table starts on such a boundary (vector loads)
 
 
 @dataclass(frozen=True, eq=False)
 class LoRATable:
     """The weights of one LoRA target (one wrapped module) for one step's slots.
 
-    ``lookup(l, s)`` returns slot l's (A, B) for slice s, or None (no weights); it must agree with ``entries``.
+    ``lookup(l, s)`` returns slot l's (A [.., r, K], B [.., N, r]) for slice s, or None (no weights); it must
+    agree with ``entries`` (whose B address is that of B's rank-major storage B^T).
     """
 
     entries: torch.Tensor                    # [L, S, 3] int64 on the weights' device
@@ -69,29 +74,35 @@ class LoRATable:
     def from_factors(cls, slots: Sequence[Sequence[Factors | None]], *, in_features: int,
                      out_features: Sequence[int], max_rank: int | None = None, num_experts: int = 0,
                      device: torch.device | str | None = None) -> "LoRATable":
-        """A table over ``slots[l][s]`` = (A, B) or None, e.g. adapters of different ranks (tests, benchmarks).
-        The tensors must be contiguous and stay alive while the table is used (the table keeps a reference)."""
+        """A table over ``slots[l][s]`` = (A [.., r, K], B [.., N, r]) or None, e.g. adapters of different ranks
+        (tests, benchmarks). A must be contiguous; B is copied rank-major. The table keeps the tensors alive."""
         num_slices = len(out_features)
         found = [f for row in slots for f in row if f is not None]
         if device is None:
             device = found[0][0].device if found else "cpu"
         dtype = found[0][0].dtype if found else torch.float32
-        rows = []
+        rows, frozen = [], []
         for l, row in enumerate(slots):
             if len(row) != num_slices:
                 raise ValueError(f"slot {l} has {len(row)} slices, expected {num_slices}")
-            line = []
+            line, kept = [], []
             for s, f in enumerate(row):
                 if f is None:
                     line.append((0, 0, 0))
+                    kept.append(None)
                     continue
                 a, b = f
                 _check_factors(a, b, in_features, out_features[s], num_experts, dtype)
-                line.append((a.data_ptr(), b.data_ptr(), a.shape[-2]))
+                bt = b.transpose(-1, -2).contiguous()
+                for t in (a, bt):
+                    if t.data_ptr() % ALIGN_BYTES:
+                        raise ValueError(f"LoRA factors must start on a {ALIGN_BYTES}-byte boundary")
+                line.append((a.data_ptr(), bt.data_ptr(), a.shape[-2]))
+                kept.append((a, bt.transpose(-1, -2)))
             rows.append(line)
+            frozen.append(kept)
         ranks = [f[0].shape[-2] for f in found]
         entries = torch.tensor(rows, dtype=torch.int64).reshape(len(slots), num_slices, 3).to(device)
-        frozen = [list(row) for row in slots]
         return cls(entries=entries, in_features=in_features, out_features=tuple(out_features),
                    max_rank=max_rank or max(ranks, default=1), dtype=dtype, num_experts=num_experts,
                    lookup=lambda l, s: frozen[l][s])
@@ -100,13 +111,15 @@ class LoRATable:
     def from_stacked(cls, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, *,
                      output_slices: Sequence[int] | None = None, experts: bool = False) -> "LoRATable":
         """The table of a zero-padded stacked layout: every slot at rank R (module docstring). Either factor may
-        be None (a shrink needs only A, an expand only B); its addresses are then 0."""
+        be None (a shrink needs only A, an expand only B); its addresses are then 0. B is transposed into a new
+        rank-major tensor (per slice for a dense target)."""
         ref = lora_a if lora_a is not None else lora_b
         if ref is None:
             raise ValueError("from_stacked needs lora_a or lora_b")
         for name, t in (("lora_a", lora_a), ("lora_b", lora_b)):
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
+        dev = ref.device
         if experts:
             if lora_a is not None and lora_a.dim() != 4 or lora_b is not None and lora_b.dim() != 4:
                 raise ValueError("expert LoRA factors must be lora_a [L, E, R, K] and lora_b [L, E, N, R]")
@@ -114,10 +127,13 @@ class LoRATable:
             rank = lora_a.shape[2] if lora_a is not None else lora_b.shape[3]
             k = lora_a.shape[3] if lora_a is not None else 0
             widths = (lora_b.shape[2],) if lora_b is not None else (0,)
-            a_of = (lambda l, s: lora_a[l]) if lora_a is not None else None
-            b_of = (lambda l, s: lora_b[l]) if lora_b is not None else None
-            a_addr = _addresses(lora_a, num_slots, 1, lambda: lora_a.stride(0), 0, ref.device)
-            b_addr = _addresses(lora_b, num_slots, 1, lambda: lora_b.stride(0), 0, ref.device)
+            bts = [lora_b.transpose(-1, -2).contiguous()] if lora_b is not None else None  # [L, E, R, N]
+            a_addr = _addresses(lora_a, num_slots, [0], dev)
+            b_addr = _addresses(bts[0] if bts else None, num_slots, [0], dev)
+
+            def lookup(l: int, s: int) -> Factors:
+                return (lora_a[l] if lora_a is not None else None,
+                        bts[0][l].transpose(-1, -2) if bts else None)
         else:
             num_experts = 0
             if lora_a is not None and lora_a.dim() != 4 or lora_b is not None and lora_b.dim() != 3:
@@ -131,21 +147,19 @@ class LoRATable:
             if lora_a is not None and len(widths) != lora_a.shape[0]:
                 raise ValueError(f"{len(widths)} output slices but lora_a has {lora_a.shape[0]}")
             offsets = [sum(widths[:s]) for s in range(len(widths))]
-            a_of = (lambda l, s: lora_a[s, l]) if lora_a is not None else None
-            b_of = (lambda l, s: lora_b[l, offsets[s]:offsets[s] + widths[s]]) if lora_b is not None else None
-            a_addr = _addresses(lora_a, num_slots, len(widths), lambda: lora_a.stride(1),
-                                lambda s: s * lora_a.stride(0), ref.device)
-            b_addr = _addresses(lora_b, num_slots, len(widths), lambda: lora_b.stride(0),
-                                lambda s: offsets[s] * lora_b.stride(1), ref.device)
+            bts = [lora_b[:, o:o + w].transpose(-1, -2).contiguous() for o, w in zip(offsets, widths)] \
+                if lora_b is not None else None  # per slice [L, R, N_s]
+            a_addr = _addresses(lora_a, num_slots, [s * lora_a[0].numel() if lora_a is not None else 0
+                                                    for s in range(len(widths))], dev, slot_dim=1)
+            b_addr = torch.stack([_addresses(bt, num_slots, [0], dev)[:, 0] for bt in bts], dim=1) if bts else \
+                _addresses(None, num_slots, [0] * len(widths), dev)
+
+            def lookup(l: int, s: int) -> Factors:
+                return (lora_a[s, l] if lora_a is not None else None,
+                        bts[s][l].transpose(-1, -2) if bts else None)
         num_slices = len(widths)
-        ranks = torch.full((num_slots, num_slices), rank, dtype=torch.int64, device=ref.device)
+        ranks = torch.full((num_slots, num_slices), rank, dtype=torch.int64, device=dev)
         entries = torch.stack((a_addr, b_addr, ranks), dim=-1)
-
-        def lookup(l: int, s: int) -> Factors | None:
-            a = a_of(l, s) if a_of is not None else None
-            b = b_of(l, s) if b_of is not None else None
-            return a, b
-
         return cls(entries=entries, in_features=k, out_features=widths, max_rank=rank, dtype=ref.dtype,
                    num_experts=num_experts, lookup=lookup)
 
@@ -163,18 +177,23 @@ def as_table(weights, *, output_slices: Sequence[int] | None = None, experts: bo
     return LoRATable.from_stacked(None, weights, output_slices=output_slices, experts=experts)
 
 
-def _addresses(t: torch.Tensor | None, num_slots: int, num_slices: int, slot_stride, slice_offset,
-               device: torch.device) -> torch.Tensor:
-    """[L, S] int64 byte addresses of the (slot, slice) factor inside stacked ``t`` (zeros when t is None). Device
-    arithmetic on Python scalars only (no host->device copy), so a CUDA-graph capture may run it."""
+def _addresses(t: torch.Tensor | None, num_slots: int, slice_offsets, device: torch.device, *,
+               slot_dim: int = 0) -> torch.Tensor:
+    """[L, S] int64 byte addresses of slot l, slice s in stacked ``t``: ``t``'s start + l x its stride along
+    ``slot_dim`` + ``slice_offsets[s]`` elements (zeros when t is None). Device arithmetic on Python scalars only
+    (no host->device copy), so a CUDA-graph capture may run it."""
+    num_slices = len(slice_offsets)
     if t is None:
         return torch.zeros(num_slots, num_slices, dtype=torch.int64, device=device)
-    elem, dev = t.element_size(), t.device
-    slot = torch.arange(num_slots, dtype=torch.int64, device=dev) * (slot_stride() * elem) + t.data_ptr()
-    offs = torch.zeros(num_slices, dtype=torch.int64, device=dev)
-    if callable(slice_offset):
-        for s in range(1, num_slices):
-            offs[s] = slice_offset(s) * elem
+    elem = t.element_size()
+    if (t.stride(slot_dim) * elem) % ALIGN_BYTES or t.data_ptr() % ALIGN_BYTES \
+            or any((o * elem) % ALIGN_BYTES for o in slice_offsets):
+        raise ValueError(f"stacked LoRA factors must put every slot on a {ALIGN_BYTES}-byte boundary; got a slot "
+                         f"stride of {t.stride(slot_dim) * elem} bytes")
+    slot = torch.arange(num_slots, dtype=torch.int64, device=t.device) * (t.stride(slot_dim) * elem) + t.data_ptr()
+    offs = torch.zeros(num_slices, dtype=torch.int64, device=t.device)
+    for s in range(1, num_slices):
+        offs[s] = slice_offsets[s] * elem
     return slot[:, None] + offs[None, :]
 
 

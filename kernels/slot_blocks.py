@@ -54,7 +54,7 @@ def weight_entry(entries_ptr, lora, sl, stride_el, stride_es, WHICH: tl.constexp
     a ``LoRATable``'s entries [L, S, 3] (address of A, address of B, rank)."""
     base = entries_ptr + lora.to(tl.int64) * stride_el + sl * stride_es
     rank = tl.load(base + 2).to(tl.int32)
-    ptr = tl.load(base + WHICH).to(tl.pointer_type(W_DTYPE))
+    ptr = tl.multiple_of(tl.load(base + WHICH).to(tl.pointer_type(W_DTYPE)), 16)  # factors are 16-byte aligned
     return ptr, rank
 
 

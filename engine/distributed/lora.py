@@ -62,21 +62,6 @@ def shard_adapter_weights(weights: AdapterWeights, plan: ShardPlan) -> AdapterWe
     return replace(weights, modules=modules, nbytes=nbytes, flat=None).pack()
 
 
-def shard_nbytes(weights: AdapterWeights, plan: ShardPlan) -> int:
-    """``shard_adapter_weights(weights, plan).nbytes`` without cutting: the part's shapes follow the plan."""
-    if plan.world_size == 1:
-        return weights.nbytes
-    total = 0
-    for (_, target), t in weights.modules.items():
-        kept = _rows_of(plan, target).numel()
-        a, b = t.lora_a, t.lora_b
-        if target in COLUMN_PARALLEL:  # B keeps `kept` of its N rows
-            total += a.nbytes + b.nbytes // b.shape[-2] * kept
-        else:  # A keeps `kept` of its K columns
-            total += a.nbytes // a.shape[-1] * kept + b.nbytes
-    return total
-
-
 class TPLoRASlots(LoRASlots):
     """``LoRASlots`` of one rank: ``load`` takes full-size weights and keeps this rank's part.
 
@@ -96,8 +81,7 @@ class TPLoRASlots(LoRASlots):
         return shard_adapter_weights(weights, self.plan)
 
     def footprint(self, weights: AdapterWeights) -> int:
-        return shard_nbytes(weights, self.plan) // weights.flat.element_size() * self.elem_size \
-            if weights.flat is not None else super().footprint(self.prepare(weights))
+        return super().footprint(self.prepare(weights))  # this rank's part (rank 0 accounts; every rank alike)
 
     def load(self, slot: int, weights: AdapterWeights):
         self._in_load = True  # its inner clear() is part of the load, not an entry of its own
@@ -129,5 +113,4 @@ class TPLoRASlots(LoRASlots):
             raise ValueError(f"unknown LoRA journal entry {kind!r}")
 
 
-__all__ = ["TPLoRASlots", "shard_adapter_weights", "shard_lora_tensors", "shard_nbytes", "COLUMN_PARALLEL",
-           "ROW_PARALLEL"]
+__all__ = ["TPLoRASlots", "shard_adapter_weights", "shard_lora_tensors", "COLUMN_PARALLEL", "ROW_PARALLEL"]

@@ -37,7 +37,7 @@ from loraplex.engine.lora.device_copy import CopyHandle, DeviceCopier
 from loraplex.engine.lora.format import EXPERT_TARGETS, SUPPORTED_TARGETS
 from loraplex.engine.lora.layers import LoRAFusedExperts, LoRALinear, LoRAState
 from loraplex.engine.lora.step_table import StepTable
-from loraplex.engine.lora.weights import AdapterWeights
+from loraplex.engine.lora.weights import ALIGN_BYTES, AdapterWeights, LoraTensors, rank_major, packed_numel
 from loraplex.engine.models.layers.linear import Linear
 from loraplex.engine.models.layers.moe import FusedExperts
 from loraplex.kernels import ops
@@ -175,14 +175,17 @@ class LoRASlots:
         return weights
 
     def footprint(self, weights: AdapterWeights) -> int:
-        """Device bytes ``load`` takes for ``weights``: every factor at its own rank, nothing padded."""
-        return self.elem_size * sum(t.lora_a.numel() + t.lora_b.numel() for t in weights.modules.values())
+        """Device bytes ``load`` takes for ``weights``: every factor at its own rank (16-byte aligned; no padding
+        at all when the factors' sizes are multiples of 16 bytes, as at real model sizes)."""
+        return self.elem_size * packed_numel(weights.layout(self.elem_size))
 
     def max_footprint(self, rank: int | None = None) -> int:
         """Device bytes of an adapter of ``rank`` (default max_rank) on every target this model serves: the
         largest adapter the deployment accepts."""
         r = rank or self.max_rank
-        return self.elem_size * sum(r * (e.in_features + e.out_features) * max(1, e.num_experts)
+        align = max(1, ALIGN_BYTES // self.elem_size)
+        return self.elem_size * sum(_round_up(r * e.in_features * max(1, e.num_experts), align)
+                                    + _round_up(r * e.out_features * max(1, e.num_experts), align)
                                     for e in self._entries if e.key is not None)
 
     @property
@@ -224,18 +227,22 @@ class LoRASlots:
             if not n_ok or (e.num_experts and t.lora_a.shape[0] != e.num_experts):
                 raise ValueError(f"adapter {weights.adapter_id!r}: {key[1]} of layer {key[0]} has A "
                                  f"{tuple(t.lora_a.shape)} / B {tuple(t.lora_b.shape)}, which do not fit this model")
+        if weights.flat is not None and weights.flat.dtype != self.dtype:  # re-pack: the alignment is in elements
+            weights = AdapterWeights(
+                adapter_id=weights.adapter_id, rank=weights.rank, nbytes=weights.nbytes, spec=weights.spec,
+                modules={k: LoraTensors(t.lora_a.to(self.dtype), t.lora_b.to(self.dtype))
+                         for k, t in weights.modules.items()})
         weights.pack()
-        flat = weights.flat if weights.flat.dtype == self.dtype else weights.flat.to(self.dtype)
         if slot in self._resident:
             self.clear(slot)
-        blob, handle = self.copier.copy(flat)
+        blob, handle = self.copier.copy(weights.flat)
         base, elem = blob.data_ptr(), self.elem_size
         res = _Resident(weights.adapter_id, blob, np.zeros((max(1, len(self._entries)), 3), dtype=np.int64),
                         handle=handle)
-        for key, a_off, a_shape, b_off, b_shape in weights.layout():
+        for key, a_off, a_shape, b_off, b_shape in weights.layout(elem):
             e = self._entry_of[key]
             a = blob[a_off:a_off + a_shape.numel()].view(a_shape)
-            b = blob[b_off:b_off + b_shape.numel()].view(b_shape)
+            b = blob[b_off:b_off + b_shape.numel()].view(rank_major(b_shape)).transpose(-1, -2)  # [.., N, r]
             res.factors[e] = (a, b)
             res.rows[e] = (base + a_off * elem, base + b_off * elem, a_shape[-2])
             self._wrapper_of[e].loaded.add(slot)
@@ -339,13 +346,19 @@ class LoRASlots:
                 w.loaded.update(flags)
 
 
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
 def max_adapter_bytes(model: nn.Module, *, max_rank: int, dtype: torch.dtype,
                       targets: tuple[str, ...] | None = None) -> int:
     """Device bytes of an adapter of ``max_rank`` on every target of ``model`` (what ``LoRASlots.max_footprint``
     gives once attached), without attaching anything: for sizing before ``init_lora``."""
     targets = tuple(targets or SUPPORTED_TARGETS)
     gate_up, down = EXPERT_TARGETS
-    elems = 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    align = max(1, ALIGN_BYTES // elem)
+    factors: list[int] = []  # elements of each factor
     for layer in model.model.layers:
         for path, mod in layer.named_modules():
             if isinstance(mod, Linear):
@@ -353,11 +366,11 @@ def max_adapter_bytes(model: nn.Module, *, max_rank: int, dtype: torch.dtype,
                 names = mod.output_names or [name]
                 for n, width in zip(names, mod.output_sizes):
                     if (f"{parent_path}.{n}" if parent_path else n) in targets:
-                        elems += max_rank * (mod.in_features + width)
+                        factors += [max_rank * mod.in_features, max_rank * width]
             elif isinstance(mod, FusedExperts):
                 E, H, I = mod.num_experts, mod.hidden_size, mod.intermediate_size
                 if gate_up in targets:
-                    elems += E * max_rank * (H + 2 * I)
+                    factors += [E * max_rank * H, E * max_rank * 2 * I]
                 if down in targets:
-                    elems += E * max_rank * (I + H)
-    return elems * torch.empty((), dtype=dtype).element_size()
+                    factors += [E * max_rank * I, E * max_rank * H]
+    return elem * sum(_round_up(f, align) for f in factors)

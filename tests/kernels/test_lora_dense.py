@@ -166,3 +166,14 @@ def test_stacked_padded_layout_is_the_table_at_full_rank():
     ref.lora_expand(want, ref.lora_shrink(x, lora_a, idx, scaling), lora_b, idx, (24, 24))
     torch.testing.assert_close(got_stacked, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_own, want, rtol=1e-4, atol=1e-4)
+
+
+def test_factors_off_a_16_byte_boundary_are_refused():
+    """The kernels read factors with vector loads, so a table only takes factors starting on 16-byte boundaries."""
+    storage = torch.randn(8 * 40 + 1)
+    a = storage[1:].view(8, 40)  # 4 bytes past an aligned start
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        LoRATable.from_factors([[(a, torch.randn(16, 8))]], in_features=40, out_features=(16,))
+    lora_a = torch.randn(1, 2, 3, 5)  # a slot stride of 60 bytes
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        LoRATable.from_stacked(lora_a, None, output_slices=(4,))
