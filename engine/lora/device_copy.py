@@ -71,13 +71,17 @@ class DeviceCopier:
 
     def copy(self, source: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
         """(device blob holding ``source``'s values, handle). ``source`` is a flat CPU tensor (pinned on CUDA for
-        the copy to be asynchronous); it must not be written while the copy is in flight."""
+        the copy to be asynchronous; the CPU tier's are) or a device tensor; it must not be written while the copy
+        is in flight."""
         if not self.asynchronous:
             t0 = time.perf_counter()
             blob = source.to(self.device, copy=True)
             return blob, CopyDone(time.perf_counter() - t0)
         step_stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if source.is_cuda:  # made on the step stream (tests, GPU checks): the copy waits for it; a host source
+            self.stream.wait_stream(step_stream)  # is ready now, and the copy must not wait for queued steps
+            source.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             blob = torch.empty(source.shape, dtype=source.dtype, device=self.device)
             start.record(self.stream)
