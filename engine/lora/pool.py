@@ -25,6 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+import torch
+
 from loraplex.engine.lora.device_copy import CopyHandle
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,11 @@ class AdapterPool:
         slot = self._free_slots.pop() if self._free_slots else self._take_slot()
         try:
             handle = self.slots.load(slot, weights)
+        except torch.OutOfMemoryError:  # within the budget, but the allocator found no block: wait, as for no room
+            self._free_slots.append(slot)
+            logger.warning("adapter memory: no device block of %.1f MiB for %s although the budget has room; its "
+                           "requests wait", need / 2**20, getattr(ref, "adapter_id", ref))
+            return None
         except Exception:
             self._free_slots.append(slot)
             raise

@@ -96,3 +96,16 @@ def test_accounting_returns_to_zero(slots):
 def test_budget_below_one_largest_adapter_is_refused_at_start(slots):
     with pytest.raises(ValueError, match="holds no adapter of rank 32 on every target"):
         AdapterPool(slots, budget_bytes=slots.max_footprint() - 1)
+
+
+def test_an_allocator_failure_within_the_budget_waits_instead_of_failing(slots, monkeypatch):
+    pool = AdapterPool(slots, budget_bytes=slots.max_footprint())
+    w = random_adapter(slots, "a", rank=8, seed=0)
+
+    def no_block(slot, weights):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(slots, "load", no_block)
+    assert pool.activate("a", w) is None and len(pool) == 0 and pool.used_bytes == 0
+    monkeypatch.undo()
+    assert pool.activate("a", w) is not None and pool.used_bytes == slots.footprint(w)
