@@ -14,9 +14,11 @@ step makes one host->device copy per dtype:
 
 A padded row is a sequence of one query token with context length 0: reshape_and_cache skips its slot (-1),
 paged attention (Triton and the torch reference) reads no key and writes zeros, LoRA gives it no delta (-1);
-its hidden row is discarded. So a graph serves base and adapter requests alike: token -> slot indices and block
-tables are graph inputs, never captured constants, and the LoRA kernels are always in the graph
-(``LoRAState.always_on``; empty slots hold zeros, base tokens have index -1).
+its hidden row is discarded. So a graph serves base and adapter requests alike: token -> step-slot indices, the
+step's LoRA table (where each adapter's factors are, ``lora/step_table.py``, written in place before the replay)
+and block tables are graph inputs, never captured constants, and the LoRA kernels are always in the graph
+(``LoRAState.always_on``; base tokens have index -1, a module an adapter does not target has rank 0). The graph
+of bucket b is captured for min(b, max_step_slots) step slots: a batch of b rows has at most b adapters.
 
 Overlapped steps (engine/step_pipeline.py): a row whose input token is still on the device (pending) gets its id
 from the previous step's sampled-token tensor, by a gather on the device after the copy and before the replay:
@@ -26,6 +28,10 @@ from the previous step's sampled-token tensor, by a gather on the device after t
 Graphable step: every scheduled sequence computes exactly one token, no prompt logprobs, at most B sequences
 and block tables of at most W blocks. Graphs are captured only on CUDA with tensor_parallel_size == 1 and
 enforce_eager off; ``capture=False`` runs the same padded path eagerly (CPU tests prove it token-identical).
+
+Capture runs at start, largest bucket first (its memory pool then serves the smaller ones), then the smallest
+upwards, within ``capture_budget_s``: a bucket left out when the budget runs out is served by the next larger
+captured one (more padded rows, same result). The log line gives the buckets, the time and the pool's size.
 """
 from __future__ import annotations
 
@@ -150,10 +156,10 @@ class DecodeGraphs:
         B, W, bs = self.max_batch_size, self.max_blocks, self.runner.block_size
         h64, h32 = self._h64, self._h32
         ids, pos, slots, src = h64[:B], h64[B:2 * B], h64[2 * B:3 * B], h64[3 * B:]
-        seq_lens, lora = h32[:B], h32[2 * B + 1:3 * B + 1]
+        seq_lens, lora_idx = h32[:B], h32[2 * B + 1:3 * B + 1]
         tables = h32[3 * B + 1:].reshape(B, W)
         n = len(scheduled)
-        max_loras = self.runner.lora.max_loras if self.runner.lora is not None else 0
+        lora = self.runner.lora
         tables[:b] = 0
         any_pending = False
         for i, s in enumerate(scheduled):
@@ -170,11 +176,14 @@ class DecodeGraphs:
             slots[i] = table[ctx // bs] * bs + ctx % bs
             seq_lens[i] = ctx + 1
             tables[i, :len(table)] = table
-            slot = -1 if lora_slots is None else lora_slots.get(seq.seq_id, -1)
-            if not -1 <= slot < max_loras:
-                raise ValueError(f"sequence {seq.seq_id} has LoRA slot {slot}, outside [-1, {max_loras})")
-            lora[i] = slot
-        ids[n:b], pos[n:b], slots[n:b], src[n:b], seq_lens[n:b], lora[n:b] = 0, 0, -1, -1, 0, -1
+        row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in scheduled]
+        if any(c >= 0 for c in row_slots):
+            if lora is None:
+                raise ValueError("a decode step has adapter slots but LoRA is not attached")
+            lora_idx[:n] = lora.step_indices(row_slots)  # writes the step's LoRA table too
+        else:
+            lora_idx[:n] = -1
+        ids[n:b], pos[n:b], slots[n:b], src[n:b], seq_lens[n:b], lora_idx[n:b] = 0, 0, -1, -1, 0, -1
         nb = self._dev64.is_cuda
         self._dev64.copy_(self._host64, non_blocking=nb)
         used = 3 * B + 1 + b * W
@@ -194,7 +203,7 @@ class DecodeGraphs:
         runner = self.runner
         lora = runner.lora
         if lora is not None:
-            lora.bind_static_token_slots(self.token_lora_idx[:b])
+            lora.bind_static_token_slots(self.token_lora_idx[:b], min(b, lora.max_step_slots))
         try:
             return runner.model(self.input_ids[:b], self.positions[:b], self._attn[b], runner.kv_caches)
         finally:
@@ -202,9 +211,14 @@ class DecodeGraphs:
                 lora.set_token_slots(None)
 
     # ---- capture --------------------------------------------------------------------------------------------
-    def capture_all(self) -> bool:
-        """Warm up and capture one graph per bucket, largest first, in one shared memory pool. On any failure:
-        a warning, no graphs (the runner then runs every step eagerly). Returns whether graphs are in place."""
+    def capture_order(self) -> list[int]:
+        """Largest bucket first (its pool serves the rest), then the smallest upwards (the sizes low load uses)."""
+        return [self.buckets[-1]] + self.buckets[:-1]
+
+    def capture_all(self, budget_s: float | None = None) -> bool:
+        """Warm up and capture one graph per bucket (``capture_order``) in one shared memory pool, stopping once
+        ``budget_s`` seconds have passed (the largest bucket is always captured). On any failure: a warning, no
+        graphs (the runner then runs every step eagerly). Returns whether graphs are in place."""
         if not self.capture:
             return False
         lora = self.runner.lora
@@ -217,9 +231,13 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(dev)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        skipped: list[int] = []
         try:
             with torch.inference_mode():
-                for b in reversed(self.buckets):
+                for b in self.capture_order():
+                    if self._graphs and budget_s is not None and time.perf_counter() - start > budget_s:
+                        skipped.append(b)
+                        continue
                     self._write_padding(b)
                     self._forward(b)  # warm-up: Triton compiles and tuning lookups happen outside the capture
                     torch.cuda.synchronize(dev)
@@ -242,8 +260,11 @@ class DecodeGraphs:
             return False
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(dev)[0])
-        logger.info("CUDA graphs: %d decode buckets (%s) captured in %.1f s, %.0f MiB%s", len(self._graphs),
+        self.buckets = sorted(self._graphs)
+        logger.info("CUDA graphs: %d decode buckets (%s) captured in %.1f s, %.0f MiB%s%s", len(self._graphs),
                     ",".join(map(str, self.buckets)), self.capture_seconds, self.graph_memory_bytes / 2**20,
-                    " (LoRA kernels included)" if lora is not None else "")
+                    " (LoRA kernels included)" if lora is not None else "",
+                    f"; capture budget of {budget_s:.0f} s spent, buckets {','.join(map(str, skipped))} left out "
+                    f"(served by the next larger one)" if skipped else "")
         return True
 

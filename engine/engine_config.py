@@ -10,6 +10,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN_CAP = 8192   # max_model_len unset: the model's max_position_embeddings, capped here
 MAX_LORA_RANK = 4096               # as loraplex.engine.lora.format.MAX_RANK_ABSOLUTE
+CUDA_MAX_NUM_SEQS = 256   # max_num_seqs=None on CUDA: decode batches up to 256 fill an H200 at MoE sizes
+CPU_MAX_NUM_SEQS = 64     # max_num_seqs=None elsewhere
+# max_num_batched_tokens=None on CUDA: a step mixing decodes with a prefill chunk runs eagerly and is host-bound
+# (~40-50 ms of launches at GPT-OSS-20B on an H200, 32 ms of GPU work at 2048 tokens); a chunk of up to ~4k prompt
+# tokens rides along in about that time, so one mixed step admits twice the prompt tokens per stall of the decodes
+CUDA_MAX_NUM_BATCHED_TOKENS = 4096
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -26,8 +33,8 @@ class EngineConfig:
     seed: int = 0
     # scheduler
     max_model_len: int | None = None        # defaults to the model's max_position_embeddings (capped at 8192)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None         # None: 256 on CUDA, 64 elsewhere (``with_device_defaults``)
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 4096 on CUDA, 2048 elsewhere
     enable_chunked_prefill: bool = True
     # tenant-fair scheduling (docs/engine.md, "Scheduler"): "vtc" (virtual token counters) or "fcfs"
     scheduling_policy: str = "vtc"
@@ -46,16 +53,21 @@ class EngineConfig:
     progress: bool = True                   # progress bar while loading weights
     # LoRA adapters (docs/adapters.md)
     enable_lora: bool = False
-    max_loras: int = 4                      # GPU slots: distinct adapters in one step
-    max_lora_rank: int = 16                 # slot buffers are padded to this rank; higher ranks are refused
-    max_cpu_loras: int = 16                 # CPU LRU of loaded adapters (>= max_loras)
+    max_loras: int | None = None            # optional cap on GPU-resident adapters (None: memory alone decides)
+    max_lora_rank: int = 16                 # highest rank accepted (adapters are stored at their own rank)
+    max_cpu_loras: int = 16                 # CPU LRU of loaded adapters
+    # GPU memory for resident adapters (docs/adapters.md, "GPU memory"): bytes, else a share of what is left after
+    # weights, activation and CUDA-graph headroom (the KV pool gets the rest); on CPU default 256 MiB
+    adapter_memory_bytes: int | None = None
+    adapter_memory_fraction: float = 0.35
     adapter_cache_dir: str | None = None    # disk cache, content-addressed by sha256 (default: a temp folder)
     adapter_cache_max_bytes: int | None = 20 * 1024 ** 3  # disk cache LRU cap (None: unbounded; 0: no caching)
     # tensor parallelism (docs/engine.md, "Tensor parallelism"): ranks on this host, GPUs 0..N-1 or CPU processes
     tensor_parallel_size: int = 1
     # CUDA graphs for decode steps (docs/engine.md, "CUDA graphs"): CUDA and tensor_parallel_size 1 only
     enforce_eager: bool = False             # never capture graphs: every step runs eagerly
-    cuda_graph_max_batch_size: int = 64     # largest decode batch replayed from a graph (capped at max_num_seqs)
+    cuda_graph_max_batch_size: int | None = None  # largest decode batch replayed from a graph (None: max_num_seqs)
+    cuda_graph_capture_budget_s: float = 120.0   # start-up time allowed for capturing (buckets past it run padded)
     # overlapped scheduling (docs/engine.md, "Overlapped scheduling"): launch decode step n+1 before step n's tokens
     # are read. None: on when decode steps replay CUDA graphs; True: also on the eager padded path (any device);
     # False: off
@@ -71,9 +83,16 @@ class EngineConfig:
         if self.quantization not in ("auto", None, "int8", "mxfp4"):
             raise ValueError(f"quantization {self.quantization!r} is not supported; choose 'auto', None (float "
                              "experts), 'int8' or 'mxfp4'")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or
+                                              not isinstance(self.max_num_seqs, int) or self.max_num_seqs <= 0):
+            raise ValueError(f"max_num_seqs must be None (device default) or a positive integer, got "
+                             f"{self.max_num_seqs!r}")
+        mbt = self.max_num_batched_tokens
+        if mbt is not None and (isinstance(mbt, bool) or not isinstance(mbt, int) or mbt <= 0):
+            raise ValueError(f"max_num_batched_tokens must be None (device default) or a positive integer, got "
+                             f"{mbt!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -94,24 +113,31 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        for name in ("max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        ml = self.max_loras
+        if ml is not None and (isinstance(ml, bool) or not isinstance(ml, int) or ml < 1):
+            raise ValueError(f"max_loras must be None (no cap) or an integer >= 1, got {ml!r}")
+        amb = self.adapter_memory_bytes
+        if amb is not None and (isinstance(amb, bool) or not isinstance(amb, int) or amb < 1):
+            raise ValueError(f"adapter_memory_bytes must be None or a positive integer, got {amb!r}")
+        if not 0.0 < self.adapter_memory_fraction < 1.0:
+            raise ValueError(f"adapter_memory_fraction must be in (0, 1), got {self.adapter_memory_fraction}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         cg = self.cuda_graph_max_batch_size
-        if isinstance(cg, bool) or not isinstance(cg, int) or cg < 1:
-            raise ValueError(f"cuda_graph_max_batch_size must be an integer >= 1, got {cg!r}")
+        if cg is not None and (isinstance(cg, bool) or not isinstance(cg, int) or cg < 1):
+            raise ValueError(f"cuda_graph_max_batch_size must be None (max_num_seqs) or an integer >= 1, got {cg!r}")
+        if not self.cuda_graph_capture_budget_s > 0:
+            raise ValueError(f"cuda_graph_capture_budget_s must be positive, got {self.cuda_graph_capture_budget_s}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be None (auto), True or False, got {self.async_scheduling!r}")
         if self.async_scheduling and tp > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (tensor-parallel steps run eagerly, "
                              "rank by rank); leave it unset or False")
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
-                             "adapter in a GPU slot passes through the CPU tier; raise max_cpu_loras")
         if self.adapter_cache_dir is not None and os.path.exists(self.adapter_cache_dir) \
                 and not os.path.isdir(self.adapter_cache_dir):
             raise ValueError(f"adapter_cache_dir {self.adapter_cache_dir!r} exists and is not a folder")
@@ -139,7 +165,8 @@ def check_against_model(config: EngineConfig, model) -> int:
             f"max_model_len={config.max_model_len} is above the model's max_position_embeddings ({positions}): "
             f"positions past it have no rotary embedding; set max_model_len <= {positions}")
     max_model_len = config.max_model_len or min(positions, DEFAULT_MAX_MODEL_LEN_CAP)
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+    if (not config.enable_chunked_prefill and config.max_num_batched_tokens is not None
+            and config.max_num_batched_tokens < max_model_len):
         raise EngineSettingsError(
             f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len={max_model_len} with "
             "chunked prefill off: a prompt longer than the budget could never be scheduled; raise "
@@ -152,3 +179,19 @@ def check_against_model(config: EngineConfig, model) -> int:
         raise EngineSettingsError(f"max_lora_rank={config.max_lora_rank} is above {MAX_LORA_RANK}, the largest rank "
                                   "an adapter may have; lower it")
     return max_model_len
+
+
+def with_device_defaults(config: EngineConfig, device_type: str) -> EngineConfig:
+    """``config`` with the device-dependent defaults filled in: ``max_num_seqs`` (256 on CUDA, 64 elsewhere),
+    ``max_num_batched_tokens`` (4096 on CUDA, 2048 elsewhere) and ``cuda_graph_max_batch_size`` (= max_num_seqs:
+    every decode batch replays a graph)."""
+    from dataclasses import replace
+
+    cuda = device_type == "cuda"
+    seqs = config.max_num_seqs or (CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS)
+    tokens = config.max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if cuda else CPU_MAX_NUM_BATCHED_TOKENS)
+    graphs = config.cuda_graph_max_batch_size or seqs
+    if (seqs, tokens, graphs) == (config.max_num_seqs, config.max_num_batched_tokens,
+                                  config.cuda_graph_max_batch_size):
+        return config
+    return replace(config, max_num_seqs=seqs, max_num_batched_tokens=tokens, cuda_graph_max_batch_size=graphs)

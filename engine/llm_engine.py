@@ -4,9 +4,10 @@
                                           ▲                                            │ {seq_id: token}
                                           └──────────── Scheduler.update() ◀───────────┘ ─▶ RequestOutput
 
-With ``enable_lora`` the engine also owns an AdapterManager (GPU slots ← CPU ← disk ← fetcher): the scheduler
-activates each admitted request's adapter into a slot, every step passes ``{seq_id: slot}`` to the runner, and
-a request whose adapter fails to load finishes with ``finish_reason="error"`` and the reason in ``error``.
+With ``enable_lora`` the engine also owns an AdapterManager (GPU memory ← CPU ← disk ← fetcher): the scheduler
+makes each admitted request's adapter resident (its copy to the GPU runs beside the steps; the request is admitted
+once it is done), every step passes ``{seq_id: slot}`` to the runner, and a request whose adapter fails to load
+finishes with ``finish_reason="error"`` and the reason in ``error``.
 
 Each sequence has its own detokenizer and stop-string matcher; a matched stop string ends the sequence through
 ``Scheduler.finish_seq``. A request with ``n > 1`` reports ``n`` completions in ``RequestOutput.outputs``
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.engine_config import EngineConfig, check_against_model
+from loraplex.engine.engine_config import EngineConfig, check_against_model, with_device_defaults
 from loraplex.engine.fairness import check_weight
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora.manager import AdapterLoadError, AdapterManager, is_transient_failure
@@ -119,6 +120,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from loraplex.engine.config import ModelConfig
 
+        from loraplex.engine.model_runner import resolve_device
+
+        config = with_device_defaults(config, resolve_device(config.device).type)
         self.config = config
         model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = check_against_model(config, model_config)   # EngineSettingsError before any load
@@ -138,11 +142,20 @@ class LLMEngine:
                                        num_cpu_blocks=self.runner.num_cpu_blocks)
         self.adapters: AdapterManager | None = None
         if config.enable_lora:
-            slots = self.runner.init_lora(max_loras=config.max_loras, max_rank=config.max_lora_rank)
+            slots = self.runner.init_lora(max_rank=config.max_lora_rank)
+            budget = self.runner.adapter_budget_bytes
             self.adapters = AdapterManager(
-                slots, self.model_config, max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
-                max_rank=config.max_lora_rank, cache_dir=config.adapter_cache_dir, dtype=self.runner.dtype,
-                pin_memory=self.runner.device.type == "cuda", cache_max_bytes=config.adapter_cache_max_bytes)
+                slots, self.model_config, gpu_budget_bytes=budget, max_loras=config.max_loras,
+                max_cpu_loras=config.max_cpu_loras, max_rank=config.max_lora_rank, cache_dir=config.adapter_cache_dir,
+                dtype=self.runner.dtype, pin_memory=self.runner.device.type == "cuda",
+                cache_max_bytes=config.adapter_cache_max_bytes)
+            logger.info("adapter memory: %.2f GiB on %s (%s), up to %s resident adapters (%.0f MiB each at rank %d "
+                        "on every target)%s", budget / 2**30, self.runner.device,
+                        "adapter_memory_bytes" if config.adapter_memory_bytes is not None else
+                        f"{config.adapter_memory_fraction:.0%} of the memory left after weights and headroom"
+                        if self.runner.device.type == "cuda" else "the CPU default",
+                        budget // max(1, self.adapters.pool.max_footprint), self.adapters.pool.max_footprint / 2**20,
+                        config.max_lora_rank, f", at most {config.max_loras} (max_loras)" if config.max_loras else "")
         self.runner.init_decode_graphs()  # after init_lora: the graphs capture the LoRA kernels (CUDA only)
         self.async_scheduling = self._init_async_scheduling()
         self._inflight: InflightStep | None = None  # the overlapped step launched and not yet resolved

@@ -26,11 +26,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from loraplex.engine.attention_metadata import AttentionMetadata
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.engine_config import EngineConfig
+from loraplex.engine.engine_config import EngineConfig, with_device_defaults
 from loraplex.engine.logprobs import prompt_logprobs
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_CAP_BYTES = 256 << 20
+CPU_ADAPTER_MEMORY_BYTES = 256 << 20  # default adapter budget off CUDA (at least 4 of the largest adapters)
 CUDA_SWAP_SPACE_BYTES = 1 << 30  # default CPU swap pool beside a CUDA KV cache
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,9 +76,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len: int, max_num_seqs: int):
-        self.config = config
+    def __init__(self, config: EngineConfig, max_model_len: int, max_num_seqs: int | None):
         self.device = resolve_device(config.device)
+        # a config not through LLMEngine (a hand-started tensor-parallel worker) still gets the device defaults
+        self.config = config = with_device_defaults(config, self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = self._load_model()
         if config.quantization != "auto":  # auto: the experts as the checkpoint stores them
@@ -97,8 +100,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.decode_graphs: "DecodeGraphs | None" = None  # set by init_decode_graphs()
-        self.lora_reserved_bytes = self._lora_reserve_bytes()
+        self.max_num_seqs = max_num_seqs = max_num_seqs or config.max_num_seqs
         self.graph_reserved_bytes = self._graph_reserve_bytes(max_num_seqs)
+        self.adapter_budget_bytes = 0  # GPU bytes for resident adapters (set by _size_kv_pool with enable_lora)
         self.num_blocks = self._size_kv_pool(max_model_len, max_num_seqs)
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
@@ -114,9 +118,9 @@ class ModelRunner:
         self.lora: "LoRASlots | None" = None  # set by init_lora()
         # Debug/test hook: called with (sequences, logits [N, V] float32) before sampling.
         self.logits_hook: Callable[[list, torch.Tensor], None] | None = None
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB, %s on %s (reserved beside it: LoRA "
-                    "slots %.0f MiB, CUDA graphs %.0f MiB)", self.num_blocks, self.block_size, self.kv_cache_tokens,
-                    self.kv_cache_bytes / 2**30, self.dtype, self.device, self.lora_reserved_bytes / 2**20,
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB, %s on %s (reserved beside it: adapters "
+                    "%.2f GiB, CUDA graphs %.0f MiB)", self.num_blocks, self.block_size, self.kv_cache_tokens,
+                    self.kv_cache_bytes / 2**30, self.dtype, self.device, self.adapter_budget_bytes / 2**30,
                     self.graph_reserved_bytes / 2**20)
 
     def _load_model(self):
@@ -148,19 +152,32 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def _size_kv_pool(self, max_model_len: int, max_num_seqs: int) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        """KV blocks, and (with ``enable_lora``) ``adapter_budget_bytes``. On CUDA both come from one budget:
+
+            total x gpu_memory_utilization - in use (weights) - activation headroom - CUDA-graph headroom
+              = available;  adapters = adapter_memory_bytes or adapter_memory_fraction x available;
+              KV pool = available - adapters
+
+        fixed at start: KV blocks are never given to adapters nor adapters' memory to KV."""
         per_block = self.bytes_per_block
         blocks_per_seq = -(-max_model_len // self.block_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-            budget -= self._activation_headroom_bytes() + self.lora_reserved_bytes + self.graph_reserved_bytes
+            available = int(total * self.config.gpu_memory_utilization) - (total - free)
+            available -= self._activation_headroom_bytes() + self.graph_reserved_bytes
+            self.adapter_budget_bytes = self._adapter_budget(available)
+            if self.config.num_kv_blocks is not None:
+                return self.config.num_kv_blocks
+            budget = available - self.adapter_budget_bytes
             if budget < per_block * blocks_per_seq:
                 raise RuntimeError(
                     f"not enough GPU memory for one sequence of {max_model_len} tokens: {budget / 2**30:.2f} GiB left "
-                    f"for the KV cache after weights; raise gpu_memory_utilization or lower max_model_len")
+                    f"for the KV cache after weights and {self.adapter_budget_bytes / 2**30:.2f} GiB for adapters; "
+                    f"raise gpu_memory_utilization, lower max_model_len or the adapter memory budget")
             return budget // per_block
+        self.adapter_budget_bytes = self._adapter_budget(None)
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             budget = min(CPU_KV_CACHE_CAP_BYTES, per_block * blocks_per_seq * max_num_seqs)
@@ -190,16 +207,21 @@ class ModelRunner:
     def _activation_headroom_bytes(self) -> int:
         return self.config.max_num_batched_tokens * self._activation_bytes_per_token() + (1 << 30)
 
-    def _lora_reserve_bytes(self) -> int:
-        """Bytes the LoRA slot buffers will take (``init_lora`` comes after the pool is sized): kept out of the KV
-        pool's budget. 0 unless ``enable_lora``."""
+    def _adapter_budget(self, available: int | None) -> int:
+        """GPU bytes resident adapters may take (0 without ``enable_lora``): ``adapter_memory_bytes``, else
+        ``adapter_memory_fraction`` of ``available`` (CUDA), else 256 MiB but at least four of the largest adapters
+        this deployment accepts (CPU)."""
         c = self.config
         if not c.enable_lora:
             return 0
-        from loraplex.engine.lora.slots import LoRASlots
+        if c.adapter_memory_bytes is not None:
+            return c.adapter_memory_bytes
+        if available is not None:
+            return max(0, int(available * c.adapter_memory_fraction))
+        from loraplex.engine.lora.slots import max_adapter_bytes
 
-        return LoRASlots.estimate_nbytes(self.model, max_loras=c.max_loras, max_rank=c.max_lora_rank,
-                                         dtype=self.dtype)
+        return max(CPU_ADAPTER_MEMORY_BYTES, 4 * max_adapter_bytes(self.model, max_rank=c.max_lora_rank,
+                                                                   dtype=self.dtype))
 
     def graphs_enabled(self) -> bool:
         """Decode steps replay CUDA graphs: CUDA, one rank (tensor-parallel workers receive each step in a forward
@@ -209,7 +231,10 @@ class ModelRunner:
                 and c.tensor_parallel_size == 1)
 
     def _graph_max_batch_size(self, max_num_seqs: int) -> int:
-        return max(1, min(max_num_seqs, getattr(self.config, "cuda_graph_max_batch_size", 64)))
+        """The largest decode batch with a graph: ``cuda_graph_max_batch_size`` (None: max_num_seqs), at most
+        max_num_seqs."""
+        cap = getattr(self.config, "cuda_graph_max_batch_size", None) or max_num_seqs
+        return max(1, min(max_num_seqs, cap))
 
     def _graph_reserve_bytes(self, max_num_seqs: int) -> int:
         """Headroom for the graphs' private memory pool (the largest bucket's activations plus slack)."""
@@ -235,9 +260,9 @@ class ModelRunner:
                 self.decode_graphs = None
                 return None
             capture = True
-        max_batch = self._graph_max_batch_size(self.config.max_num_seqs)
+        max_batch = self._graph_max_batch_size(self.max_num_seqs)
         graphs = DecodeGraphs(self, max_batch, self.max_model_len, capture=capture)
-        if capture and not graphs.capture_all():
+        if capture and not graphs.capture_all(getattr(self.config, "cuda_graph_capture_budget_s", None)):
             self.decode_graphs = None
             return None
         self.decode_graphs = graphs
@@ -255,58 +280,54 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The eager step's inputs, built with a few array operations over all sequences (a mixed step of a prefill
+        chunk and many decodes is host-bound: no per-sequence tensors here)."""
+        scheduled = out.scheduled
+        n = len(scheduled)
         bs = self.block_size
+        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        total = int(qsl[-1])
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        sample_rows: list[int] = []
-        sample_seqs: list = []
-        tables: list[list[int]] = []
-        for s in out.scheduled:
-            seq = s.seq
-            start, n = seq.num_computed_tokens, s.num_new_tokens
-            ids.extend(seq.all_token_ids[start:start + n])
-            pos = torch.arange(start, start + n, dtype=torch.int64)
-            table = torch.tensor(s.block_ids, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            seq_lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-            tables.append(s.block_ids)
-            if s.sample:
-                sample_rows.append(qsl[-1] - 1)
-                sample_seqs.append(seq)
-        width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        for s, start, count in zip(scheduled, starts.tolist(), counts.tolist()):
+            ids.extend(s.seq.token_ids_slice(start, start + count))
+        width = max(len(s.block_ids) for s in scheduled)
+        block_tables = np.zeros((n, width), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            block_tables[i, :len(s.block_ids)] = s.block_ids
+        row = np.repeat(np.arange(n), counts)                               # sequence of each token
+        positions = np.arange(total, dtype=np.int64) - qsl[:-1][row] + starts[row]
+        slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (starts + counts).astype(np.int32)
+        sample = [i for i, s in enumerate(scheduled) if s.sample]
+        sample_rows = qsl[1:][sample] - 1
         dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
         attn = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=to_dev(slot_mapping), block_tables=to_dev(block_tables), seq_lens=to_dev(seq_lens),
+            query_start_loc=to_dev(qsl.astype(np.int32)), max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.cat(positions).to(dev, non_blocking=True),
-            attn=attn,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
-            sample_seqs=sample_seqs,
+            positions=to_dev(positions), attn=attn, sample_rows=to_dev(sample_rows.astype(np.int64)),
+            sample_seqs=[scheduled[i].seq for i in sample],
         )
 
     # ---- multi-LoRA -----------------------------------------------------------------------------------------
-    def init_lora(self, *, max_loras: int, max_rank: int) -> "LoRASlots":
-        """Attach multi-LoRA to the model: slot buffers on this runner's device and dtype. Returns the slots
-        (for the AdapterManager); ``execute(..., lora_slots=...)`` then routes tokens to them."""
+    def init_lora(self, *, max_rank: int, copier=None) -> "LoRASlots":
+        """Attach multi-LoRA to the model, on this runner's device and dtype (adapters of up to ``max_rank``, up to
+        ``max_num_seqs`` distinct ones per step). Returns the slots (for the AdapterManager);
+        ``execute(..., lora_slots=...)`` then routes tokens to them. ``copier``: see ``LoRASlots``."""
         from loraplex.engine.lora.slots import LoRASlots
 
-        self.lora = LoRASlots(self.model, self.model_config, max_loras=max_loras, max_rank=max_rank,
-                              device=self.device, dtype=self.dtype)
+        self.lora = LoRASlots(self.model, self.model_config, max_rank=max_rank, max_step_slots=self.max_num_seqs,
+                              device=self.device, dtype=self.dtype, copier=copier)
         self._recapture_after_lora()
         return self.lora
 

@@ -57,11 +57,12 @@ when the value arrives). ``update_resolved`` writes the values in and runs the s
 sequence wherever it is by then (running, or preempted meanwhile: waiting or swapped). A pending token is
 charged to its tenant when it resolves, never at launch.
 
-Adapters (``adapter_slots``, the AdapterManager). A waiting request whose adapter is not in a GPU slot:
+Adapters (``adapter_slots``, the AdapterManager). A waiting request whose adapter is not resident on the GPU:
 
     absent/loading ──ensure_loading()──▶ skipped, keeps its place (others go on; the load runs off the loop)
-    ready (on CPU) ──activate(in_use)──▶ a free slot, or the LRU unpinned slot no running request uses: admitted
-                                    └──▶ no slot: it is the "slot head"
+    ready (on CPU) ──activate(in_use)──▶ its copy starts in free GPU memory, or in memory of LRU unpinned
+                                    │    adapters no running request uses: skipped until ``is_ready``, then admitted
+                                    └──▶ no room (memory held by adapters in use or pinned): the "slot head"
     failed         ──▶ skipped; the engine finishes it with the error
 
 No starvation (slots are granted in admission order): in the step a request first becomes the slot head,
@@ -139,9 +140,11 @@ class SchedulerConfig:
 class AdapterSlots(Protocol):
     """What the scheduler asks of the adapter manager (``loraplex.engine.lora.manager.AdapterManager``)."""
 
-    def slot_of(self, adapter) -> int | None: ...
-    def ensure_loading(self, adapter) -> str: ...           # "ready" | "loading" | "failed"
-    def activate(self, adapter, in_use: set) -> int | None: ...
+    def slot_of(self, adapter) -> int | None: ...           # resident on the GPU (its copy may be in flight)
+    def ensure_loading(self, adapter) -> str: ...           # "ready" (CPU or GPU) | "loading" | "failed"
+    def activate(self, adapter, in_use: set) -> int | None: ...  # resident now or copy started; None: no room
+    def is_ready(self, adapter) -> bool: ...                # resident and its copy complete (never blocks);
+                                                            # optional: absent means activation completes at once
 
 
 class Scheduler:
@@ -822,8 +825,10 @@ class Scheduler:
         return adapters
 
     def _admissible(self, group: SequenceGroup, adapters: list[object], barrier: bool) -> str:
-        """"admit", "wait" (not now; e.g. its adapter is loading) or "no_slot" (its adapter is ready but no
-        slot can be had). Activating an adapter into a slot happens here."""
+        """"admit", "wait" (not now: its adapter is loading from disk or still being copied to the GPU; skipped,
+        it keeps its place) or "no_slot" (its adapter is on CPU but GPU memory cannot be made for it now: every
+        byte is held by adapters in use or pinned). Starting an adapter's copy to the GPU happens here; a copy in
+        flight never holds back requests behind it whose adapters are resident."""
         if self.can_admit is not None and not self.can_admit(group):
             return "wait"
         a, gate = group.adapter, self.adapter_slots
@@ -842,5 +847,8 @@ class Scheduler:
             return "admit"
         if not running and gate.slot_of(a) is None and gate.ensure_loading(a) != "ready":
             return "wait"
-        # a slot hit for a resident adapter (running ones always are), else a load into a free/evictable slot
-        return "admit" if gate.activate(a, set(adapters)) is not None else "no_slot"
+        # a hit for a resident adapter (running ones always are), else its copy into free or evictable memory
+        if gate.activate(a, set(adapters)) is None:
+            return "wait" if gate.ensure_loading(a) == "failed" else "no_slot"  # failed: the engine ends it
+        ready = getattr(gate, "is_ready", None)  # optional: a manager whose activation completes at once omits it
+        return "admit" if ready is None or ready(a) else "wait"

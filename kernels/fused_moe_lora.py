@@ -1,10 +1,13 @@
 """Expert LoRA in Triton (gate_up or down): shrink and expand over pairs aligned by (adapter slot, expert).
 
-    moe_align_lora ─> shrink: buf[p] = scaling[l] * A[l, e] @ x_row(p)      grid (flat blocks, SPLIT_K)
-                   └> expand: y[p] += w(p) * B[l, e] @ buf[p]  (fused add)   grid (flat blocks x column blocks)
+    moe_align_lora ─> shrink: buf[p] = scaling[l] * A[l][e] @ x_row(p)      grid (flat blocks, SPLIT_K)
+                   └> expand: y[p] += w(p) * B[l][e] @ buf[p]  (fused add)   grid (flat blocks x column blocks)
     FUSED=1 (small M): one kernel, grid (flat blocks x column blocks); each program recomputes its rows'
                    rank-R h = scaling * A[l, e] @ x_row in registers (A re-read from L2 per column block),
                    then adds w(p) * B-tile @ h into y: one launch instead of two, no buffer.
+
+Each slot's factors are read at its own rank r through the ``LoRATable`` (A [E, r, K] and B stored as B^T
+[E, r, N]: address and rank per slot); a slot whose adapter does not target this module has rank 0 and its programs leave at once.
 
 A slot's table holds only pairs of tokens using it; the grid's block dimension runs over the blocks all slots
 use together (``slot_blocks``: each program finds its slot and block from num_tokens_post_pad), so tokens
@@ -29,8 +32,12 @@ import triton.language as tl
 from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid
+from loraplex.kernels.lora_shrink import block_r
+from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align_lora
-from loraplex.kernels.slot_blocks import flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, slot_block
+from loraplex.kernels.reference_lora import expert_table
+from loraplex.kernels.slot_blocks import (flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, slot_block,
+                                          tl_dtype, weight_entry)
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4,
                   "num_stages": 2, "FUSED": 0, "PDL": 0}
@@ -93,12 +100,13 @@ def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_y
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
 def _moe_lora_shrink_kernel(
-    x_ptr, a_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # x [T or T*A, K]; lora_a [L, E, R, K]; buf [SPLIT_K or 1, T*A, R] fp32; scaling [L]; tables [L, *]
+    x_ptr, entries_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # x [T or T*A, K]; entries [L, 1, 3] (A [E, r, K] address, B address, r); buf [SPLIT_K or 1, T*A, R] fp32;
+    # scaling [>= L]; tables [L, *]
     num_pairs, capacity, num_blocks, K, R, L,
-    stride_xt, stride_al, stride_ae, stride_ar, stride_split,
+    stride_xt, stride_el, stride_split,
     ROW_DIV: tl.constexpr,  # A for gate_up (token rows), 1 for down (pair rows)
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr, PARTIALS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
@@ -107,13 +115,16 @@ def _moe_lora_shrink_kernel(
     pid_k = tl.program_id(1)
     if past:  # past the blocks the slots use
         return
+    a_ptr, rank = weight_entry(entries_ptr, lora, 0, stride_el, 0, 0, W_DTYPE)
+    if rank == 0:  # the slot's adapter does not target these experts
+        return
     lora64 = lora.to(tl.int64)
     expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pairs < num_pairs
     rows = (pairs // ROW_DIV).to(tl.int64)
-    acc = _shrink_rows(x_ptr, a_ptr + lora64 * stride_al + expert * stride_ae, rows, row_ok, pid_k, K, R,
-                       stride_xt, stride_ar, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
+    acc = _shrink_rows(x_ptr, a_ptr + expert * rank * K, rows, row_ok, pid_k, K, rank, stride_xt, K,
+                       BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
     acc *= tl.load(scaling_ptr + lora).to(tl.float32)
     r = tl.arange(0, BLOCK_R)
     out_ptrs = buf_ptr + pairs.to(tl.int64)[:, None] * R + r[None, :]
@@ -128,18 +139,22 @@ def _moe_lora_shrink_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
 def _moe_lora_expand_kernel(
-    y_ptr, buf_ptr, b_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # y [T*A, N]; buf [NUM_PARTS, T*A, R] fp32; lora_b [L, E, N, R]; topk_weights [T*A]; tables [L, *]
+    y_ptr, buf_ptr, entries_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # y [T*A, N]; buf [NUM_PARTS, T*A, R] fp32; entries [L, 1, 3] (A address, B^T [E, r, N] address, r);
+    # topk_weights [T*A]; tables [L, *]
     num_pairs, capacity, num_blocks, num_flat, N, R, L,
-    stride_yt, stride_bl, stride_be, stride_bn, stride_split,
-    HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    stride_yt, stride_el, stride_split,
+    W_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, NUM_PARTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # ---- before pdl_wait: only the alignment tables (made before shrink) and the weights
+    # ---- before pdl_wait: only the alignment tables (made before shrink), the LoRA table and the weights
     flat, pid_n = _grouped_pid(tl.program_id(0), num_flat, NUM_N, GROUP_M)
     lora, pid_m, past = slot_block(flat, num_post_ptr, L, BLOCK_M, BLOCK_L, True)
     if past:
+        return
+    b_ptr, rank = weight_entry(entries_ptr, lora, 0, stride_el, 0, 1, W_DTYPE)
+    if rank == 0:  # the slot's adapter does not target these experts
         return
     lora64 = lora.to(tl.int64)
     expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
@@ -147,28 +162,30 @@ def _moe_lora_expand_kernel(
     row_ok = pairs < num_pairs
     pairs64 = pairs.to(tl.int64)
     r = tl.arange(0, BLOCK_R)
-    r_ok = r < R
+    r_ok = r < rank
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    b = tl.load(b_ptr + lora64 * stride_bl + expert * stride_be + cols[None, :] * stride_bn + r[:, None],
+    b = tl.load(b_ptr + (expert * rank + r[:, None]) * N + cols[None, :],  # B stored as B^T [E, r, N]
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
     # ---- after: shrink's buf, the base output y, the routing weights
     pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)
     h_ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
-    h = tl.load(h_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    h_ok = row_ok[:, None] & (r < R)[None, :]  # shrink wrote zeros past the slot's rank: the buffer's width masks
+    h = tl.load(h_ptrs, mask=h_ok, other=0.0)
     for part in range(1, NUM_PARTS):  # split-K partial sums
-        h += tl.load(h_ptrs + part * stride_split, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        h += tl.load(h_ptrs + part * stride_split, mask=h_ok, other=0.0)
     _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
 def _moe_lora_fused_kernel(
-    y_ptr, x_ptr, a_ptr, b_ptr, scaling_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    # y [T*A, N]; x [T or T*A, K]; lora_a [L, E, R, K]; lora_b [L, E, N, R]; scaling [L]; topk_weights [T*A]
-    num_pairs, capacity, num_blocks, num_flat, K, N, R, L,
-    stride_xt, stride_al, stride_ae, stride_ar, stride_yt, stride_bl, stride_be, stride_bn,
-    ROW_DIV: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    y_ptr, x_ptr, entries_ptr, scaling_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    # y [T*A, N]; x [T or T*A, K]; entries [L, 1, 3] (A [E, r, K] address, B^T [E, r, N] address, r);
+    # scaling [>= L]; topk_weights [T*A]
+    num_pairs, capacity, num_blocks, num_flat, K, N, L,
+    stride_xt, stride_yt, stride_el,
+    W_DTYPE: tl.constexpr, ROW_DIV: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -179,28 +196,36 @@ def _moe_lora_fused_kernel(
     lora, pid_m, past = slot_block(flat, num_post_ptr, L, BLOCK_M, BLOCK_L, True)
     if past:
         return
+    a_ptr, rank = weight_entry(entries_ptr, lora, 0, stride_el, 0, 0, W_DTYPE)
+    b_ptr, _ = weight_entry(entries_ptr, lora, 0, stride_el, 0, 1, W_DTYPE)
+    if rank == 0:  # the slot's adapter does not target these experts
+        return
     lora64 = lora.to(tl.int64)
     expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pairs < num_pairs
     pairs64 = pairs.to(tl.int64)
-    # ---- shrink of this row block, whole K, in registers
-    h = _shrink_rows(x_ptr, a_ptr + lora64 * stride_al + expert * stride_ae, (pairs // ROW_DIV).to(tl.int64),
-                     row_ok, 0, K, R, stride_xt, stride_ar, BLOCK_M, BLOCK_R, BLOCK_K, 1, EVEN_K)
+    # ---- shrink of this row block, whole K, in registers (A [E, r, K])
+    h = _shrink_rows(x_ptr, a_ptr + expert * rank * K, (pairs // ROW_DIV).to(tl.int64), row_ok, 0, K, rank,
+                     stride_xt, K, BLOCK_M, BLOCK_R, BLOCK_K, 1, EVEN_K)
     h *= tl.load(scaling_ptr + lora).to(tl.float32)
-    # ---- expand of one column block
+    # ---- expand of one column block (B stored as B^T [E, r, N])
     r = tl.arange(0, BLOCK_R)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    b = tl.load(b_ptr + lora64 * stride_bl + expert * stride_be + cols[None, :] * stride_bn + r[:, None],
-                mask=(r < R)[:, None] & col_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + (expert * rank + r[:, None]) * N + cols[None, :],
+                mask=(r < rank)[:, None] & col_ok[None, :], other=0.0)
     _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
 
 
-def shape_of(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, topk_ids: torch.Tensor) -> dict[str, int]:
-    """Tuning-file shape key dims."""
-    num_loras, num_experts, rank, k = lora_a.shape
-    return {"L": num_loras, "E": num_experts, "A": topk_ids.shape[1], "R": rank, "K": k, "N": y.shape[1]}
+def shape_of(y: torch.Tensor, x: torch.Tensor, lora_a, topk_ids: torch.Tensor) -> dict[str, int]:
+    """Tuning-file shape key dims (R the table's max rank)."""
+    table = expert_table(lora_a, None) if isinstance(lora_a, LoRATable) else None
+    if table is None:  # a stacked lora_a [L, E, R, K]
+        _, num_experts, rank, k = lora_a.shape
+    else:
+        num_experts, rank, k = table.num_experts, table.max_rank, table.in_features
+    return {"E": num_experts, "A": topk_ids.shape[1], "R": rank, "K": k, "N": y.shape[1]}
 
 
 def variant(cfg: dict, device: torch.device) -> tuple[bool, bool]:
@@ -209,27 +234,31 @@ def variant(cfg: dict, device: torch.device) -> tuple[bool, bool]:
     return bool(int(cfg.get("FUSED", 0))), bool(int(cfg.get("PDL", 0))) and pdl_enabled(device)
 
 
-def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, scaling: torch.Tensor,
-                   topk_weights: torch.Tensor | None = None, *, config: dict | None = None,
+def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,
+                   token_lora_idx: torch.Tensor, scaling: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
+                   config: dict | None = None,
                    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Same contract as ``reference_lora.fused_moe_lora`` (in place). ``align`` reuses a ``moe_align_lora``
     result made with the same BLOCK_M (the engine aligns once per layer for gate_up and down)."""
+    table = expert_table(lora_a, lora_b)
+    table.check()
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    num_loras, num_experts, rank, k = lora_a.shape
+    num_loras, num_experts, rank, k = table.num_slots, table.num_experts, table.max_rank, table.in_features
     n = y.shape[1]
-    if y.shape[0] != num_pairs or lora_b.shape != (num_loras, num_experts, n, rank):
-        raise ValueError(f"y must be [T*A={num_pairs}, N] and lora_b [L, E, N, R]={num_loras, num_experts, n, rank};"
-                         f" got y {tuple(y.shape)}, lora_b {tuple(lora_b.shape)}")
+    if y.shape[0] != num_pairs or table.out_features != (n,):
+        raise ValueError(f"y must be [T*A={num_pairs}, N] with N = the LoRA B width {table.out_features[0]}; got y "
+                         f"{tuple(y.shape)}")
     if x.shape[0] not in (num_tokens, num_pairs) or x.shape[1] != k:
         raise ValueError(f"x must be [T, K] (gate_up) or [T*A, K] (down) with K={k}, got {tuple(x.shape)}")
-    for name, t in (("x", x), ("y", y), ("lora_a", lora_a), ("lora_b", lora_b)):
+    for name, t in (("x", x), ("y", y)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+    if scaling.dim() != 1 or scaling.shape[0] < num_loras:
+        raise ValueError(f"scaling must be [>= L={num_loras}], got {tuple(scaling.shape)}")
     if num_pairs == 0:
         return
-    cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, lora_a, topk_ids), num_tokens,
+    cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, table, topk_ids), num_tokens,
                                       default_config(k))
     bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
     fused, pdl = variant(cfg, y.device)
@@ -240,37 +269,37 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError(f"align tables were made with block size {capacity // max(num_blocks, 1)} but the config's "
                          f"BLOCK_M is {bm}; call moe_align_lora with block_size={bm}")
     per_token = x.shape[0] == num_tokens and top_k > 1
-    block_r = max(16, triton.next_power_of_2(rank))
+    rank_tile = block_r(rank)
     # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
     num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
     block_l = triton.next_power_of_2(num_loras)
     num_n = triton.cdiv(n, bn)
+    ent, w_dtype = table.entries, tl_dtype(table.dtype)
     # [T*A] routing weights made before any launch here (a copy must not sit between shrink and expand)
     weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else scaling
     if fused:  # one kernel: no buffer, SPLIT_K unused
         _moe_lora_fused_kernel[(num_flat * num_n,)](
-            y, x, lora_a, lora_b, scaling, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity,
-            num_blocks, num_flat, k, n, rank, num_loras, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-            lora_a.stride(2), y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-            ROW_DIV=top_k if per_token else 1, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_R=block_r, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
+            y, x, ent, scaling, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity,
+            num_blocks, num_flat, k, n, num_loras, x.stride(0), y.stride(0), ent.stride(0),
+            W_DTYPE=w_dtype, ROW_DIV=top_k if per_token else 1, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_R=rank_tile, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
             BLOCK_L=block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
         return
     partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
     parts = split_k if partials else 1
     zeroed = split_k > 1 and not partials
-    alloc = torch.zeros if zeroed else torch.empty  # every partial row is written
+    alloc = torch.zeros if zeroed else torch.empty  # every partial row a program reads is written
     buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=y.device)
     shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
     _moe_lora_shrink_kernel[(num_flat, split_k)](
-        x, lora_a, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
-        num_loras, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0),
-        ROW_DIV=top_k if per_token else 1, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=bk, SPLIT_K=split_k,
-        EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl, **launch,
-        **pdl_launch(shrink_pdl))
+        x, ent, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
+        num_loras, x.stride(0), ent.stride(0), buf.stride(0),
+        ROW_DIV=top_k if per_token else 1, W_DTYPE=w_dtype, BLOCK_M=bm, BLOCK_R=rank_tile, BLOCK_K=bk,
+        SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl,
+        **launch, **pdl_launch(shrink_pdl))
     _moe_lora_expand_kernel[(num_flat * num_n,)](
-        y, buf, lora_b, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
-        rank, num_loras, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), buf.stride(0),
-        HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r,
+        y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
+        rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0),
+        W_DTYPE=w_dtype, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank_tile,
         GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl, **launch,
         **pdl_launch(pdl))

@@ -25,9 +25,10 @@ from loraplex.kernels import fused_moe_lora as fml
 from loraplex.kernels import fused_moe_mxfp4 as fm4
 from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
+from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align, moe_align_lora
 from loraplex.kernels.mxfp4 import is_kernel_layout
-from loraplex.kernels.reference_lora import check_int8_weights, check_mxfp4_weights
+from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
 
 
 class _Shape:
@@ -37,11 +38,12 @@ class _Shape:
         self.shape = torch.Size(shape)
 
 
-def lora_config(y, x, lora_a: torch.Tensor, topk_ids: torch.Tensor) -> dict:
+def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
     """The config ``fused_moe_lora`` would look up itself for this call (tuned file, nearest M, or default);
     ``y`` / ``x`` need only a ``shape``."""
+    k = lora_a.in_features if isinstance(lora_a, LoRATable) else lora_a.shape[-1]
     return tuning.get_config("fused_moe_lora", fml.shape_of(y, x, lora_a, topk_ids), topk_ids.shape[0],
-                             fml.default_config(lora_a.shape[-1]))
+                             fml.default_config(k))
 
 
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
@@ -68,6 +70,7 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
         return torch.zeros_like(x)
     num_experts, two_i, hidden = w13.shape[0], w13.shape[1], x.shape[1]
     num_pairs = num_tokens * top_k
+    w13_lora, w2_lora = as_expert_table(w13_lora), as_expert_table(w2_lora)  # LoRATables (stacked pairs accepted)
     if kernel_layout:
         cfg = fm4.kernel_config(x, w13, topk_ids, config)
     else:
@@ -81,19 +84,19 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
                  "down": (w2_lora, _Shape(num_pairs, hidden), _Shape(num_pairs, two_i // 2))}
         for target, (pair, y, inp) in calls.items():
             if pair is not None:
-                cfgs[target] = dict(lora_config_override or lora_config(y, inp, pair[0], topk_ids))
+                cfgs[target] = dict(lora_config_override or lora_config(y, inp, pair, topk_ids))
     if cfgs:  # one alignment for both LoRA calls, made early (PDL kernels may read it before they wait)
         block_m = int(next(iter(cfgs.values()))["BLOCK_M"])
         for c in cfgs.values():
             c["BLOCK_M"] = block_m
-        max_loras = (w13_lora or w2_lora)[0].shape[0]
+        max_loras = (w13_lora or w2_lora).num_slots
         lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
     if kernel_layout:
         pre = fm4.gate_up(x, w13, w13_scale, align, cfg, top_k=top_k, activation=None, b13=b13)  # [T*A, 2I]
     else:
         pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)
     if "gate_up" in cfgs:
-        fml.fused_moe_lora(pre, x, *w13_lora, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
+        fml.fused_moe_lora(pre, x, w13_lora, None, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
                            align=lora_align)
     h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
     if kernel_layout:  # no split-K: the down LoRA adds into the pair outputs
@@ -101,7 +104,7 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     else:
         out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)
     if "down" in cfgs:
-        fml.fused_moe_lora(out, h, *w2_lora, topk_ids, token_lora_idx, scaling, topk_weights, config=cfgs["down"],
-                           align=lora_align)
+        fml.fused_moe_lora(out, h, w2_lora, None, topk_ids, token_lora_idx, scaling, topk_weights,
+                           config=cfgs["down"], align=lora_align)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
 

@@ -1,14 +1,18 @@
 """Torch references of the multi-LoRA, MoE-alignment and INT8 / MXFP4-MoE ops (the spec their Triton launchers match).
 
-Shape legend: T tokens, A activated experts per token, E experts, L adapter slots (max_loras), R max rank
-(every adapter zero-padded to R), K input features, N output features, S output slices of a fused target.
+Shape legend: T tokens, A activated experts per token, E experts, L step slots (the distinct adapters of the step),
+r one adapter's rank, R the largest rank a slot may hold, K input features, N output features, S output slices of
+a fused target.
 
-    token_lora_idx [T] int32     slot of each token's adapter, -1 = no adapter (its rows get no delta)
-    scaling        [L] float32   alpha / rank of the adapter in each slot
-    dense target:  lora_a [S, L, R, K]   one A per output slice (q, k, v / gate, up) -- same input for all
-                   lora_b [L, N, R]      the slices' B stacked along N in slice order (N = sum(output_slices))
-    expert target: lora_a [L, E, R, K],  lora_b [L, E, N, R]
-                   (separate gate/up adapters: stack their A along R and make B block-diagonal, which is exact)
+    token_lora_idx [T] int32     step slot of each token's adapter, -1 = no adapter (its rows get no delta)
+    scaling        [>= L] float32 factor of each step slot (the engine folds alpha / r into B and passes ones)
+    lora weights   a ``LoRATable`` (``lora_table.py``): per step slot and slice, A and B at that adapter's own rank
+                   dense slice s: A [r, K], B [N_s, r];  expert target (S = 1): A [E, r, K], B [E, N, r]
+                   rank 0 / no entry: no delta. Stacked tensors (``lora_a [S, L, R, K]``, ``lora_b [L, N, R]``;
+                   experts ``[L, E, R, K]`` / ``[L, E, N, R]``, every slot zero-padded to R) are accepted too and
+                   mean that table (``LoRATable.from_stacked``).
+                   (separate gate/up adapters on fused experts: stack their A along r and make B block-diagonal,
+                   which is exact)
 
 MoE alignment: the flat index of a routed pair is ``t * A + a``. ``sorted_ids`` lists the pairs grouped by
 expert (token order kept), each expert's group padded with the sentinel ``T * A`` to a multiple of
@@ -23,65 +27,101 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.lora_table import LoRATable, as_table
 from loraplex.kernels.mxfp4 import check_mxfp4, dequantize_mxfp4, is_kernel_layout, kernel_k, restore_from_kernel
 from loraplex.kernels.reference import act_and_mul
 
 # ------------------------------------------------------------------------------------------ dense LoRA
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_idx: torch.Tensor,
-                scaling: torch.Tensor) -> torch.Tensor:
-    """buf[s, t] = scaling[l] * x[t] @ lora_a[s, l].T with l = token_lora_idx[t]; zero rows for l = -1.
+def _slots_of(token_lora_idx: torch.Tensor) -> list[int]:
+    return [int(v) for v in token_lora_idx.unique().tolist() if v >= 0]
 
-    x [T, K]; lora_a [S, L, R, K]; token_lora_idx [T]; scaling [L] -> buf [S, T, R] float32.
+
+def lora_shrink(x: torch.Tensor, lora_a, token_lora_idx: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+    """buf[s, t, :r] = scaling[l] * x[t] @ A[l, s].T with l = token_lora_idx[t]; zero rows for l = -1, zero
+    columns past the slot's rank r.
+
+    x [T, K]; lora_a: LoRATable (or stacked [S, L, R, K]); token_lora_idx [T]; scaling [>= L]
+    -> buf [S, T, R] float32 (R = the table's max_rank).
     """
-    num_slices, _, rank, _ = lora_a.shape
-    buf = torch.zeros(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
-    for lora in token_lora_idx.unique().tolist():
-        if lora < 0:
-            continue
+    table = as_table(lora_a, which="a")
+    buf = torch.zeros(table.num_slices, x.shape[0], table.max_rank, dtype=torch.float32, device=x.device)
+    for lora in _slots_of(token_lora_idx):
         rows = torch.where(token_lora_idx == lora)[0]
         xs = x[rows].float()
-        for s in range(num_slices):
-            buf[s, rows] = (xs @ lora_a[s, lora].float().T) * scaling[lora].float()
+        for s in range(table.num_slices):
+            f = table.lookup(lora, s)
+            if f is None or f[0] is None:
+                continue
+            a = f[0]
+            buf[s, rows, :a.shape[0]] = (xs @ a.float().T) * scaling[lora].float()
     return buf
 
 
-def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_lora_idx: torch.Tensor,
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b, token_lora_idx: torch.Tensor,
                 output_slices: tuple[int, ...]) -> None:
-    """In place: y[t, slice s] += buf[s, t] @ lora_b[l, slice s].T with l = token_lora_idx[t] (skip l = -1).
+    """In place: y[t, slice s] += buf[s, t, :r] @ B[l, s].T with l = token_lora_idx[t] (skip l = -1).
 
-    y [T, N]; buf [S, T, R] (from lora_shrink); lora_b [L, N, R]; output_slices: S widths summing to N.
+    y [T, N]; buf [S, T, R] (from lora_shrink); lora_b: LoRATable (or stacked [L, N, R]); output_slices: S widths
+    summing to N.
     """
-    check_slices(y, buf, lora_b, output_slices)
-    for lora in token_lora_idx.unique().tolist():
-        if lora < 0:
-            continue
+    table = as_table(lora_b, output_slices=output_slices, which="b")
+    check_slices(y, buf, table, output_slices)
+    for lora in _slots_of(token_lora_idx):
         rows = torch.where(token_lora_idx == lora)[0]
         off = 0
         for s, width in enumerate(output_slices):
-            delta = buf[s, rows].float() @ lora_b[lora, off:off + width].float().T
-            y[rows, off:off + width] = (y[rows, off:off + width].float() + delta).to(y.dtype)
+            f = table.lookup(lora, s)
+            if f is not None and f[1] is not None:
+                b = f[1]
+                delta = buf[s, rows, :b.shape[1]].float() @ b.float().T
+                y[rows, off:off + width] = (y[rows, off:off + width].float() + delta).to(y.dtype)
             off += width
 
 
-def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       token_lora_idx: torch.Tensor, scaling: torch.Tensor, output_slices: tuple[int, ...]) -> None:
+def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, token_lora_idx: torch.Tensor,
+                       scaling: torch.Tensor, output_slices: tuple[int, ...]) -> None:
     """lora_expand(y, lora_shrink(x, ...), ...) as one op (the fused small-rank path), in place.
 
-    y [T, N]; x [T, K]; lora_a [S, L, R, K]; lora_b [L, N, R]; token_lora_idx [T]; scaling [L].
+    y [T, N]; x [T, K]; lora_a: LoRATable holding A and B (then lora_b is None or the same table), or stacked
+    [S, L, R, K] with lora_b stacked [L, N, R]; token_lora_idx [T]; scaling [>= L].
     """
-    lora_expand(y, lora_shrink(x, lora_a, token_lora_idx, scaling), lora_b, token_lora_idx, output_slices)
+    table = dense_table(lora_a, lora_b, output_slices)
+    lora_expand(y, lora_shrink(x, table, token_lora_idx, scaling), table, token_lora_idx, output_slices)
 
 
-def check_slices(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, output_slices) -> None:
-    if len(output_slices) != buf.shape[0]:
+def dense_table(lora_a, lora_b, output_slices) -> LoRATable:
+    """The one table of a fused shrink + expand: ``lora_a`` if it is a table (``lora_b`` None or the same), else
+    the stacked pair."""
+    if isinstance(lora_a, LoRATable):
+        if lora_b is not None and lora_b is not lora_a:
+            raise ValueError("with a LoRATable, pass lora_b=None (the table holds A and B)")
+        return lora_a
+    return LoRATable.from_stacked(lora_a, lora_b, output_slices=output_slices)
+
+
+def expert_table(lora_a, lora_b) -> LoRATable:
+    """The table of an expert LoRA call: ``lora_a`` if it is a table (``lora_b`` None or the same), else the
+    stacked pair ``lora_a [L, E, R, K]`` / ``lora_b [L, E, N, R]``."""
+    if isinstance(lora_a, LoRATable):
+        if lora_b is not None and lora_b is not lora_a:
+            raise ValueError("with a LoRATable, pass lora_b=None (the table holds A and B)")
+        if not lora_a.num_experts:
+            raise ValueError("expert LoRA needs a table of expert factors (num_experts > 0)")
+        return lora_a
+    return LoRATable.from_stacked(lora_a, lora_b, experts=True)
+
+
+def check_slices(y: torch.Tensor, buf: torch.Tensor, table: LoRATable, output_slices) -> None:
+    if len(output_slices) != buf.shape[0] or table.num_slices != buf.shape[0]:
         raise ValueError(f"{len(output_slices)} output slices but the shrink buffer has {buf.shape[0]}")
-    if sum(output_slices) != y.shape[1] or lora_b.shape[1] != y.shape[1]:
-        raise ValueError(f"output_slices sum to {sum(output_slices)}, lora_b has N={lora_b.shape[1]}, "
-                         f"y has N={y.shape[1]}: all three must agree")
-    if lora_b.shape[2] != buf.shape[2]:
-        raise ValueError(f"lora_b rank {lora_b.shape[2]} != shrink buffer rank {buf.shape[2]}")
+    if sum(output_slices) != y.shape[1] or tuple(output_slices) != tuple(table.out_features):
+        raise ValueError(f"output_slices sum to {sum(output_slices)}, the LoRA B factors have widths "
+                         f"{tuple(table.out_features)} (N={sum(table.out_features)}), y has N={y.shape[1]}: all "
+                         "three must agree")
+    if table.max_rank > buf.shape[2]:
+        raise ValueError(f"lora_b rank {table.max_rank} > shrink buffer rank {buf.shape[2]}")
 
 
 # ------------------------------------------------------------------------------------------ MoE alignment
@@ -139,26 +179,33 @@ def moe_align_lora(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, num_exp
 # --------------------------------------------------------------------------------------------- MoE LoRA
 
 
-def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, scaling: torch.Tensor,
+def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,
+                   token_lora_idx: torch.Tensor, scaling: torch.Tensor,
                    topk_weights: torch.Tensor | None = None) -> None:
     """In place, per routed pair p = t*A + a with l = token_lora_idx[t] >= 0 and e = topk_ids[t, a]:
-    y[p] += w * scaling[l] * lora_b[l, e] @ (lora_a[l, e] @ x_row), w = topk_weights[t, a] (or 1).
+    y[p] += w * scaling[l] * B[l][e] @ (A[l][e] @ x_row), w = topk_weights[t, a] (or 1); a slot without weights
+    for this target adds nothing.
 
     y [T*A, N] (the expert GEMM's per-pair output); x [T, K] (gate_up: rows shared by a token's pairs) or
-    [T*A, K] (down: one row per pair); lora_a [L, E, R, K]; lora_b [L, E, N, R]; topk_ids [T, A].
+    [T*A, K] (down: one row per pair); lora_a: a LoRATable of expert factors (A [E, r, K], B [E, N, r] per slot;
+    lora_b None) or stacked lora_a [L, E, R, K] with lora_b [L, E, N, R]; topk_ids [T, A].
     """
+    table = expert_table(lora_a, lora_b)
     num_tokens, top_k = topk_ids.shape
     per_pair_input = x.shape[0] == num_tokens * top_k and top_k > 1
     for t in range(num_tokens):
         lora = int(token_lora_idx[t])
         if lora < 0:
             continue
+        f = table.lookup(lora, 0)
+        if f is None:
+            continue
+        a_l, b_l = f
         for a in range(top_k):
             p = t * top_k + a
             e = int(topk_ids[t, a])
             row = x[p if per_pair_input else t].float()
-            delta = lora_b[lora, e].float() @ (lora_a[lora, e].float() @ row) * scaling[lora].float()
+            delta = b_l[e].float() @ (a_l[e].float() @ row) * scaling[lora].float()
             if topk_weights is not None:
                 delta = delta * topk_weights[t, a].float()
             y[p] = (y[p].float() + delta).to(y.dtype)
@@ -178,9 +225,9 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         d = w2[e] act(g) + b2[e] + scaling[l] B2[l, e] A2[l, e] act(g)
         out[t] = sum_a w * d
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; b13 [E, 2I]; b2 [E, H]; topk_* [T, A]; scaling [L];
-    w13_lora = (lora_a [L, E, R, H], lora_b [L, E, 2I, R]); w2_lora = (lora_a [L, E, R, I], lora_b [L, E, H, R]);
-    either may be None. ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] given: w13 / w2 are int8 and each expert's
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; b13 [E, 2I]; b2 [E, H]; topk_* [T, A]; scaling [>= L];
+    w13_lora, w2_lora: LoRATables of expert factors (A [E, r, H] / B [E, 2I, r], A [E, r, I] / B [E, H, r] per
+    slot), or stacked pairs (lora_a [L, E, R, K], lora_b [L, E, N, R]); either may be None. ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] given: w13 / w2 are int8 and each expert's
     weight is ``(q * scale).to(x.dtype)`` (INT8 weight-only); with uint8 w13 / w2 they are MXFP4 instead: blocks
     w13 [E, 2I, H/2], w2 [E, H, I/2] and E8M0 scales w13_scale [E, 2I, H/32], w2_scale [E, H, I/32], each
     expert's weight ``dequantize_mxfp4(blocks, scales, x.dtype)`` (int32 w13 / w2: the same in the kernel layout,
@@ -201,13 +248,23 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     inter = _grouped_linear(x, order // top_k, order, counts, w13, b13, w13_scale)  # [T*A, 2I] by pair
     lora = token_lora_idx is not None
     if lora and w13_lora is not None:
-        fused_moe_lora(inter, x, w13_lora[0], w13_lora[1], topk_ids, token_lora_idx, scaling)
+        fused_moe_lora(inter, x, *_pair(w13_lora), topk_ids, token_lora_idx, scaling)
     h = act_and_mul(inter, activation, alpha, limit)  # [T*A, I]
     out = _grouped_linear(h, order, order, counts, w2, b2, w2_scale)  # [T*A, H]
     if lora and w2_lora is not None:
-        fused_moe_lora(out, h, w2_lora[0], w2_lora[1], topk_ids, token_lora_idx, scaling)
+        fused_moe_lora(out, h, *_pair(w2_lora), topk_ids, token_lora_idx, scaling)
     out = out.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)
     return out.sum(dim=1)
+
+
+def _pair(lora) -> tuple:
+    """(lora_a, lora_b) arguments of fused_moe_lora for a table or a stacked pair."""
+    return (lora, None) if isinstance(lora, LoRATable) else tuple(lora)
+
+
+def as_expert_table(lora) -> LoRATable | None:
+    """moe_experts_lora's ``w13_lora`` / ``w2_lora``: None, a LoRATable, or a stacked (lora_a, lora_b) pair."""
+    return None if lora is None else expert_table(*_pair(lora))
 
 
 def _grouped_linear(x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor, counts: list[int], w: torch.Tensor,

@@ -5,6 +5,8 @@ programs that leave at once (12k of them for GPT-OSS gate_up at M=16). Instead t
 bound of the blocks all slots use together, and program f finds its (slot, block) from the per-slot block
 counts on the device: a cumsum over L values, no host sync, and the token count stays out of the binary.
 
+``weight_entry`` reads one (slot, slice) of a ``LoRATable`` (lora_table.py): the address of A or B and its rank.
+
 Also shared by the LoRA launchers: programmatic dependent launch (PDL, sm_90+). A kernel launched with
 ``launch_pdl=True`` may start while the kernel before it in the stream is still running; ``pdl_wait`` (PTX
 ``griddepcontrol.wait``) blocks until that kernel finished and its writes are visible, ``pdl_trigger`` lets the
@@ -44,6 +46,26 @@ def slot_block(f, rows_ptr, L, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, ROW
     slot = tl.sum((ends <= f).to(tl.int32), 0)
     before = tl.sum(tl.where(lv < slot, blocks, 0), 0)
     return slot, f - before, f >= tl.sum(blocks, 0)
+
+
+@triton.jit
+def weight_entry(entries_ptr, lora, sl, stride_el, stride_es, WHICH: tl.constexpr, W_DTYPE: tl.constexpr):
+    """(pointer to factor WHICH (0: A, 1: B) of step slot ``lora``, slice ``sl``; its rank, 0 = no weights) from
+    a ``LoRATable``'s entries [L, S, 3] (address of A, address of B, rank)."""
+    base = entries_ptr + lora.to(tl.int64) * stride_el + sl * stride_es
+    rank = tl.load(base + 2).to(tl.int32)
+    ptr = tl.multiple_of(tl.load(base + WHICH).to(tl.pointer_type(W_DTYPE)), 16)  # factors are 16-byte aligned
+    return ptr, rank
+
+
+def tl_dtype(dtype):
+    """The Triton element type of a torch float dtype (a LoRATable's factors, read through addresses)."""
+    import torch
+
+    types = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if dtype not in types:
+        raise ValueError(f"LoRA factors must be float32, bfloat16 or float16, got {dtype}")
+    return types[dtype]
 
 
 def flat_blocks(num_rows: int, num_slots: int, block_m: int, per_slot_groups: int = 1) -> int:

@@ -293,12 +293,16 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, d
     from loraplex.kernels import lora_shrink_expand as fu
     from loraplex.kernels import reference_lora as ref
     from loraplex.kernels import tuning
+    from loraplex.kernels.lora_table import LoRATable
 
     slices = s.qkv_slices
     n = sum(slices)
     x = torch.randn(m, s.hidden, device=device, dtype=dtype)
+    # every slot at rank R, read through a LoRATable made once (outside the timed calls)
     lora_a = (torch.randn(3, max_loras, rank, s.hidden, device=device) / s.hidden ** 0.5).to(dtype)
     lora_b = (torch.randn(max_loras, n, rank, device=device) / rank ** 0.5).to(dtype)
+    table = LoRATable.from_stacked(lora_a, lora_b, output_slices=slices)
+    lora_a = lora_b = table
     scaling = torch.full((max_loras,), 2.0, device=device)
     idx = _adapters(m, max_loras, device)
     active = min(m, max_loras)
@@ -327,35 +331,35 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, d
             Case("", "lora_shrink[qkv] kernel", m, sh.shape_of(x, lora_a),
                  lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg, segments=seg),
                  lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling, segments=seg), buf),
-                 nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * lora_a.element_size(),
+                 nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * x.element_size(),
                  default=sh.default_config(s.hidden)),
             Case("", "lora_expand[qkv] kernel", m, ex.shape_of(y, buf, slices),
                  lambda cfg: ex.lora_expand(y, buf, lora_b, idx, slices, config=cfg, segments=seg),
                  check_expand_shared,
-                 nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * lora_b.element_size(),
+                 nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * x.element_size(),
                  default=ex.DEFAULT_CONFIG, variants=expand_variants),
         ]
 
     def check_fused() -> float:
         got, want = y.clone(), y.clone()
-        fu.lora_shrink_expand(got, x, lora_a, lora_b, idx, scaling, slices)
-        ref.lora_shrink_expand(want, x, lora_a, lora_b, idx, scaling, slices)
+        fu.lora_shrink_expand(got, x, table, None, idx, scaling, slices)
+        ref.lora_shrink_expand(want, x, table, None, idx, scaling, slices)
         return rel_error(got, want)
 
     return [
         Case("lora_shrink_expand", "lora_shrink_expand[qkv]", m, fu.shape_of(y, lora_a, slices),
-             lambda cfg: fu.lora_shrink_expand(y, x, lora_a, lora_b, idx, scaling, slices, config=cfg),
+             lambda cfg: fu.lora_shrink_expand(y, x, table, None, idx, scaling, slices, config=cfg),
              check_fused,
-             nbytes=_nbytes(x) + 2 * _nbytes(y) + active * rank * (3 * s.hidden + n) * lora_a.element_size(),
+             nbytes=_nbytes(x) + 2 * _nbytes(y) + active * rank * (3 * s.hidden + n) * x.element_size(),
              default=fu.DEFAULT_CONFIG, space=FUSED_LORA_SPACE),
         Case("lora_shrink", "lora_shrink[qkv]", m, sh.shape_of(x, lora_a),
              lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg),
              lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling), ref.lora_shrink(x, lora_a, idx, scaling)),
-             nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * lora_a.element_size(),
+             nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * x.element_size(),
              default=sh.default_config(s.hidden), space=SHRINK_SPACE),
         Case("lora_expand", "lora_expand[qkv]", m, ex.shape_of(y, buf, slices),
              lambda cfg: ex.lora_expand(y, buf, lora_b, idx, slices, config=cfg), check_expand,
-             nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * lora_b.element_size(),
+             nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * x.element_size(),
              default=ex.DEFAULT_CONFIG, space=EXPAND_SPACE, variants=expand_variants),
     ]
 
@@ -367,6 +371,7 @@ def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, dev
     from loraplex.kernels import fused_moe_lora as fl
     from loraplex.kernels import reference_lora as ref
     from loraplex.kernels import tuning
+    from loraplex.kernels.lora_table import LoRATable
     from loraplex.kernels.moe_align import moe_align_lora
 
     e, a = s.num_experts, s.top_k
@@ -378,8 +383,10 @@ def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, dev
     for target, k, n, per_pair in (("gate_up", s.hidden, 2 * s.moe_intermediate, False),
                                    ("down", s.moe_intermediate, s.hidden, True)):
         x = torch.randn(m * a if per_pair else m, k, device=device, dtype=dtype)
-        lora_a = (torch.randn(max_loras, e, rank, k, device=device) / k ** 0.5).to(dtype)
-        lora_b = (torch.randn(max_loras, e, n, rank, device=device) / rank ** 0.5).to(dtype)
+        lora_a = LoRATable.from_stacked((torch.randn(max_loras, e, rank, k, device=device) / k ** 0.5).to(dtype),
+                                        (torch.randn(max_loras, e, n, rank, device=device) / rank ** 0.5).to(dtype),
+                                        experts=True)  # every slot at rank R; the table holds A and B
+        lora_b = None
         y = torch.randn(m * a, n, device=device, dtype=dtype)
         tw = weights if per_pair else None
 
@@ -405,7 +412,7 @@ def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, dev
 
         shape = fl.shape_of(y, x, lora_a, ids)
         variants = moe_lora_variants(tuning.get_config("fused_moe_lora", shape, m, fl.default_config(k)))
-        nbytes = pairs * rank * (k + n) * lora_a.element_size() + _nbytes(x) + 2 * _nbytes(y)
+        nbytes = pairs * rank * (k + n) * x.element_size() + _nbytes(x) + 2 * _nbytes(y)
         if shared_metadata:
             aligns = {}
 

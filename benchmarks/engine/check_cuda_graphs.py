@@ -8,8 +8,7 @@ and the worst step's relative logits error (max|d| / max|ref|) against HF/PEFT <
 overlapped (async) scheduling (no logits hook: a hook keeps steps synchronous): its tokens must equal the graph
 run's and HF/PEFT greedy, with overlapped steps replayed from the graphs.
 
-Stage "perf": a GPT-OSS-20B-shape bf16 model with dummy weights, 8 LoRA slots of rank 32 filled with random
-factors; decode step time (``LLMEngine.step``, synchronised) with graphs and eager (same engine, graphs switched
+Stage "perf": a GPT-OSS-20B-shape bf16 model with dummy weights, 8 random rank-32 adapters resident; decode step time (``LLMEngine.step``, synchronised) with graphs and eager (same engine, graphs switched
 off) at batch 1 and 16, without adapters (every request on the base) and with 8 (requests spread over the slots);
 then with graphs and overlapped scheduling (``async_ms``: step n+1 launched before step n's tokens are read, so
 host work hides behind the GPU). PASS: graphs captured and no slower than eager at batch 1 (async_ms is reported,
@@ -69,7 +68,7 @@ def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager
 
     engine = LLMEngine.from_pretrained(base, device=device, dtype=dtype, block_size=4, max_num_seqs=8,
                                        max_num_batched_tokens=64, num_kv_blocks=512, progress=False,
-                                       enable_lora=True, max_loras=2, max_lora_rank=8, enforce_eager=eager,
+                                       enable_lora=True, max_lora_rank=8, enforce_eager=eager,
                                        async_scheduling=overlap,
                                        adapter_cache_dir=os.path.join(tmp, f"cache-{int(eager)}{int(overlap)}-{dtype}"))
     logits = defaultdict(list)
@@ -152,20 +151,15 @@ def stage_tiny(family: str, args) -> dict:
 
 
 # ---- perf: GPT-OSS-20B shape, bf16, dummy weights -------------------------------------------------------------
-def fill_random_slots(slots, num: int, seed: int = 0, std: float = 0.02) -> None:
-    import torch
+def fill_random_slots(slots, num: int, seed: int = 0, rank: int = 32) -> None:
+    """Random adapters of ``rank`` on every target in resident slots 0..num-1 (drawn on the device)."""
+    from loraplex.engine.testing.adapters import random_adapter
 
-    from loraplex.engine.lora.layers import LoRALinear
-
-    g = torch.Generator(device=slots.device).manual_seed(seed)
-    for w in slots._wrappers:
-        pairs = [(w.lora_a.transpose(0, 1), w.lora_b)] if isinstance(w, LoRALinear) else \
-            [p for p in (w.w13_lora, w.w2_lora) if p is not None]
-        for slot in range(num):
-            for a, b in pairs:
-                a[slot].copy_(torch.randn(a[slot].shape, generator=g, device=slots.device) * std)
-                b[slot].copy_(torch.randn(b[slot].shape, generator=g, device=slots.device) * std)
-            w.loaded[slot] = True
+    for slot in range(num):
+        handle = slots.load(slot, random_adapter(slots, f"random/{slot}", rank=rank, seed=seed + slot, scale=0.1,
+                                                 device=slots.device))
+        while not handle.done():
+            time.sleep(0.001)
 
 
 def time_decode(engine, seq_slot: dict, batch: int, adapters: int, steps: int, mode: str, prompt_len: int) -> float:
@@ -226,7 +220,7 @@ def stage_perf(args) -> dict:
                                            progress=False, max_model_len=512, max_num_seqs=16,
                                            max_num_batched_tokens=2048, num_kv_blocks=16 * 32 + 64,
                                            enable_prefix_caching=False, swap_space_bytes=0, enable_lora=True,
-                                           max_loras=8, max_lora_rank=32, cuda_graph_max_batch_size=16,
+                                           max_lora_rank=32, cuda_graph_max_batch_size=16,
                                            async_scheduling=False,  # time_decode switches it per mode
                                            adapter_cache_dir=os.path.join(tmp, "cache"))
         start_s = time.perf_counter() - t0

@@ -1,5 +1,5 @@
 """Multi-LoRA on a tensor-parallel rank: the slots are the ordinary ``LoRASlots`` built on the sharded model (so
-their buffers take the shard sizes), and every adapter is cut to this rank's part on its way in.
+their table entries take the shard sizes), and every adapter is cut to this rank's part on its way in.
 
 Shape legend: r rank, E experts, K in, N out (full sizes; the plan of ``sharding.py`` picks the part).
 
@@ -59,7 +59,7 @@ def shard_adapter_weights(weights: AdapterWeights, plan: ShardPlan) -> AdapterWe
         return weights
     modules = {key: shard_lora_tensors(t, key[1], plan) for key, t in weights.modules.items()}
     nbytes = sum(t.lora_a.nbytes + t.lora_b.nbytes for t in modules.values())
-    return replace(weights, modules=modules, nbytes=nbytes)
+    return replace(weights, modules=modules, nbytes=nbytes, flat=None).pack()
 
 
 class TPLoRASlots(LoRASlots):
@@ -77,13 +77,20 @@ class TPLoRASlots(LoRASlots):
         if self._journal is not None and not self._in_load:
             self._journal(entry)
 
-    def load(self, slot: int, weights: AdapterWeights) -> None:
+    def prepare(self, weights: AdapterWeights) -> AdapterWeights:
+        return shard_adapter_weights(weights, self.plan)
+
+    def footprint(self, weights: AdapterWeights) -> int:
+        return super().footprint(self.prepare(weights))  # this rank's part (rank 0 accounts; every rank alike)
+
+    def load(self, slot: int, weights: AdapterWeights):
         self._in_load = True  # its inner clear() is part of the load, not an entry of its own
         try:
-            super().load(slot, shard_adapter_weights(weights, self.plan))
+            handle = super().load(slot, weights)
         finally:
             self._in_load = False
         self._record(("load", slot, weights))
+        return handle
 
     def clear(self, slot: int) -> None:
         super().clear(slot)

@@ -84,17 +84,24 @@ class TPModelRunner(ModelRunner):
         return self.plan.num_kv_heads
 
     def _size_kv_pool(self, max_model_len: int, max_num_seqs: int) -> int:
-        # every rank must hold the same block ids: the smallest pool any rank can afford
-        return self.tp.all_reduce_min(super()._size_kv_pool(max_model_len, max_num_seqs))
+        # every rank must hold the same block ids: the smallest pool any rank can afford; likewise the adapter
+        # budget (rank 0 accounts for every rank's part of each adapter)
+        blocks = self.tp.all_reduce_min(super()._size_kv_pool(max_model_len, max_num_seqs))
+        self.adapter_budget_bytes = self.tp.all_reduce_min(self.adapter_budget_bytes)
+        return blocks
 
     def _size_swap_pool(self) -> int:
         return self.tp.all_reduce_min(super()._size_swap_pool())
 
-    def init_lora(self, *, max_loras: int, max_rank: int) -> TPLoRASlots:
-        """Slots with the shard sizes; ``load`` takes full adapters (rank 0's loads reach the workers too)."""
+    def init_lora(self, *, max_rank: int, copier=None) -> TPLoRASlots:
+        """Slots with the shard sizes; ``load`` takes full adapters (rank 0's loads reach the workers too). Copies
+        are synchronous on every rank (a worker replays a load right before the forward that needs it)."""
+        from loraplex.engine.lora.device_copy import DeviceCopier
+
         journal = self._journal.append if self.tp.is_driver else None
-        self.lora = TPLoRASlots(self.model, self.model_config, plan=self.plan, journal=journal,
-                                max_loras=max_loras, max_rank=max_rank, device=self.device, dtype=self.dtype)
+        self.lora = TPLoRASlots(self.model, self.model_config, plan=self.plan, journal=journal, max_rank=max_rank,
+                                max_step_slots=self.max_num_seqs, device=self.device, dtype=self.dtype,
+                                copier=copier or DeviceCopier(self.device, asynchronous=False))
         return self.lora
 
     def move_blocks(self, out) -> None:

@@ -35,7 +35,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, master_port: in
     try:
         runner = TPModelRunner(config, max_model_len, config.max_num_seqs, tp)
         if config.enable_lora:
-            runner.init_lora(max_loras=config.max_loras, max_rank=config.max_lora_rank)
+            runner.init_lora(max_rank=config.max_lora_rank)
         runner.serve()
     finally:
         tp.destroy()

@@ -1,18 +1,19 @@
 """LoRA-aware stand-ins for the model's Linear and FusedExperts modules (installed by ``LoRASlots``).
 
-Shape legend: T tokens of the step, L slots (max_loras), R max rank, S output slices, K in, N out,
-E experts, A activated experts per token, H hidden, I intermediate per expert.
+Shape legend: T tokens of the step, L step slots (the step's distinct adapters), r an adapter's rank, S output
+slices, K in, N out, E experts, A activated experts per token, H hidden, I intermediate per expert.
 
-    LoRALinear:        y = base(x);  y[:, slice s] += B[l, slice s] @ (A[s, l] @ x)      l = token_lora_idx[t]
+    LoRALinear:        y = base(x);  y[:, slice s] += B[l, s] @ (A[l, s] @ x)        l = token_lora_idx[t]
     LoRAFusedExperts:  per routed pair (t, a) of expert e, with l = token_lora_idx[t]:
-                       g = w13[e] x + b13[e] + B13[l, e] A13[l, e] x           (delta before the activation)
-                       d = w2[e] act(g) + b2[e] + B2[l, e] A2[l, e] act(g)
+                       g = w13[e] x + b13[e] + B13[l][e] A13[l][e] x           (delta before the activation)
+                       d = w2[e] act(g) + b2[e] + B2[l][e] A2[l][e] act(g)
                        out[t] = sum_a topk_weights[t, a] * d                   (delta weighted by routing)
 
-Each wrapper takes the base module's parameters under the same names, so ``named_parameters`` / state dicts
+The factors of the step's adapters are read through the step's LoRA table (``step_table.py``), each at its own
+rank. Each wrapper takes the base module's parameters under the same names, so ``named_parameters`` / state dicts
 of the model do not change, and keeps the base module (outside the module tree) for the path without LoRA.
 A wrapper does no LoRA work when the step has no adapter (``state.token_lora_idx is None``) or when none of
-the step's slots holds weights for its targets (unless ``state.always_on``: CUDA-graph capture); the expert
+the step's adapters has weights for its targets (unless ``state.always_on``: CUDA-graph capture); the expert
 wrapper then calls the fused base kernel. With LoRA, the expert wrapper runs ``ops.moe_experts_lora`` (on CUDA a
 graph-capturable composition of Triton kernels, no host sync), on the int8 weights directly when its base is
 ``Int8FusedExperts`` and on the MXFP4 blocks and scales when it is ``Mxfp4FusedExperts``.
@@ -22,31 +23,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraplex.engine.lora.step_table import TargetTable
 from loraplex.kernels import ops
 
 
 class LoRAState:
-    """Per-step data every wrapper of one model reads: set once per step by ``LoRASlots.set_token_slots``."""
+    """Per-step data every wrapper of one model reads: set once per step by ``LoRASlots.set_token_slots`` (or
+    ``bind_static_token_slots`` for a CUDA graph)."""
 
-    def __init__(self, max_loras: int, device: torch.device) -> None:
-        self.token_lora_idx: torch.Tensor | None = None         # [T] int32 on the model's device, -1 = none
-        self.active_slots: frozenset[int] = frozenset()         # slots used by the step's tokens
-        self.scaling = torch.ones(max_loras, dtype=torch.float32, device=device)  # [L] (folded into B at load)
+    def __init__(self, max_step_slots: int, device: torch.device) -> None:
+        self.token_lora_idx: torch.Tensor | None = None         # [T] int32 step slots on the device, -1 = none
+        self.num_slots: int = 0                                 # L of the step
+        self.active_slots: frozenset[int] = frozenset()         # resident slots of the step's adapters
+        # [max_step_slots] (alpha / r is folded into B at load)
+        self.scaling = torch.ones(max(1, max_step_slots), dtype=torch.float32, device=device)
         # ops.lora_segments(token_lora_idx, L) of the step (None: each dense LoRA call groups tokens itself)
         self.segments = None
         # True: every wrapper runs its LoRA kernels whenever token_lora_idx is set, whatever the slots hold (a
-        # captured CUDA graph must contain them; base tokens (-1) cost nothing there, empty slots hold zeros)
+        # captured CUDA graph must contain them; base tokens (-1) cost nothing there, an adapter without weights
+        # for a module has rank 0 in its table)
         self.always_on: bool = False
 
 
 class _LoRAWrapper(nn.Module):
-    def __init__(self, base: nn.Module, state: LoRAState, max_loras: int) -> None:
+    def __init__(self, base: nn.Module, state: LoRAState) -> None:
         super().__init__()
         self._base = (base,)  # a tuple keeps it out of the module tree (and out of named_parameters)
         for name, p in base.named_parameters(recurse=False):
             self.register_parameter(name, p)
         self.state = state
-        self.loaded = [False] * max_loras  # host-side: slot l holds weights for at least one of my targets
+        self.loaded: set[int] = set()  # host-side: resident slots holding weights for at least one of my targets
 
     @property
     def base(self) -> nn.Module:
@@ -54,47 +60,45 @@ class _LoRAWrapper(nn.Module):
 
     def lora_active(self) -> bool:
         s = self.state
-        return s.token_lora_idx is not None and (s.always_on or any(self.loaded[l] for l in s.active_slots))
+        return s.token_lora_idx is not None and (s.always_on or not self.loaded.isdisjoint(s.active_slots))
 
 
 class LoRALinear(_LoRAWrapper):
-    """A Linear with multi-LoRA: one A per output slice (q/k/v or gate/up share the input), B stacked along N.
+    """A Linear with multi-LoRA: one (A, B) per output slice (q/k/v or gate/up share the input); ``targets[s]``
+    is the PEFT target of slice s, ``table`` the module's columns of the step's LoRA table."""
 
-    lora_a [S, L, R, K]; lora_b [L, N, R]; ``targets[s]`` is the PEFT target of slice s."""
-
-    def __init__(self, base: nn.Module, state: LoRAState, targets: list[str], lora_a: torch.Tensor,
-                 lora_b: torch.Tensor) -> None:
-        super().__init__(base, state, lora_a.shape[1])
+    def __init__(self, base: nn.Module, state: LoRAState, targets: list[str], table: TargetTable) -> None:
+        super().__init__(base, state)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.output_sizes = list(base.output_sizes)
         self.output_names = list(getattr(base, "output_names", []))
         self.targets = list(targets)
-        self.lora_a, self.lora_b = lora_a, lora_b
+        self.table = table
+        self._slices = tuple(self.output_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         y = self.base(x)
         if not self.lora_active():
             return y
         s = self.state
-        idx = s.token_lora_idx
-        buf = ops.lora_shrink(x, self.lora_a, idx, s.scaling, segments=s.segments)  # [S, T, R] fp32
-        ops.lora_expand(y, buf, self.lora_b, idx, tuple(self.output_sizes), segments=s.segments)
+        idx, table = s.token_lora_idx, self.table.at(s.num_slots)
+        buf = ops.lora_shrink(x, table, idx, s.scaling, segments=s.segments)  # [S, T, R] fp32
+        ops.lora_expand(y, buf, table, idx, self._slices, segments=s.segments)
         return y
 
     def extra_repr(self) -> str:
-        return f"targets={self.targets}, slots={self.lora_a.shape[1]}, rank={self.lora_a.shape[2]}"
+        return f"targets={self.targets}, max_rank={self.table.max_rank}"
 
 
 class LoRAFusedExperts(_LoRAWrapper):
     """FusedExperts with expert LoRA applied to each token's routed experts only.
 
-    w13 target: lora_a [L, E, R, H], lora_b [L, E, 2I, R]; w2 target: lora_a [L, E, R, I], lora_b [L, E, H, R].
-    Either may be None (the model's slots were built without it)."""
+    ``w13`` / ``w2``: the gate_up / down target's columns of the step's LoRA table (A [E, r, H] / B [E, 2I, r],
+    A [E, r, I] / B [E, H, r] per adapter), or a stacked pair (lora_a [L, E, R, K], lora_b [L, E, N, R]: every
+    step slot at rank R, as the ops accept it; tests); either may be None (no LoRA on that target)."""
 
-    def __init__(self, base: nn.Module, state: LoRAState, max_loras: int,
-                 w13: tuple[torch.Tensor, torch.Tensor] | None, w2: tuple[torch.Tensor, torch.Tensor] | None
-                 ) -> None:
-        super().__init__(base, state, max_loras)
+    def __init__(self, base: nn.Module, state: LoRAState, w13, w2) -> None:
+        super().__init__(base, state)
         self.num_experts, self.hidden_size = base.num_experts, base.hidden_size
         self.intermediate_size = base.intermediate_size
         self.activation, self.alpha, self.limit = base.activation, base.alpha, base.limit
@@ -113,10 +117,17 @@ class LoRAFusedExperts(_LoRAWrapper):
             w13, w13_scale, w2, w2_scale = base.w13_blocks, base.w13_scales, base.w2_blocks, base.w2_scales
         else:
             w13, w2, w2_scale = base.w13, base.w2, None
-        return ops.moe_experts_lora(x, w13, w2, topk_weights, topk_ids, self.state.token_lora_idx, self.state.scaling,
-                                    w13_lora=self.w13_lora, w2_lora=self.w2_lora, activation=self.activation,
+        s = self.state
+        return ops.moe_experts_lora(x, w13, w2, topk_weights, topk_ids, s.token_lora_idx, s.scaling,
+                                    w13_lora=_at(self.w13_lora, s.num_slots), w2_lora=_at(self.w2_lora, s.num_slots),
+                                    activation=self.activation,
                                     b13=base.b13, b2=base.b2, alpha=self.alpha, limit=self.limit,
                                     w13_scale=w13_scale, w2_scale=w2_scale)
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, E={self.num_experts}"
+
+
+def _at(lora, num_slots: int):
+    """The LoRA operand for a step of ``num_slots`` step slots: a TargetTable's table, else as it is."""
+    return lora.at(num_slots) if isinstance(lora, TargetTable) else lora

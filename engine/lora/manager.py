@@ -1,10 +1,10 @@
 """AdapterManager: makes adapters resident, tier by tier, off the step loop.
 
-    fetcher (file://, s3://) ──▶ disk cache ──▶ CPU LRU ──────────▶ GPU slots
-      by URI scheme        cache_dir/<sha>-<uri>/ max_cpu_loras      max_loras (LoRASlots)
-                           sha256 verified      pinned memory      activate(): LRU unpinned slot that no
-                           LRU, cache_max_bytes on CUDA            running sequence uses is evicted
-                           (disk_cache.py)
+    fetcher (file://, s3://) ──▶ disk cache ──▶ CPU LRU ──────────▶ GPU memory (AdapterPool, pool.py)
+      by URI scheme        cache_dir/<sha>-<uri>/ max_cpu_loras      byte budget: each adapter its own size;
+                           sha256 verified      pinned memory      activate(): LRU unpinned adapters no running
+                           LRU, cache_max_bytes on CUDA            request uses are evicted; the copy runs on a
+                           (disk_cache.py)                         side stream (usable once ``is_ready``)
       └──────────── background thread pool ───────────┘            └── step thread only ──┘
 
 ``ensure_loading(ref)`` starts at most one load per ref (single-flight): fetch (or a disk-cache hit), sha256
@@ -12,8 +12,9 @@ check, then ``load_adapter_weights`` (format checks against the base model, NaN/
 ``AdapterWeights``. A failure is remembered per ref (``state`` = "failed", ``error``) and leaves nothing in any
 tier; ``evict(ref)`` (or ``ensure_loading(ref, retry=True)``) forgets it. The disk cache (``disk_cache.DiskCache``)
 keeps at most ``cache_max_bytes``, least recently used entries out first, never one a load is reading; an evicted
-adapter is simply fetched again. ``activate(ref, in_use)`` copies a CPU-ready adapter into a GPU slot; it touches
-device buffers, so only the thread that runs the model steps may call it (the engine's scheduler does).
+adapter is simply fetched again. ``activate(ref, in_use)`` starts copying a CPU-ready adapter into GPU memory (a
+slot of its own size); ``is_ready(ref)`` says when the copy is done. Both touch device memory, so only the thread
+that runs the model steps may call them (the engine's scheduler does).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import os
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Literal
@@ -32,6 +34,7 @@ from loraplex.engine.config import ModelConfig
 from loraplex.engine.lora.disk_cache import DiskCache
 from loraplex.engine.lora.fetch import (ADAPTER_FILES, AdapterFetchError, AdapterFetchUnavailableError, Fetcher,
                                         default_fetchers)
+from loraplex.engine.lora.pool import AdapterPool
 from loraplex.engine.lora.ref import AdapterRef
 
 logger = logging.getLogger(__name__)
@@ -68,9 +71,9 @@ class AdapterCounters:
     disk_hits: int = 0        # loads served from the disk cache
     loads: int = 0            # adapters converted into CPU weights
     cpu_evictions: int = 0    # CPU LRU drops
-    activations: int = 0      # CPU -> GPU slot copies
-    slot_hits: int = 0        # admissions whose adapter was already in a slot
-    evictions: int = 0        # GPU slots taken from one adapter for another (or by evict())
+    activations: int = 0      # CPU -> GPU copies started
+    slot_hits: int = 0        # admissions whose adapter was already resident on the GPU
+    evictions: int = 0        # adapters dropped from GPU memory to make room for another (or by evict())
     failures: int = 0         # loads that failed
     disk_evictions: int = 0   # disk-cache entries deleted to fit cache_max_bytes (kept by the DiskCache)
 
@@ -84,19 +87,23 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
 
 
 class AdapterManager:
-    """GPU slots <- CPU LRU <- disk cache <- fetcher, for one engine. Thread-safe except ``activate`` and
-    ``evict``, which touch the slot buffers and belong to the step thread."""
+    """GPU memory <- CPU LRU <- disk cache <- fetcher, for one engine. Thread-safe except ``activate``,
+    ``is_ready`` and ``evict``, which touch device memory and belong to the step thread.
 
-    def __init__(self, slots: Any, model_config: ModelConfig, *, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 cache_dir: str | None, fetchers: dict[str, Fetcher] | None = None, dtype: Any = None,
+    ``gpu_budget_bytes``: the device bytes resident adapters may take (decided at start, beside the KV pool);
+    ``max_loras``: an optional cap on how many are resident at once (None: memory alone decides)."""
+
+    def __init__(self, slots: Any, model_config: ModelConfig, *, max_cpu_loras: int, max_rank: int,
+                 cache_dir: str | None, gpu_budget_bytes: int, max_loras: int | None = None,
+                 fetchers: dict[str, Fetcher] | None = None, dtype: Any = None,
                  base_model_name: str | None = None, pin_memory: bool = False, max_workers: int = 2,
                  loader: Callable[[str, str], Any] | None = None, cache_max_bytes: int | None = None) -> None:
-        if max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        if max_cpu_loras < max_loras:
-            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras}): every adapter in "
-                             "a GPU slot passes through the CPU tier")
+        if max_loras is not None and max_loras < 1:
+            raise ValueError(f"max_loras must be None or >= 1, got {max_loras}")
+        if max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be >= 1, got {max_cpu_loras}")
         self.slots = slots
+        self.pool = AdapterPool(slots, budget_bytes=gpu_budget_bytes, max_loras=max_loras)
         self.model_config = model_config
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.base_model_name = base_model_name
@@ -110,8 +117,8 @@ class AdapterManager:
         self._progress = threading.Condition(self._lock)  # notified when a load ends
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="loraplex-adapter-load")
         self._cpu: OrderedDict[AdapterRef, Any] = OrderedDict()   # LRU first
-        self._slot_refs: list[AdapterRef | None] = [None] * max_loras
-        self._slot_lru: OrderedDict[int, None] = OrderedDict()     # occupied slots, LRU first
+        self.load_seconds: deque[float] = deque(maxlen=1024)       # disk / fetch -> CPU times of completed loads
+        self._copied: set[AdapterRef] = set()  # activated, their first admission not yet made (no slot hit)
         self._loading: dict[AdapterRef, threading.Event] = {}  # set when the load is over
         self._failed: dict[AdapterRef, BaseException] = {}
         self._pinned: set[AdapterRef] = set()
@@ -134,19 +141,21 @@ class AdapterManager:
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def slot_of(self, ref: AdapterRef) -> int | None:
-        """GPU slot of ``ref`` if it is resident."""
+        """GPU slot of ``ref`` if it is resident (its copy may still be in flight: ``is_ready``)."""
         with self._lock:
-            try:
-                return self._slot_refs.index(ref)
-            except ValueError:
-                return None
+            return self.pool.slot_of(ref)
+
+    def is_ready(self, ref: AdapterRef) -> bool:
+        """Resident on the GPU with its copy complete, so a step may use it (never blocks)."""
+        with self._lock:
+            return self.pool.is_ready(ref)
 
     def state(self, ref: AdapterRef) -> AdapterState:
         """"ready" once its weights are on CPU (or in a slot), "loading", "failed", or "absent"."""
         with self._lock:
             if ref in self._failed:
                 return "failed"
-            if ref in self._cpu or ref in self._slot_refs:
+            if ref in self._cpu or self.pool.slot_of(ref) is not None:
                 return "ready"
             return "loading" if ref in self._loading else "absent"
 
@@ -158,14 +167,18 @@ class AdapterManager:
     def residency(self) -> dict:
         """A snapshot for operators and the router: what is where, and the counters."""
         with self._lock:
+            pool = self.pool
             return {
-                "gpu": {slot: ref.adapter_id for slot, ref in enumerate(self._slot_refs) if ref is not None},
+                "gpu": {slot: ref.adapter_id for slot, ref in sorted(pool.resident().items())},
+                "gpu_bytes": pool.used_bytes, "gpu_budget_bytes": pool.budget_bytes,
+                "gpu_copying": [ref.adapter_id for ref in pool.copying()],
+                "load_seconds": {"cpu": list(self.load_seconds), "gpu": list(pool.copy_seconds)},
                 "cpu": [ref.adapter_id for ref in self._cpu],
                 "cpu_bytes": sum(int(getattr(w, "nbytes", 0)) for w in self._cpu.values()),
                 "loading": [ref.adapter_id for ref in self._loading],
                 "failed": {ref.adapter_id: str(e) for ref, e in self._failed.items()},
                 "pinned": sorted(ref.adapter_id for ref in self._pinned),
-                "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
+                "max_loras": self.pool.max_loras, "max_cpu_loras": self.max_cpu_loras,
                 "disk": self.disk.stats(),
                 "counters": self._counters(),
             }
@@ -187,9 +200,7 @@ class AdapterManager:
                 self._failed.pop(ref, None)
             if ref in self._failed:
                 return "failed"
-            if ref in self._cpu:
-                return "ready"
-            if ref in self._slot_refs:
+            if ref in self._cpu or self.pool.slot_of(ref) is not None:
                 return "ready"
             if ref not in self._loading:
                 done = threading.Event()
@@ -208,6 +219,7 @@ class AdapterManager:
     def _run(self, ref: AdapterRef, done: threading.Event) -> None:
         """Worker thread: load, then publish the result (or the failure) unless evicted meanwhile."""
         try:
+            t0 = time.monotonic()
             try:
                 weights, err = self._load(ref), None
             except Exception as e:  # noqa: BLE001 - remembered per ref, surfaced to its requests
@@ -222,6 +234,7 @@ class AdapterManager:
                     logger.warning("adapter %s failed to load: %s", ref.adapter_id, err)
                     return
                 self._cpu[ref] = weights
+                self.load_seconds.append(time.monotonic() - t0)
                 self.counters.loads += 1
                 self._trim_cpu(keep=ref)
         finally:
@@ -238,13 +251,13 @@ class AdapterManager:
             return self._progress.wait(timeout)
 
     def _trim_cpu(self, keep: AdapterRef) -> None:
-        """Drop CPU entries, LRU first, until within max_cpu_loras: never pinned ones or ``keep``; copies whose
-        adapter sits in a GPU slot go last (they can come back from disk if the slot is lost)."""
+        """Drop CPU entries, LRU first, until within max_cpu_loras: never pinned ones or ``keep``; those resident on
+        the GPU go first (the GPU copy serves them; if it is evicted later they come back from disk)."""
         while len(self._cpu) > self.max_cpu_loras:
             candidates = [r for r in self._cpu if r != keep and r not in self._pinned]
             if not candidates:
                 return
-            victim = next((r for r in candidates if r not in self._slot_refs), candidates[0])
+            victim = next((r for r in candidates if self.pool.slot_of(r) is not None), candidates[0])
             del self._cpu[victim]
             self.counters.cpu_evictions += 1
 
@@ -323,68 +336,63 @@ class AdapterManager:
                                        f"fetched {WEIGHTS_FILE} has {got}; the blob is corrupt or the reference "
                                        "is stale, upload the adapter again")
 
-    # ---- GPU slots (step thread) --------------------------------------------------------------------------------
+    # ---- GPU memory (step thread) -------------------------------------------------------------------------------
     def activate(self, ref: AdapterRef, in_use: set[AdapterRef] | frozenset = frozenset()) -> int | None:
-        """Put a CPU-ready adapter into a GPU slot and return it: a free slot, else the least recently used
-        unpinned slot whose adapter is not in ``in_use``. None when not CPU-ready or no slot can be had."""
+        """Make a CPU-ready adapter resident on the GPU and return its slot: already resident (its LRU place
+        touched), or its copy started now, after evicting the least recently used unpinned adapters not in
+        ``in_use`` that are needed to make room (``AdapterPool``). None when it is not CPU-ready, when no room can
+        be made now, or when it can never fit (then it is marked failed). ``is_ready`` says when it may run."""
         with self._lock:
-            slot = self.slot_of(ref)
+            pool = self.pool
+            slot = pool.slot_of(ref)
             if slot is not None:
-                self._slot_lru.move_to_end(slot)
-                self.counters.slot_hits += 1
+                pool.touch(ref)
+                if ref in self._copied:  # the admission its own copy was made for: no hit
+                    if pool.is_ready(ref):
+                        self._copied.discard(ref)
+                else:
+                    self.counters.slot_hits += 1
                 return slot
             weights = self._cpu.get(ref)
             if weights is None:
                 return None
-            slot = next((i for i, r in enumerate(self._slot_refs) if r is None), None)
-            if slot is None:
-                slot = next((i for i in self._slot_lru
-                             if self._slot_refs[i] not in self._pinned and self._slot_refs[i] not in in_use), None)
-                if slot is None:
-                    return None
-                logger.info("adapter slot %d: %s -> %s", slot, self._slot_refs[slot].adapter_id, ref.adapter_id)
-                self.counters.evictions += 1
+            before = len(pool)
             try:
-                self.slots.load(slot, weights)
-            except Exception as e:  # noqa: BLE001 - refused by the slots: fail this adapter, not the step
-                self.slots.clear(slot)
-                self._slot_refs[slot] = None
-                self._slot_lru.pop(slot, None)
+                slot = pool.activate(ref, weights, in_use)
+            except Exception as e:  # noqa: BLE001 - too large, or refused by the slots: fail this adapter, not the step
                 del self._cpu[ref]
                 self._failed[ref] = e
                 self.counters.failures += 1
-                logger.warning("adapter %s could not be put in a slot: %s", ref.adapter_id, e)
+                logger.warning("adapter %s could not be put on the GPU: %s", ref.adapter_id, e)
                 return None
-            self._slot_refs[slot] = ref
-            self._slot_lru[slot] = None
-            self._slot_lru.move_to_end(slot)
+            if slot is None:
+                return None
+            self.counters.evictions += before + 1 - len(pool)
             self._cpu.move_to_end(ref)
             self.counters.activations += 1
+            self._copied.intersection_update(pool.resident().values())  # forget evicted ones
+            if not pool.is_ready(ref):  # a copy in flight: the activate() that finds it done admits, no hit
+                self._copied.add(ref)
             return slot
-
-    def num_free_slots(self, in_use: set[AdapterRef] | frozenset = frozenset()) -> int:
-        """Slots empty or held by an unpinned adapter not in ``in_use``."""
-        with self._lock:
-            return sum(r is None or (r not in self._pinned and r not in in_use) for r in self._slot_refs)
 
     # ---- operator controls ------------------------------------------------------------------------------------
     def pin(self, ref: AdapterRef) -> AdapterState:
-        """Never evict ``ref`` from CPU or its GPU slot; starts its load. At most ``max_loras - 1`` adapters
-        can be pinned, so that one slot always serves the others."""
+        """Never evict ``ref`` from CPU or GPU memory; starts its load. Refused (ValueError) once the pinned
+        adapters would leave less than one largest adapter's room in the GPU budget (``AdapterPool.can_pin``)."""
         with self._lock:
-            if ref not in self._pinned and len(self._pinned) >= self.max_loras - 1:
-                raise ValueError(f"cannot pin {ref.adapter_id!r}: {len(self._pinned)} adapters are pinned and "
-                                 f"max_loras={self.max_loras} must keep one slot unpinned; unpin one or raise "
-                                 "max_loras")
+            weights = self._cpu.get(ref)
+            nbytes = self.slots.footprint(weights) if weights is not None else None
+            self.pool.pin(ref, nbytes)
             self._pinned.add(ref)
         return self.ensure_loading(ref)
 
     def unpin(self, ref: AdapterRef) -> None:
         with self._lock:
             self._pinned.discard(ref)
+            self.pool.unpin(ref)
 
     def evict(self, ref: AdapterRef) -> bool:
-        """Drop ``ref`` from every in-memory tier (GPU slot, CPU), forget a failure or an ongoing load, unpin it.
+        """Drop ``ref`` from every in-memory tier (GPU, CPU), forget a failure or an ongoing load, unpin it.
         The disk cache keeps it (until its LRU cap needs the room). The caller makes sure no running sequence uses
         it. True if anything went."""
         with self._lock:
@@ -392,11 +400,9 @@ class AdapterManager:
             found |= self._loading.pop(ref, None) is not None
             found |= self._cpu.pop(ref, None) is not None
             self._pinned.discard(ref)
-            slot = self.slot_of(ref)
-            if slot is not None:
-                self.slots.clear(slot)
-                self._slot_refs[slot] = None
-                self._slot_lru.pop(slot, None)
+            self._copied.discard(ref)
+            self.pool.unpin(ref)
+            if self.pool.evict(ref):
                 self.counters.evictions += 1
                 found = True
             return found

@@ -3,6 +3,11 @@
     weights = load_adapter_weights("/cache/tenant-a/v3", model_config, max_rank=16, dtype=torch.bfloat16)
     slots.load(0, weights)
 
+Every factor sits at the module's own rank, and all of them are views into one flat tensor (``flat``: module keys
+in sorted order, A then B, B stored rank-major, each factor 16-byte aligned; ``layout``), so an adapter moves to
+the GPU in one copy and costs there what its factors need (``nbytes``, plus alignment padding, none at the usual
+model sizes).
+
 Shape legend: r the module's rank, E experts, K in features, N out features.
 
     plain target  (self_attn.q_proj, mlp.down_proj, ...):   lora_a [r, K],     lora_b [N, r]
@@ -29,6 +34,24 @@ from loraplex.engine.lora.format import (AdapterFormatError, AdapterSpec, LoraMo
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+ALIGN_BYTES = 16  # every packed factor starts on such a boundary (the LoRA kernels read them with vector loads)
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def rank_major(b_shape: torch.Size) -> torch.Size:
+    """B [.., N, r] stored rank-major: [.., r, N]."""
+    return torch.Size((*b_shape[:-2], b_shape[-1], b_shape[-2]))
+
+
+def packed_numel(layout: list) -> int:
+    """Elements of a flat tensor holding ``layout`` (``AdapterWeights.layout``)."""
+    if not layout:
+        return 0
+    _, _, _, b_off, b_shape = layout[-1]
+    return b_off + b_shape.numel()
 
 
 @dataclass
@@ -48,19 +71,63 @@ class AdapterWeights:
     """One adapter converted to the engine's layout (CPU tensors; ``pin_memory()`` before H2D copies on CUDA)."""
 
     adapter_id: str
-    rank: int                                   # largest rank of any module (slots zero-pad to max_rank)
-    nbytes: int
+    rank: int                                   # largest rank of any module
+    nbytes: int                                 # of all factors: what the adapter takes on the GPU
     spec: AdapterSpec
     modules: dict[tuple[int, str], LoraTensors] = field(default_factory=dict)  # (layer, target) -> factors
+    flat: torch.Tensor | None = None            # every factor, packed (``pack``): one host->device copy
 
     @property
     def targets(self) -> tuple[str, ...]:
         return self.spec.targets
 
+    def pack(self) -> "AdapterWeights":
+        """Moves every factor into one flat tensor (``layout``) and makes the modules views of it."""
+        if self.flat is not None:
+            return self
+        dtypes = {t.dtype for m in self.modules.values() for t in (m.lora_a, m.lora_b)}
+        if len(dtypes) > 1:
+            raise ValueError(f"adapter {self.adapter_id!r} mixes dtypes {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        lay = self.layout(torch.empty((), dtype=dtype).element_size())
+        flat = torch.zeros(packed_numel(lay), dtype=dtype)
+        for key, a_off, a_shape, b_off, b_shape in lay:
+            t = self.modules[key]
+            flat[a_off:a_off + a_shape.numel()].view(a_shape).copy_(t.lora_a)
+            flat[b_off:b_off + b_shape.numel()].view(rank_major(b_shape)).copy_(t.lora_b.transpose(-1, -2))
+        self.flat = flat
+        self._view_modules()
+        return self
+
+    def layout(self, elem_size: int | None = None) -> list[tuple[tuple[int, str], int, torch.Size, int, torch.Size]]:
+        """(key, A offset, A shape, B offset, B shape) in ``flat``, in elements: sorted keys, A then B, each
+        factor starting on an ``ALIGN_BYTES`` boundary (for ``elem_size``-byte elements; default: the factors'
+        own). A is stored as it is ([.., r, K]), B rank-major (as B^T [.., r, N]; its shape here is B's own
+        [.., N, r]): the layout a ``LoRATable`` reads."""
+        if elem_size is None:
+            first = next(iter(self.modules.values()), None)
+            elem_size = first.lora_a.element_size() if first is not None else 4
+        align = max(1, ALIGN_BYTES // elem_size)
+        out, off = [], 0
+        for key in sorted(self.modules):
+            t = self.modules[key]
+            a, b = t.lora_a.shape, t.lora_b.shape
+            b_off = _round_up(off + a.numel(), align)
+            out.append((key, off, a, b_off, b))
+            off = _round_up(b_off + b.numel(), align)
+        return out
+
+    def _view_modules(self) -> None:
+        for key, a_off, a_shape, b_off, b_shape in self.layout(self.flat.element_size()):
+            self.modules[key] = LoraTensors(
+                lora_a=self.flat[a_off:a_off + a_shape.numel()].view(a_shape),
+                lora_b=self.flat[b_off:b_off + b_shape.numel()].view(rank_major(b_shape)).transpose(-1, -2))
+
     def pin_memory(self) -> "AdapterWeights":
-        """Page-locks every tensor in place (for asynchronous copies into GPU slots)."""
-        for m in self.modules.values():
-            m.lora_a, m.lora_b = m.lora_a.pin_memory(), m.lora_b.pin_memory()
+        """Packs and page-locks the factors in place (for asynchronous copies to the GPU)."""
+        self.pack()
+        self.flat = self.flat.pin_memory()
+        self._view_modules()
         return self
 
 
@@ -89,7 +156,7 @@ def load_adapter_weights(folder: str | os.PathLike, model_config: ModelConfig, *
         modules[(mod.layer, mod.target)] = _convert(mod, a, b, model_config, dtype)
     nbytes = sum(t.lora_a.nbytes + t.lora_b.nbytes for t in modules.values())
     return AdapterWeights(adapter_id=adapter_id or os.path.basename(folder.rstrip("/")), rank=spec.rank,
-                          nbytes=nbytes, spec=spec, modules=modules)
+                          nbytes=nbytes, spec=spec, modules=modules).pack()
 
 
 def _read_pair(path: str, mod: LoraModule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,4 +188,5 @@ def _convert(mod: LoraModule, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig
     return LoraTensors(lora_a=a.to(dtype).contiguous(), lora_b=b.to(dtype).contiguous())
 
 
-__all__ = ["AdapterWeights", "LoraTensors", "load_adapter_weights", "CONFIG_FILE", "WEIGHTS_FILE"]
+__all__ = ["AdapterWeights", "LoraTensors", "load_adapter_weights", "packed_numel", "rank_major", "ALIGN_BYTES",
+           "CONFIG_FILE", "WEIGHTS_FILE"]

@@ -23,16 +23,21 @@ def register(subparsers) -> None:
     s.add_argument("--model-name", default=None, help="name reported by /health (default: the folder's name)")
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto")
-    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences per step (default: 256 on CUDA, 64 on CPU); decode graphs cover every batch size")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence (prompt + output); default: the model's max_position_embeddings, capped at "
                         "8192; above max_position_embeddings it is refused")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, the prefill chunk included (default: 4096 on CUDA, 2048 on CPU)")
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many GPUs of the host (gloo processes on CPU)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
-    s.add_argument("--cuda-graph-max-batch-size", type=int, default=64,
-                   help="largest decode batch captured as a CUDA graph (larger batches run eagerly)")
+    s.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+                   help="largest decode batch captured as a CUDA graph (default: max-num-seqs; larger batches run "
+                        "eagerly)")
+    s.add_argument("--cuda-graph-capture-budget-s", type=float, default=120.0,
+                   help="start-up seconds allowed for graph capture; buckets past it are served by a larger one")
     s.add_argument("--quantization", choices=("auto", "none", "int8", "mxfp4"), default="auto",
                    help="expert weights: auto = as the checkpoint stores them (an MXFP4 checkpoint such as GPT-OSS "
                         "as published is served in MXFP4); none = float (an MXFP4 checkpoint is dequantised at "
@@ -44,9 +49,15 @@ def register(subparsers) -> None:
     s.add_argument("--scheduling-policy", choices=("vtc", "fcfs"), default="vtc",
                    help="vtc: tenant-fair (virtual token counters, each request's tenant_weight); fcfs: arrival order")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
-    s.add_argument("--max-loras", type=int, default=4)
+    s.add_argument("--max-loras", type=int, default=None,
+                   help="optional cap on adapters resident on the GPU (default: none, the adapter memory decides)")
     s.add_argument("--max-lora-rank", type=int, default=16)
     s.add_argument("--max-cpu-loras", type=int, default=16)
+    s.add_argument("--adapter-memory", type=_size, default=None,
+                   help="GPU memory for resident adapters: bytes, or 24GiB / 500MB (default: "
+                        "--adapter-memory-fraction of what is left after weights; the KV cache gets the rest)")
+    s.add_argument("--adapter-memory-fraction", type=float, default=0.35,
+                   help="share of the memory left after weights and headroom given to adapters (default 0.35)")
     s.add_argument("--adapter-cache-dir", default=os.environ.get("LORAPLEX_ADAPTER_CACHE_DIR"))
     s.add_argument("--adapter-cache-max-bytes", type=_size,
                    default=os.environ.get("LORAPLEX_ADAPTER_CACHE_MAX_BYTES", "20GiB"),
@@ -92,11 +103,14 @@ def run(args: argparse.Namespace) -> int:
                       tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                       cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
                       quantization=_quantization(args.quantization), async_scheduling=args.async_scheduling,
-                      scheduling_policy=args.scheduling_policy)
+                      scheduling_policy=args.scheduling_policy,
+                      cuda_graph_capture_budget_s=args.cuda_graph_capture_budget_s)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir,
-                          adapter_cache_max_bytes=args.adapter_cache_max_bytes)
+                          adapter_cache_max_bytes=args.adapter_cache_max_bytes,
+                          adapter_memory_bytes=args.adapter_memory,
+                          adapter_memory_fraction=args.adapter_memory_fraction)
 
         try:   # settings the model cannot honour: one line and exit, before the port opens or weights load
             _check_settings(args.model, kwargs)

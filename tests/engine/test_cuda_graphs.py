@@ -15,15 +15,15 @@ from loraplex.engine import LLMEngine, SamplingParams
 from loraplex.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from loraplex.engine.engine_config import EngineConfig
 from loraplex.engine.loader import load_model
-from loraplex.engine.lora.layers import LoRALinear
-from loraplex.engine.lora.slots import LoRASlots
+from loraplex.engine.lora.slots import LoRASlots, max_adapter_bytes
 from loraplex.engine.stats import empty_stats, engine_stats
+from loraplex.engine.testing.adapters import random_adapter
 from loraplex.kernels import reference
 
 FAMILIES = ["gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen3"]
-MAX_LORAS, MAX_RANK = 3, 4
+MAX_RANK = 4
 NEW_TOKENS = (14, 9, 5, 12, 3, 7)          # different lengths: the batch shrinks 6 -> 5 -> 4 -> 3 -> 2 -> 1
-SLOT_OF_REQUEST = (0, None, 1, 0, None, 1)  # adapters and base requests mixed; slot 2 stays empty
+SLOT_OF_REQUEST = (0, None, 5, 0, None, 5)  # adapters (resident slots 0 and 5) and base requests mixed
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -32,16 +32,10 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def fill_random_slots(slots: LoRASlots, seed: int) -> None:
-    """Random non-zero factors in slots 0 and 1 of every wrapped module (no PEFT needed: both paths share them)."""
-    g = torch.Generator().manual_seed(seed)
-    for w in slots._wrappers:
-        pairs = [(w.lora_a.transpose(0, 1), w.lora_b)] if isinstance(w, LoRALinear) else \
-            [p for p in (w.w13_lora, w.w2_lora) if p is not None]
-        for slot in (0, 1):
-            for a, b in pairs:
-                a[slot].copy_(torch.randn(a[slot].shape, generator=g) * 0.3)
-                b[slot].copy_(torch.randn(b[slot].shape, generator=g) * 0.3)
-            w.loaded[slot] = True
+    """Random adapters of ranks 4 and 2 in resident slots 0 and 5 (no PEFT needed: both paths share them); slot 3
+    holds an adapter no request uses."""
+    for slot, rank in ((0, 4), (5, 2), (3, 1)):
+        slots.load(slot, random_adapter(slots, f"random/{slot}", rank=rank, seed=seed * 10 + slot, scale=1.0))
 
 
 def run_engine(path: str, family: str, *, padded: bool, prompts: list[list[int]], setup=None, **kw):
@@ -50,7 +44,7 @@ def run_engine(path: str, family: str, *, padded: bool, prompts: list[list[int]]
     engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
                                        max_num_batched_tokens=64, enable_prefix_caching=False, progress=False, **kw)
     runner = engine.runner
-    slots = runner.init_lora(max_loras=MAX_LORAS, max_rank=MAX_RANK)
+    slots = runner.init_lora(max_rank=MAX_RANK)
     fill_random_slots(slots, seed=FAMILIES.index(family))
     seq_slot: dict[int, int] = {}
     execute = runner.execute
@@ -122,8 +116,8 @@ def test_steps_over_the_largest_bucket_and_prompt_logprobs_run_eagerly(tiny_chec
     assert not graphs.can_run(SchedulerOutput(scheduled=[ScheduledSequence(seq, 1, [0], True, prompt_logprobs=2)]))
     assert not graphs.can_run(SchedulerOutput(scheduled=[ScheduledSequence(seq, 2, [0], sample=True)]))
     assert not graphs.can_run(SchedulerOutput(scheduled=[one, one, one]))
-    with pytest.raises(ValueError, match=r"LoRA slot 3, outside \[-1, 3\)"):
-        graphs.run(SchedulerOutput(scheduled=[one]), {0: 3})
+    with pytest.raises(ValueError, match=r"slot 2 holds no adapter \(resident: \[0, 3, 5\]\)"):
+        graphs.run(SchedulerOutput(scheduled=[one]), {0: 2})
 
 
 def test_padded_rows_neither_fault_nor_touch_the_cache():
@@ -159,7 +153,7 @@ def test_buckets_config_and_cpu_defaults(tiny_checkpoint):
     assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
     with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
         batch_buckets(0)
-    with pytest.raises(ValueError, match="cuda_graph_max_batch_size must be an integer >= 1"):
+    with pytest.raises(ValueError, match="cuda_graph_max_batch_size must be None \\(max_num_seqs\\) or an integer"):
         EngineConfig(model="x", cuda_graph_max_batch_size=0)
     engine = LLMEngine.from_pretrained(tiny_checkpoint("qwen3"), device="cpu", dtype="float32", block_size=4,
                                        max_num_seqs=4, progress=False)
@@ -174,27 +168,37 @@ def test_buckets_config_and_cpu_defaults(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "llama"])
-def test_lora_reserve_is_what_the_slots_take(family, tiny_checkpoint):
+def test_largest_adapter_estimate_is_what_the_slots_take(family, tiny_checkpoint):
+    """The sizing-time estimate (before LoRA is attached) equals the bytes a rank-8 adapter on every target takes
+    once loaded, and the slots hold nothing before a load."""
     model, cfg = load_model(tiny_checkpoint(family), progress=False)
-    want = LoRASlots.estimate_nbytes(model, max_loras=3, max_rank=8, dtype=torch.float32)
-    slots = LoRASlots(model, cfg, max_loras=3, max_rank=8, device="cpu", dtype=torch.float32)
-    assert want == slots.nbytes > 0
+    want = max_adapter_bytes(model, max_rank=8, dtype=torch.float32)
+    slots = LoRASlots(model, cfg, max_rank=8, max_step_slots=4, device="cpu", dtype=torch.float32)
+    assert slots.nbytes == 0 and want == slots.max_footprint() > 0
+    slots.load(2, random_adapter(slots, "x", rank=8, seed=0))
+    assert slots.nbytes == want
 
 
 def test_token_slot_state(tiny_checkpoint):
     model, cfg = load_model(tiny_checkpoint("qwen3_moe"), progress=False)
-    slots = LoRASlots(model, cfg, max_loras=3, max_rank=4, device="cpu", dtype=torch.float32)
+    slots = LoRASlots(model, cfg, max_rank=4, max_step_slots=4, device="cpu", dtype=torch.float32)
+    for slot in (1, 7):
+        slots.load(slot, random_adapter(slots, f"a{slot}", rank=2 + slot % 2, seed=slot))
     st = slots.state
-    slots.set_token_slots(torch.tensor([1, -1, 1], dtype=torch.int32))
-    assert st.active_slots == {1} and st.segments is None and not st.always_on  # CPU: the references group
-    slots.bind_static_token_slots(torch.full((4,), -1, dtype=torch.int32))
-    assert st.always_on and st.active_slots == {0, 1, 2} and st.token_lora_idx.shape == (4,)
+    slots.set_token_slots(torch.tensor([7, -1, 1, 7], dtype=torch.int32))
+    assert st.active_slots == {1, 7} and st.num_slots == 2 and st.segments is None and not st.always_on
+    assert st.token_lora_idx.tolist() == [1, -1, 0, 1]  # step slots: resident 1 -> 0, 7 -> 1
+    assert slots.step_table.slots == [1, 7]
+    slots.bind_static_token_slots(torch.full((4,), -1, dtype=torch.int32), 4)
+    assert st.always_on and st.num_slots == 4 and st.token_lora_idx.shape == (4,)
     slots.set_token_slots(None)
     assert st.token_lora_idx is None and not st.always_on
     with pytest.raises(ValueError, match="static token map must be int32"):
-        slots.bind_static_token_slots(torch.zeros(4, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"outside \[-1, 3\)"):
+        slots.bind_static_token_slots(torch.zeros(4, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="token slots hold -2"):
         slots.set_token_slots(torch.tensor([-2, 0]))
+    with pytest.raises(ValueError, match=r"slot 0 holds no adapter \(resident: \[1, 7\]\)"):
+        slots.set_token_slots(torch.tensor([0, 1]))
 
 
 class _FakeCuda:
@@ -235,10 +239,14 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (1 << 30, 1 << 31))
 
 
-@pytest.mark.parametrize("fail_bucket", [None, 2])
-def test_capture_bookkeeping_and_fallback_with_fake_cuda(fail_bucket, tiny_checkpoint, monkeypatch, caplog):
-    """capture_all with torch.cuda faked: warm-up then capture per bucket, largest first; replays give the
-    normal path's tokens; a capture error leaves no graphs, a warning, and the eager path."""
+@pytest.mark.parametrize("fail_bucket,budget_s", [(None, None), (2, None), (None, 1e-9)],
+                         ids=["all", "failure", "budget"])
+def test_capture_bookkeeping_and_fallback_with_fake_cuda(fail_bucket, budget_s, tiny_checkpoint, monkeypatch,
+                                                         caplog):
+    """capture_all with torch.cuda faked: warm-up then capture per bucket, largest first, then the smallest
+    upwards; replays give the normal path's tokens; a capture error leaves no graphs, a warning, and the eager
+    path; a spent capture budget leaves the largest bucket only, which then serves every batch (padded)."""
+    caplog.set_level("INFO", logger="loraplex.engine.cuda_graphs")
     path = tiny_checkpoint("qwen3")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (5, 3, 9, 5, 6, 2)]
@@ -250,7 +258,7 @@ def test_capture_bookkeeping_and_fallback_with_fake_cuda(fail_bucket, tiny_check
         graphs.capture = True
         fake = state["fake"] = _FakeCuda(graphs, fail_bucket)
         fake.install(monkeypatch)
-        state["ok"] = graphs.capture_all()
+        state["ok"] = graphs.capture_all(budget_s)
         runner.decode_graphs = graphs if state["ok"] else None
         state["replays"] = graphs
 
@@ -259,8 +267,12 @@ def test_capture_bookkeeping_and_fallback_with_fake_cuda(fail_bucket, tiny_check
     assert got == want
     for rid, rows in want_logits.items():
         assert max(rel_err(a, b) for a, b in zip(got_logits[rid], rows)) <= 1e-5
-    if fail_bucket is None:
-        assert state["ok"] and fake.captured == [8, 4, 2, 1] and runner.num_cuda_graphs == 4
+    if budget_s is not None:
+        assert state["ok"] and fake.captured == [8] and runner.cuda_graph_buckets == [8]
+        assert state["replays"].num_steps == max(NEW_TOKENS) - 1  # batches of 6 down to 1, all replaying bucket 8
+        assert "capture budget of 0 s spent, buckets 1,2,4 left out" in caplog.text
+    elif fail_bucket is None:
+        assert state["ok"] and fake.captured == [8, 1, 2, 4] and runner.num_cuda_graphs == 4
         assert fake.forwards[:2] == [8, 8]  # warm-up, then capture, largest bucket first
         assert runner.cuda_graph_buckets == [1, 2, 4, 8] and state["replays"].num_steps == max(NEW_TOKENS) - 1
         assert not runner.lora.state.always_on and runner.lora.state.token_lora_idx is None

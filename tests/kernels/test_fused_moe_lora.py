@@ -1,11 +1,15 @@
+"""Expert LoRA (fused_moe_lora) in Triton under the interpreter against the reference: adapters of ranks 8 / 16 / 32
+in one batch, each read at its own rank through a LoRATable, an empty slot, tokens without an adapter, experts
+without tokens; the stacked padded layout as input."""
 import pytest
 import torch
 
 from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.fused_moe_lora import fused_moe_lora
-from tests.kernels.lora_inputs import padded_rank_mask, token_adapters
+from loraplex.kernels.lora_table import LoRATable
+from tests.kernels.lora_inputs import expert_table, padded_rank_mask, token_adapters
 
-L, E, A, R = 3, 6, 2, 32
+L, E, A, R = 4, 6, 2, 32  # slot 3 holds no weights
 CONFIGS = [
     {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 1, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2, "GROUP_M": 1, "num_warps": 4, "num_stages": 1},
@@ -18,6 +22,11 @@ CONFIGS = [
 
 
 def _expert_lora(k, n):
+    """(table, None, scaling): ranks 8 / 16 / 32 at their own size, slot 3 empty (the lora_b argument is None)."""
+    return expert_table(L, E, k, n, empty=(3,)), None, torch.rand(L) + 0.5
+
+
+def _stacked(k, n):
     mask = padded_rank_mask(L, R)  # ranks 8 / 16 / 32 padded to 32
     lora_a = torch.randn(L, E, R, k) * mask[:, None, :, None] / k ** 0.5
     lora_b = torch.randn(L, E, n, R) * mask[:, None, None, :]
@@ -46,9 +55,9 @@ def test_fused_moe_lora_matches_reference(num_tokens, target, cfg):
     fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling, topk_weights, config=cfg)
     ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling, topk_weights)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
-    untouched = torch.where(idx < 0)[0]
+    untouched = torch.where((idx < 0) | (idx == 3))[0]  # no adapter, or the empty slot
     rows = torch.cat([untouched * A + a for a in range(A)])
-    assert torch.equal(y[rows], want[rows])  # tokens without an adapter keep the base output
+    assert torch.equal(y[rows], want[rows])  # ... keep the base output
 
 
 @pytest.mark.parametrize("partials_max_rows", [0, 1 << 20], ids=["atomics", "partials"])
@@ -75,6 +84,27 @@ def test_fused_moe_lora_rejects_bad_output():
     weights, ids = _routing(3)
     with pytest.raises(ValueError, match="y must be \\[T\\*A=6, N\\]"):
         fused_moe_lora(torch.randn(3, 16), torch.randn(3, 16), lora_a, lora_b, ids, token_adapters(3, L), scaling)
+    with pytest.raises(ValueError, match="pass lora_b=None"):
+        fused_moe_lora(torch.randn(6, 16), torch.randn(3, 16), lora_a, torch.zeros(1), ids, token_adapters(3, L),
+                       scaling)
+
+
+def test_stacked_padded_layout_equals_the_adapters_at_their_own_ranks():
+    """Stacked [L, E, R, K] / [L, E, N, R] (zero-padded to R) give the same result as a table holding each slot's
+    leading r rank rows only, in the kernel and in the reference."""
+    lora_a, lora_b, scaling = _stacked(40, 48)
+    ranks = (8, 16, 32, 8)
+    own = LoRATable.from_factors([[(lora_a[l, :, :ranks[l]].contiguous(), lora_b[l, :, :, :ranks[l]].contiguous())]
+                                  for l in range(L)], in_features=40, out_features=(48,), max_rank=R, num_experts=E)
+    weights, ids = _routing(11)
+    idx = token_adapters(11, L)
+    x, y = torch.randn(11, 40), torch.randn(11 * A, 48)
+    got_stacked, got_own, want = y.clone(), y.clone(), y.clone()
+    fused_moe_lora(got_stacked, x, lora_a, lora_b, ids, idx, scaling, config=CONFIGS[0])
+    fused_moe_lora(got_own, x, own, None, ids, idx, scaling, config=CONFIGS[1])
+    ref.fused_moe_lora(want, x, own, None, ids, idx, scaling)
+    torch.testing.assert_close(got_stacked, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_own, want, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_moe_lora_reuses_alignment_and_rejects_mismatched_block():

@@ -6,15 +6,20 @@ from loraplex.kernels import reference
 from loraplex.kernels import reference_lora as ref
 from loraplex.kernels import moe_experts_lora as mel
 from loraplex.kernels.moe_experts_lora import moe_experts_lora
-from tests.kernels.lora_inputs import padded_rank_mask, token_adapters
+from tests.kernels.lora_inputs import expert_table, padded_rank_mask, token_adapters
 
-E, A, H, INTER, L, R = 6, 2, 40, 24, 3, 16  # H, I not multiples of BLOCK_K; ranks 8 / 16 / 16 padded to 16
+E, A, H, INTER, L, R = 6, 2, 40, 24, 4, 16  # H, I not multiples of BLOCK_K; ranks 8 / 16 / 4, slot 3 empty
 BASE_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 LORA_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 2, "GROUP_M": 1, "num_warps": 4,
             "num_stages": 1}
 
 
 def _expert_lora(k, n):
+    """A LoRATable: each slot at its own rank (8, 16, 4), slot 3 without weights."""
+    return expert_table(L, E, k, n, empty=(3,), max_rank=R, ranks=(8, 16, 4))
+
+
+def _stacked(k, n):
     mask = padded_rank_mask(L, R)
     lora_a = torch.randn(L, E, R, k) * mask[:, None, :, None] / k ** 0.5
     lora_b = torch.randn(L, E, n, R) * mask[:, None, None, :] / R ** 0.5
@@ -54,7 +59,7 @@ def test_matches_reference(num_tokens, activation, with_bias, int8):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # tokens without an adapter get the base result (an adapter's delta is not small here)
     base = ref.moe_experts_lora(x, w13, w2, weights, ids, None, scaling, activation=activation, **kw)
-    no_lora = idx < 0
+    no_lora = (idx < 0) | (idx == 3)  # no adapter, or the empty slot
     torch.testing.assert_close(got[no_lora], base[no_lora], rtol=1e-4, atol=1e-4)
     if (~no_lora).any():
         assert (got[~no_lora] - base[~no_lora]).abs().max() > 0.05
@@ -67,6 +72,28 @@ def test_one_target_only(target):
     scaling = torch.rand(L) + 0.5
     lora = {"w13_lora": _expert_lora(H, 2 * INTER)} if target == "gate_up" else {"w2_lora": _expert_lora(INTER, H)}
     got, want = _both(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", **lora, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_stacked_pairs_are_accepted():
+    """(lora_a [L, E, R, K], lora_b [L, E, N, R]) pairs, as the earlier API took them."""
+    x, w13, w2, weights, ids, kw = _inputs(9, True)
+    idx = token_adapters(9, L)
+    scaling = torch.rand(L) + 0.5
+    got, want = _both(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp",
+                      w13_lora=_stacked(H, 2 * INTER), w2_lora=_stacked(INTER, H), **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_tables_with_the_looked_up_lora_config():
+    """No config override: the LoRA config comes from the tuning lookup for the table's shape (default here)."""
+    x, w13, w2, weights, ids, kw = _inputs(7, True)
+    idx = token_adapters(7, L)
+    scaling = torch.rand(L) + 0.5
+    lora = dict(w13_lora=_expert_lora(H, 2 * INTER), w2_lora=_expert_lora(INTER, H))
+    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, config=BASE_CFG, activation="swiglu_clamp",
+                           **lora, **kw)
+    want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", **lora, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

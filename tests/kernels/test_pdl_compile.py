@@ -16,24 +16,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 BUILD = r'''
 import json, triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loraplex.kernels import fused_moe_lora as fl, lora_expand as ex
 
-FP32, BF16 = {"buf_ptr", "weights_ptr", "scaling_ptr"}, {"x_ptr", "y_ptr", "a_ptr", "b_ptr"}
+FP32, BF16, I64 = {"buf_ptr", "weights_ptr", "scaling_ptr"}, {"x_ptr", "y_ptr"}, {"entries_ptr"}
+W = tl.bfloat16  # the LoRA factors' dtype (read through the LoRATable's addresses)
 CASES = {
-    "moe_lora_shrink": (fl._moe_lora_shrink_kernel, dict(ROW_DIV=4, BLOCK_M=16, BLOCK_R=32, BLOCK_K=64, SPLIT_K=2,
-                                                       EVEN_K=True, BLOCK_L=8, PARTIALS=True)),
-    "moe_lora_expand": (fl._moe_lora_expand_kernel, dict(HAS_WEIGHTS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32,
-                                                       GROUP_M=1, NUM_N=4, BLOCK_L=8, NUM_PARTS=2)),
-    "moe_lora_fused": (fl._moe_lora_fused_kernel, dict(ROW_DIV=4, HAS_WEIGHTS=False, BLOCK_M=16, BLOCK_N=64,
-                                                     BLOCK_R=32, BLOCK_K=64, EVEN_K=False, GROUP_M=1, NUM_N=4,
-                                                     BLOCK_L=8)),
-    "lora_expand": (ex._lora_expand_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=32, GROUP_M=1, NUM_N=4, BLOCK_L=8)),
+    "moe_lora_shrink": (fl._moe_lora_shrink_kernel, dict(ROW_DIV=4, W_DTYPE=W, BLOCK_M=16, BLOCK_R=32, BLOCK_K=64,
+                                                       SPLIT_K=2, EVEN_K=True, BLOCK_L=8, PARTIALS=True)),
+    "moe_lora_expand": (fl._moe_lora_expand_kernel, dict(W_DTYPE=W, HAS_WEIGHTS=True, BLOCK_M=16, BLOCK_N=64,
+                                                       BLOCK_R=32, GROUP_M=1, NUM_N=4, BLOCK_L=8, NUM_PARTS=2)),
+    "moe_lora_fused": (fl._moe_lora_fused_kernel, dict(W_DTYPE=W, ROW_DIV=4, HAS_WEIGHTS=False, BLOCK_M=16,
+                                                     BLOCK_N=64, BLOCK_R=32, BLOCK_K=64, EVEN_K=False, GROUP_M=1,
+                                                     NUM_N=4, BLOCK_L=8)),
+    "lora_expand": (ex._lora_expand_kernel, dict(W_DTYPE=W, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32, GROUP_M=1, NUM_N=4,
+                                                 BLOCK_L=8)),
 }
 
 def ptx(kernel, consts):
-    sig = {n: "constexpr" if n in consts else ("*fp32" if n in FP32 else "*bf16" if n in BF16 else "*i32")
+    sig = {n: "constexpr" if n in consts else ("*fp32" if n in FP32 else "*bf16" if n in BF16 else
+                                               "*i64" if n in I64 else "*i32")
            if n.endswith("_ptr") or n in consts else "i32" for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

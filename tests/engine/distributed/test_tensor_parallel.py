@@ -36,7 +36,7 @@ def _metadata(lens: list[int], new: list[int]) -> AttentionMetadata:
 def _generate(path: str, adapters: list[str], tp) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Prefill + DECODE_STEPS greedy steps on rank ``tp`` (world_size 1: the unsharded model)."""
     model, cfg = load_model(path, progress=False)
-    kw = dict(max_loras=len(adapters), max_rank=MAX_RANK, device="cpu", dtype=torch.float32)
+    kw = dict(max_step_slots=len(adapters), max_rank=MAX_RANK, device="cpu", dtype=torch.float32)
     if tp.world_size > 1:
         plan = apply_tp(model, cfg, tp)
         slots, kv_heads = TPLoRASlots(model, cfg, plan=plan, **kw), plan.num_kv_heads
@@ -102,7 +102,7 @@ def test_kv_cache_holds_only_the_rank_heads(tiny_checkpoint):
 
 def test_apply_tp_refuses_a_model_with_lora_attached(tiny_checkpoint):
     model, cfg = load_model(tiny_checkpoint("llama"), progress=False)
-    LoRASlots(model, cfg, max_loras=1, max_rank=4, device="cpu", dtype=torch.float32)
+    LoRASlots(model, cfg, max_step_slots=1, max_rank=4, device="cpu", dtype=torch.float32)
     with pytest.raises(RuntimeError, match="apply_tp must run before LoRA is attached"):
         apply_tp(model, cfg, TensorParallel(rank=0, world_size=2))
 

@@ -203,10 +203,12 @@ def test_engine_config_validates_the_cap():
 
 
 def test_engine_serve_passes_the_cap(monkeypatch):
+    import loraplex.commands.engine as engine_cmd
     import loraplex.engine.server.serve as serve_mod
     from loraplex.cli import main
 
     seen = []
+    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)   # "/m" has no config.json
     monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
     monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
     monkeypatch.delenv("LORAPLEX_ADAPTER_CACHE_MAX_BYTES", raising=False)

@@ -18,17 +18,7 @@ from loraplex.engine.lora.fetch import FileFetcher, file_uri
 from loraplex.engine.lora.manager import AdapterManager, sha256_file
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.lora.weights import load_adapter_weights
-
-
-class FakeSlots:
-    def __init__(self, n: int) -> None:
-        self.held = [None] * n
-
-    def load(self, slot, weights):
-        self.held[slot] = weights.adapter_id
-
-    def clear(self, slot):
-        self.held[slot] = None
+from tests.engine.lora.fakes import SIZE, FakeSlots
 
 
 class CountingFetcher(FileFetcher):
@@ -84,8 +74,8 @@ def entry_bytes(sources):
 def make_manager(base, tmp_path):
     made = []
 
-    def make(cap, *, max_loras=2, max_cpu_loras=2, cache_dir=None, fetcher=None, **kw):
-        m = AdapterManager(FakeSlots(max_loras), base[1], max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+    def make(cap, *, fit=2, max_cpu_loras=2, cache_dir=None, fetcher=None, **kw):
+        m = AdapterManager(FakeSlots(fit), base[1], gpu_budget_bytes=fit * SIZE, max_cpu_loras=max_cpu_loras,
                            max_rank=16, cache_dir=cache_dir or str(tmp_path / "cache"),
                            fetchers={"file": fetcher or CountingFetcher()}, cache_max_bytes=cap, **kw)
         made.append(m)
@@ -126,7 +116,7 @@ def test_cap_holds_across_many_adapters_in_lru_order(make_manager, refs, entry_b
 
 
 def test_an_evicted_adapter_is_fetched_again_with_identical_weights(make_manager, refs, entry_bytes):
-    m = make_manager(int(1.5 * entry_bytes), max_loras=2, max_cpu_loras=2)  # one entry fits
+    m = make_manager(int(1.5 * entry_bytes), fit=2, max_cpu_loras=2)  # one entry fits
     load(m, refs[0])
     assert m.activate(refs[0]) is not None                      # in a GPU slot and on CPU
     first = {k: (t.lora_a.clone(), t.lora_b.clone()) for k, t in m._cpu[refs[0]].modules.items()}
@@ -157,7 +147,7 @@ def test_an_entry_being_loaded_is_never_evicted(make_manager, refs, entry_bytes,
             seen["files"] = sorted(os.listdir(folder))          # the entry is still whole after the others came
         return load_adapter_weights(folder, base[1], max_rank=16, dtype=None, adapter_id=adapter_id)
 
-    m = make_manager(int(1.5 * entry_bytes), max_loras=2, max_cpu_loras=4, max_workers=2, loader=loader)
+    m = make_manager(int(1.5 * entry_bytes), fit=2, max_cpu_loras=4, max_workers=2, loader=loader)
     m.ensure_loading(refs[0])
     try:
         assert reading.wait(30)
@@ -194,7 +184,7 @@ def test_restarted_manager_keeps_lru_order_and_cap(make_manager, refs, entry_byt
 
 
 def test_concurrent_loads_under_a_small_cap(make_manager, refs, entry_bytes):
-    m = make_manager(int(2.5 * entry_bytes), max_loras=2, max_cpu_loras=3, max_workers=4)
+    m = make_manager(int(2.5 * entry_bytes), fit=2, max_cpu_loras=3, max_workers=4)
     errors = []
 
     def client(seed: int) -> None:

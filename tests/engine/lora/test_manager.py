@@ -1,6 +1,7 @@
-"""AdapterManager tiers: single-flight loads, disk cache by sha256, CPU LRU, GPU slot activation and eviction,
-pinning, remembered failures, fetchers by scheme. Real PEFT adapters of the tiny llama; the GPU slots are a
-recording fake (the slot math is tested against PEFT in test_peft_equivalence.py)."""
+"""AdapterManager tiers: single-flight loads, disk cache by sha256, CPU LRU, GPU activation and eviction under the
+byte budget, pinning, remembered failures, fetchers by scheme. Real PEFT adapters of the tiny llama; the GPU side
+is a recording fake whose adapters all take SIZE bytes (the LoRA math is tested against PEFT in
+test_peft_equivalence.py, the budget with mixed sizes in test_pool.py)."""
 from __future__ import annotations
 
 import os
@@ -13,21 +14,7 @@ from loraplex.engine.engine_config import EngineConfig
 from loraplex.engine.lora.fetch import AdapterFetchError, FileFetcher, file_uri
 from loraplex.engine.lora.manager import AdapterManager, sha256_file
 from loraplex.engine.lora.ref import AdapterRef
-
-
-class FakeSlots:
-    """Records what the manager puts in which slot."""
-
-    def __init__(self, n: int) -> None:
-        self.held = [None] * n
-        self.loads = 0
-
-    def load(self, slot, weights):
-        self.held[slot] = weights.adapter_id
-        self.loads += 1
-
-    def clear(self, slot):
-        self.held[slot] = None
+from tests.engine.lora.fakes import SIZE, FakeSlots
 
 
 class CountingFetcher(FileFetcher):
@@ -67,8 +54,9 @@ def refs(base, peft_adapter):
 def make_manager(base, tmp_path):
     made = []
 
-    def make(max_loras=2, max_cpu_loras=4, cache_dir=None, fetcher=None, **kw):
-        m = AdapterManager(FakeSlots(max_loras), base[1], max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+    def make(fit=2, max_cpu_loras=4, cache_dir=None, fetcher=None, **kw):
+        """A manager whose GPU budget holds ``fit`` adapters."""
+        m = AdapterManager(FakeSlots(fit), base[1], gpu_budget_bytes=fit * SIZE, max_cpu_loras=max_cpu_loras,
                            max_rank=16, cache_dir=cache_dir or str(tmp_path / "cache"),
                            fetchers={"file": fetcher or FileFetcher()}, **kw)
         made.append(m)
@@ -93,12 +81,15 @@ def test_adapter_ref_identity_and_validation():
 
 
 def test_engine_config_validates_lora_limits():
-    with pytest.raises(ValueError, match="max_loras must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"max_loras must be None \(no cap\) or an integer >= 1, got 0"):
         EngineConfig(model="m", max_loras=0)
-    with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be >= max_loras \(4\)"):
-        EngineConfig(model="m", max_loras=4, max_cpu_loras=2)
+    assert EngineConfig(model="m", max_loras=4, max_cpu_loras=2).max_loras == 4  # GPU residency is not the CPU's
     with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
         EngineConfig(model="m", max_lora_rank=0)
+    with pytest.raises(ValueError, match=r"adapter_memory_fraction must be in \(0, 1\)"):
+        EngineConfig(model="m", adapter_memory_fraction=1.0)
+    with pytest.raises(ValueError, match="adapter_memory_bytes must be None or a positive integer"):
+        EngineConfig(model="m", adapter_memory_bytes=0)
 
 
 def test_concurrent_requests_for_a_cold_adapter_cause_one_load(make_manager, refs):
@@ -135,7 +126,7 @@ def test_disk_cache_is_content_addressed_and_survives_restart(make_manager, refs
 
 
 def test_cpu_tier_is_lru_bounded(make_manager, refs):
-    m = make_manager(max_loras=2, max_cpu_loras=2)
+    m = make_manager(fit=2, max_cpu_loras=2)
     for r in refs[:3]:
         m.ensure_loading(r)
         m.wait(r, 30)
@@ -143,8 +134,8 @@ def test_cpu_tier_is_lru_bounded(make_manager, refs):
     assert m.state(refs[0]) == "absent" and m.counters.cpu_evictions == 1 and m.residency()["cpu_bytes"] > 0
 
 
-def test_activation_evicts_the_lru_unpinned_slot_not_in_use(make_manager, refs):
-    m = make_manager(max_loras=2)
+def test_activation_evicts_the_lru_unpinned_adapter_not_in_use(make_manager, refs):
+    m = make_manager(fit=2)
     for r in refs:
         m.ensure_loading(r)
         m.wait(r, 30)
@@ -152,17 +143,18 @@ def test_activation_evicts_the_lru_unpinned_slot_not_in_use(make_manager, refs):
     assert m.activate(a) == 0 and m.activate(b) == 1 and m.counters.evictions == 0
     assert m.activate(a) == 0 and m.counters.slot_hits == 1  # a is now the most recently used
     assert m.activate(c) == 1 and m.slot_of(b) is None and m.counters.evictions == 1  # b was LRU
-    assert m.slots.held == [a.adapter_id, c.adapter_id]
-    assert m.activate(d, in_use={a, c}) is None  # every slot serves a running request
+    assert list(m.slots.held.values()) == [a.adapter_id, c.adapter_id]
+    assert m.activate(d, in_use={a, c}) is None  # every byte serves a running request
+    assert m.residency()["gpu_bytes"] == 2 * SIZE == m.residency()["gpu_budget_bytes"]
     assert m.activate(d, in_use={c}) == 0 and m.slot_of(a) is None and m.counters.evictions == 2
     assert m.counters.activations == 4 and m.slots.loads == 4
 
 
-def test_pinned_adapters_keep_their_slot(make_manager, refs):
-    m = make_manager(max_loras=2)
+def test_pinned_adapters_keep_their_memory(make_manager, refs):
+    m = make_manager(fit=2)
     a, b, c, d = refs
     assert m.pin(a) in ("loading", "ready")
-    with pytest.raises(ValueError, match="must keep one slot unpinned"):
+    with pytest.raises(ValueError, match="leaving less than one largest adapter"):
         m.pin(b)
     for r in refs:
         m.ensure_loading(r)
@@ -217,7 +209,7 @@ def test_evict_during_load_discards_the_result(make_manager, refs):
 
 
 def test_an_adapter_the_slots_refuse_fails_alone(make_manager, refs):
-    m = make_manager(max_loras=2)
+    m = make_manager(fit=2)
     for r in refs[:2]:
         m.ensure_loading(r)
         m.wait(r, 30)
@@ -262,3 +254,26 @@ def test_blob_store_outage_is_retried_by_the_next_request_but_a_bad_blob_is_not(
     assert m2.ensure_loading(refs[1]) == "failed" and missing.calls == 1   # not hammered by every request
     assert m2.ensure_loading(refs[1], retry=True) == "loading"
     assert m2.wait(refs[1], timeout=30) == "ready"
+
+
+def test_max_loras_caps_residency_below_the_budget(make_manager, refs):
+    """max_loras=1 with a budget for 4: one adapter resident at a time, pins refused (one must stay unpinned)."""
+    m = make_manager(fit=4, max_loras=1)
+    for r in refs[:2]:
+        m.ensure_loading(r)
+        m.wait(r, 30)
+    a, b = refs[:2]
+    assert m.activate(a) == 0 and m.activate(b, in_use={a}) is None
+    assert m.activate(b) == 0 and m.slot_of(a) is None and m.residency()["gpu_bytes"] == SIZE
+    with pytest.raises(ValueError, match="max_loras=1 must keep one resident adapter unpinned"):
+        m.pin(a)
+
+
+def test_an_adapter_larger_than_the_budget_fails_with_the_reason(make_manager, refs):
+    m = make_manager(fit=2)
+    m.ensure_loading(refs[0])
+    m.wait(refs[0], 30)
+    m.slots.footprint = lambda weights: 3 * SIZE
+    assert m.activate(refs[0]) is None and m.state(refs[0]) == "failed"
+    assert "more than the whole adapter budget" in str(m.error(refs[0]))
+    assert m.residency()["gpu"] == {} and m.residency()["gpu_bytes"] == 0

@@ -1,5 +1,5 @@
 """Multi-LoRA against PEFT: one engine batch mixes four adapters (ranks 4, 8 with rsLoRA, 16, and an
-attention-only one; different ranks zero-padded to max_lora_rank 16) with base-model requests, chunked prefill
+attention-only one; each stored and read at its own rank) with base-model requests, chunked prefill
 on, block_size 4. Every request must give PEFT's greedy tokens for its adapter alone (a separate PeftModel) over
 32 new tokens, with logits within 1e-4 (max|d| / max|ref|) at every step. PEFT's side is one teacher-forced
 forward per request (see ``peft_logits``): its argmax at every position must be the engine's token.
@@ -36,7 +36,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def attach_slots_directly(engine: LLMEngine, folders: dict[str, str]) -> dict[int, int]:
     """No AdapterManager: load the adapters into slots 0.. in ADAPTERS order and route sequences to them by hand
     (every step passes the returned {seq_id: slot} map, which the caller fills, to the runner)."""
-    slots = engine.runner.init_lora(max_loras=len(ADAPTERS), max_rank=MAX_RANK)
+    slots = engine.runner.init_lora(max_rank=MAX_RANK)
     for slot, name in enumerate(ADAPTERS):
         slots.load(slot, load_adapter_weights(folders[name], engine.model_config, max_rank=MAX_RANK,
                                               dtype=torch.float32))

@@ -1,5 +1,5 @@
-"""LoRASlots and the LoRA wrappers at module level: no-adapter tokens and steps, clearing, rank padding, layer
-skipping, refusals. The end-to-end check against PEFT is test_peft_equivalence.py."""
+"""LoRASlots and the LoRA wrappers at module level: no-adapter tokens and steps, clearing, adapters stored at their
+own rank, layer skipping, refusals. The end-to-end check against PEFT is test_peft_equivalence.py."""
 from __future__ import annotations
 
 import os
@@ -29,7 +29,7 @@ def setup(tiny_checkpoint, peft_adapter):
 def build(path, **kw):
     model, cfg = load_model(path, progress=False)
     names = sorted(n for n, _ in model.named_parameters())
-    slots = LoRASlots(model, cfg, max_loras=3, max_rank=16, device="cpu", dtype=torch.float32, **kw)
+    slots = LoRASlots(model, cfg, max_rank=16, max_step_slots=4, device="cpu", dtype=torch.float32, **kw)
     return model, cfg, slots, names
 
 
@@ -65,27 +65,32 @@ def test_linear_rows_without_adapter_are_untouched_and_clear_removes_the_delta(s
     qkv = model.model.layers[0].self_attn.qkv_proj
     x = torch.randn(6, cfg.hidden_size)
     base = qkv.base(x)
-    idx = torch.tensor([-1, 1, 1, -1, 0, 2], dtype=torch.int32)  # slots 0 and 2 are empty
+    idx = torch.tensor([-1, 1, 1, -1, 1, -1], dtype=torch.int32)
     slots.set_token_slots(idx)
     y = qkv(x)
     assert torch.equal(y[idx != 1], base[idx != 1])
     assert (y[idx == 1] - base[idx == 1]).abs().max() > 1e-2
+    assert slots.nbytes == slots.footprint(weights(full, cfg)) > 0
     slots.clear(1)
+    assert slots.adapter_in(1) is None and slots.nbytes == 0
+    with pytest.raises(ValueError, match="slot 1 holds no adapter"):
+        slots.set_token_slots(idx)  # a step never routes tokens to an empty slot
+    slots.set_token_slots(None)
     assert torch.equal(qkv(x), base)
-    assert slots.slot_adapter[1] is None
 
 
-def test_lora_linear_matches_the_low_rank_formula_with_rank_padding(setup):
+def test_lora_linear_matches_the_low_rank_formula_at_its_own_rank(setup):
     path, full, _ = setup
     model, cfg, slots, _ = build(path)
     w = weights(full, cfg)
     slots.load(2, w)
     o_proj = model.model.layers[2].self_attn.o_proj
     t = w.modules[(2, "self_attn.o_proj")]
-    assert t.rank == 4 and o_proj.lora_a.shape[2] == 16  # rank 4 zero-padded to 16
-    assert torch.count_nonzero(o_proj.lora_a[0, 2, 4:]) == 0
     x = torch.randn(3, cfg.q_size)
     slots.set_token_slots(torch.full((3,), 2, dtype=torch.int32))
+    a, b = o_proj.table.at(1).lookup(0, 0)  # step slot 0 is resident slot 2: its factors, at rank 4, not 16
+    assert t.rank == 4 and a.shape == (4, cfg.q_size) and b.shape == (cfg.hidden_size, 4)
+    assert torch.equal(a, t.lora_a) and torch.equal(b, t.lora_b)
     expected = o_proj.base(x) + x @ t.lora_a.T @ t.lora_b.T
     torch.testing.assert_close(o_proj(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -155,10 +160,10 @@ def test_refusals(setup, tmp_path):
     _, cfg, slots, _ = build(path, targets=("self_attn.q_proj", "self_attn.v_proj"))
     with pytest.raises(ValueError, match=r"adapts mlp.experts.down_proj of layer 0, which these slots do not serve"):
         slots.load(0, weights(full, cfg))
-    with pytest.raises(ValueError, match=r"slot must be an integer in \[0, 3\), got 3"):
-        slots.clear(3)
-    with pytest.raises(ValueError, match=r"outside \[-1, 3\)"):
-        slots.set_token_slots(torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"slot must be an integer >= 0, got -1"):
+        slots.clear(-1)
+    with pytest.raises(ValueError, match=r"slot 5 holds no adapter"):
+        slots.set_token_slots(torch.tensor([-1, 5]))
     with pytest.raises(ValueError, match="1-D integer tensor"):
         slots.set_token_slots(torch.zeros(2, 2))
     with pytest.raises(AdapterFormatError, match="retrain with r <= 2"):

@@ -24,8 +24,8 @@ def _experts(activation: str, bias: bool) -> FusedExperts:
 
 
 def _wrap(base: FusedExperts, state: LoRAState, lora) -> LoRAFusedExperts:
-    w = LoRAFusedExperts(base, state, L, *lora)
-    w.loaded = [True] * L
+    w = LoRAFusedExperts(base, state, *lora)  # stacked pairs: every step slot at rank R
+    w.loaded = set(range(L))
     return w
 
 
@@ -54,7 +54,7 @@ def test_int8_lora_path_is_the_float_path_on_dequantised_weights(activation, bia
     x = torch.randn(9, H)
     weights, ids = torch.topk(torch.rand(9, E).softmax(-1), A, dim=-1)
     state.token_lora_idx = torch.tensor([0, -1, 2, 1, 1, -1, 0, 2, 2], dtype=torch.int32)
-    state.active_slots = frozenset({0, 1, 2})
+    state.active_slots, state.num_slots = frozenset({0, 1, 2}), L
 
     def no_dequant(self):
         raise AssertionError("the LoRA path must not dequantise the experts on access")

@@ -95,12 +95,12 @@ def test_lora_path_reads_blocks_not_dequantised_weights(monkeypatch):
     state = LoRAState(L, torch.device("cpu"))
     lora = ((torch.randn(L, E, R, H) / 8, torch.randn(L, E, 2 * I, R)), (torch.randn(L, E, R, I) / 6,
                                                                            torch.randn(L, E, H, R)))
-    wrapper = LoRAFusedExperts(q, state, L, *lora)
-    wrapper.loaded = [True] * L
+    wrapper = LoRAFusedExperts(q, state, *lora)  # stacked pairs: every step slot at rank R
+    wrapper.loaded = set(range(L))
     x = torch.randn(5, H)
     weights, ids = torch.topk(torch.rand(5, E).softmax(-1), 2, dim=-1)
     state.token_lora_idx = torch.tensor([0, -1, 1, 1, 0], dtype=torch.int32)
-    state.active_slots = frozenset({0, 1})
+    state.active_slots, state.num_slots = frozenset({0, 1}), L
     want = wrapper(x, weights, ids)
 
     def no_dequant(self):

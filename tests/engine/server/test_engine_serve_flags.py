@@ -1,4 +1,5 @@
-"""`loraplex engine serve` passes the CUDA-graph and quantization flags to the engine's config."""
+"""`loraplex engine serve` passes the CUDA-graph, quantization, batch and adapter-memory flags to the engine's
+config (defaults: the engine's own)."""
 import pytest
 
 from loraplex.engine.engine_config import EngineConfig
@@ -16,9 +17,17 @@ def test_graph_and_quantization_flags_reach_the_engine_config(monkeypatch):
     main(["engine", "serve", "--model", "/m"])
     main(["engine", "serve", "--model", "/m", "--enforce-eager", "--cuda-graph-max-batch-size", "16",
           "--quantization", "int8"])
+    main(["engine", "serve", "--model", "/m", "--enable-lora", "--adapter-memory", "8GiB", "--max-loras", "12",
+          "--max-num-seqs", "128"])
+    main(["engine", "serve", "--model", "/m", "--enable-lora", "--adapter-memory-fraction", "0.5"])
     main(["engine", "serve", "--model", "/m", "--quantization", "none"])  # float experts (MXFP4 dequantised)
-    assert [(kw["enforce_eager"], kw["cuda_graph_max_batch_size"], kw["quantization"]) for kw in seen] == [
-        (False, 64, "auto"), (True, 16, "int8"), (False, 64, None)]
+    assert [(kw["enforce_eager"], kw["cuda_graph_max_batch_size"], kw["quantization"]) for kw in seen[:2]] == [
+        (False, None, "auto"), (True, 16, "int8")]
+    assert seen[4]["quantization"] is None
+    assert seen[0]["max_num_seqs"] is None and seen[0]["cuda_graph_capture_budget_s"] == 120.0
+    assert (seen[2]["adapter_memory_bytes"], seen[2]["max_loras"], seen[2]["max_num_seqs"]) == (8 << 30, 12, 128)
+    assert (seen[3]["adapter_memory_bytes"], seen[3]["adapter_memory_fraction"], seen[3]["max_loras"]) == \
+        (None, 0.5, None)
     for kw in seen:  # every passed setting is an EngineConfig field with a valid value
         EngineConfig(model="/m", **{k: v for k, v in kw.items() if k != "model_name"})
     with pytest.raises(SystemExit):
