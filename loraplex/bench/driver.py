@@ -7,7 +7,7 @@ when its previous one ends) or an open loop (requests sent at set times whatever
                    adapter_refs)
 
 Every request asks for exactly its group's ``output_len`` tokens per completion (greedy, EOS ignored; ``n``
-completions when the group's ``n`` > 1). Times are taken when ``step()`` returns (the step's tokens are on the
+sampled completions at temperature 1 when the group's ``n`` > 1). Times are taken when ``step()`` returns (the step's tokens are on the
 host then); a send that falls due during a step goes out when the step returns. ``soft_deadline``: no new request
 starts after it; ``hard_deadline``: requests still running are aborted and the run is marked truncated. A
 ``background`` group (a competing tenant's load) runs only while some other group still has work: once every
@@ -98,9 +98,10 @@ def _tokens(out) -> tuple[int, int]:
 
 def drive(engine, groups: list[LoadGroup], adapter_refs: list, *, prefix: str = "r",
           soft_deadline: float | None = None, hard_deadline: float | None = None,
-          on_step: Callable[[float], None] | None = None, clock: Callable[[], float] = time.monotonic,
+          background_stop: float | None = None, on_step: Callable[[float], None] | None = None, clock: Callable[[], float] = time.monotonic,
           sleep: Callable[[float], None] = time.sleep) -> DriveResult:
-    """Run ``groups`` together on ``engine`` (module docstring); ``on_step(now)`` is called after every step."""
+    """Run ``groups`` together on ``engine`` (module docstring); ``on_step(now)`` is called after every step.
+    ``background_stop``: background groups' running requests are aborted then (the foreground ones go on)."""
     from loraplex.engine import SamplingParams
 
     if not groups:
@@ -110,8 +111,9 @@ def drive(engine, groups: list[LoadGroup], adapter_refs: list, *, prefix: str = 
         raise ValueError(f"load group names must be distinct, got {names}")
     if all(g.background for g in groups):
         raise ValueError("every load group is background: one must be the foreground load")
-    params = {g.name: SamplingParams(max_tokens=g.output_len, temperature=0.0, ignore_eos=True, n=g.n)
-              for g in groups}
+    # n > 1 samples (greedy would make the n completions equal, which the engine refuses)
+    params = {g.name: SamplingParams(max_tokens=g.output_len, temperature=0.0 if g.n == 1 else 1.0, ignore_eos=True,
+                                     n=g.n) for g in groups}
     queues = {g.name: list(g.plan) for g in groups}
     timings: dict[str, RequestTiming] = {}
     owner: dict[str, LoadGroup] = {}
@@ -157,11 +159,19 @@ def drive(engine, groups: list[LoadGroup], adapter_refs: list, *, prefix: str = 
     while True:
         now = clock()
         while sends and sends[0][0] <= now:
-            _, _, name = heapq.heappop(sends)
-            if queues[name] and not past_soft(now):
+            due, _, name = heapq.heappop(sends)
+            if queues[name] and not past_soft(due):  # due before the soft deadline: sent, if a step late
                 submit(by_name[name])
+        if background_stop is not None and now >= background_stop:
+            for g in groups:
+                if g.background:
+                    for rid in list(running[g.name]):
+                        engine.abort(rid)
+                        running[g.name].discard(rid)
+                    queues[g.name].clear()
         if past_soft(now):
-            sends.clear()
+            sends = [x for x in sends if not past_soft(x[0])]
+            heapq.heapify(sends)
         elif any(not q for q in queues.values()):  # clients due later find their group's plan taken
             sends = [s for s in sends if queues[s[2]]]
             heapq.heapify(sends)

@@ -189,7 +189,8 @@ class EngineRun:
         if deadline is not None:
             hard = deadline if hard is None else min(hard, deadline)
         res = drive(self.engine, m.groups, self.adapter_refs, prefix=f"{m.name}-", soft_deadline=soft,
-                    hard_deadline=hard, on_step=probe.on_step)
+                    hard_deadline=hard, background_stop=start + m.background_s if m.background_s else None,
+                    on_step=probe.on_step)
         primary = [t for t in res.timings if t.group == m.primary and t.finish is not None]
         if not primary:
             if deadline is not None and res.end >= deadline:

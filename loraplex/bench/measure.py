@@ -31,6 +31,7 @@ class Measurement:
     warmup_adapters: int = 0           # adapters the warm-up cycles through (each loaded once)
     time_s: float | None = None        # no new request after this many seconds
     hard_s: float | None = None        # running requests aborted after this many (default: twice time_s)
+    background_s: float | None = None  # background groups' running requests aborted after this many
     phase: str | None = None           # the engine phase (report["engine"] key)
     extra: dict = field(default_factory=dict)
 

@@ -81,14 +81,25 @@ def _pair(d: dict | None, digits: int = 0) -> str:
     return f"{_fmt(d['p50'], digits)} / {_fmt(d['p99'], digits)}"
 
 
+def _loads(loads: dict, key: str) -> str:
+    """This run's load times, else (marked) those since the engine started."""
+    run = loads.get(key)
+    if run and run.get("n"):
+        return f"{_pair(run, 1)} ({run['n']})"
+    start = (loads.get("since_start") or {}).get(key)
+    if start and start.get("n"):
+        return f"{_pair(start, 1)} ({start['n']}, since start)"
+    return "-"
+
+
 def _engine_table(scenarios: list[dict]) -> list[str]:
     rows = [s for s in scenarios if (s.get("extra") or {}).get("level") is not None]
     if not rows:
         return []
     out = ["", "| scenario | C | ramp s | steady output tok/s | queue wait p50 / p99 ms | graph / other steps | "
-               "KV usage peak | adapters resident peak | adapter load disk→CPU p50 / p99 ms | CPU→GPU p50 / p99 ms "
-               "| wait, adapter cold p50 / p99 ms | wait, adapter resident p50 / p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+               "KV usage peak | adapters resident peak | GPU loads / evictions | adapter load disk→CPU p50 / p99 "
+               "ms (n) | CPU→GPU p50 / p99 ms (n) | wait, adapter cold p50 / p99 ms | wait, adapter resident p50 / p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in rows:
         e = s["extra"]
         loads = e.get("adapter_loads") or {}
@@ -97,10 +108,12 @@ def _engine_table(scenarios: list[dict]) -> list[str]:
         steps = (f"{e['graph_steps']} / {e['eager_steps']}" if e.get("eager_steps") is not None
                  else _fmt(e.get("engine_steps")))
         kv = e.get("kv_usage_peak")
+        counters = e.get("adapter_counters") or {}
+        swaps = (f"{counters.get('activations', 0)} / {counters.get('evictions', 0)}" if counters else "-")
         out.append(f"| {s['name']} | {e['level'] or 'open'} | {_fmt(e.get('ramp_s'))} | "
                    f"{_fmt(s.get('steady_output_tok_s'))} | {_pair(queue)} | {steps} | "
-                   f"{'-' if kv is None else f'{100 * kv:.0f}%'} | {_fmt(e.get('adapters_resident_peak'))} | "
-                   f"{_pair(loads.get('disk_to_cpu_ms'), 1)} | {_pair(loads.get('cpu_to_gpu_ms'), 1)} | "
+                   f"{'-' if kv is None else f'{100 * kv:.0f}%'} | {_fmt(e.get('adapters_resident_peak'))} | {swaps} | "
+                   f"{_loads(loads, 'disk_to_cpu_ms')} | {_loads(loads, 'cpu_to_gpu_ms')} | "
                    f"{_pair(waits.get('cold'))} | {_pair(waits.get('warm'))} |")
     return out
 

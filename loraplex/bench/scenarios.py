@@ -120,7 +120,7 @@ def fairness_runs(cfg: ServeBenchConfig, label: str, *, with_alone: bool) -> Run
         return LoadGroup(LIGHT, light_plan, light_out, arrivals=times, tenant=LIGHT, weight=cfg.light_weight)
 
     common = dict(primary=LIGHT, concurrency=0, input_len=light_in, output_len=light_out, time_s=window,
-                  hard_s=3 * window, phase=label, warmup_requests=max(2, min(cfg.concurrency, 16)),
+                  hard_s=3 * window, background_s=2 * window, phase=label, warmup_requests=max(2, min(cfg.concurrency, 16)),
                   warmup_adapters=min(2, cfg.num_adapters))
     info = {"light_rate": cfg.light_rate, "arrivals": cfg.arrivals, "window_s": window}
     if with_alone:
