@@ -167,7 +167,7 @@ class ServeBenchConfig:
             raise ValueError(f"adapter_memory_gib must be > 0, got {self.adapter_memory_gib}")
         if self.adapter_files is not None and self.adapter_files > max(1, self.num_adapters):
             raise ValueError(f"adapter_files ({self.adapter_files}) must be <= num_adapters ({self.num_adapters})")
-        if self.scenario == "churn":
+        if self.scenario == "churn" and self.url is None:  # end to end the budget is the deployment's
             if self.num_adapters < 2:
                 raise ValueError("the churn scenario needs at least 2 adapters")
             budget = self.adapter_budget if self.adapter_budget is not None else self.max_loras
