@@ -20,5 +20,5 @@ def arrival_times(*, rate: float, duration: float, kind: str = "poisson", seed: 
     t = 0.0 if kind == "fixed" else rng.expovariate(rate)
     while t < duration and (limit is None or len(times) < limit):
         times.append(t)
-        t += 1.0 / rate if kind == "fixed" else rng.expovariate(rate)
+        t = len(times) / rate if kind == "fixed" else t + rng.expovariate(rate)  # fixed: k / rate, no drift
     return times or [0.0]
