@@ -195,8 +195,9 @@ class EngineRun:
         if not primary:
             if deadline is not None and res.end >= deadline:
                 return None
-            raise RuntimeError(f"scenario {m.name!r}: no request of {m.primary!r} finished within its time cap; "
-                               "raise --scenario-time or shrink the workload")
+            sent = sum(t.group == m.primary for t in res.timings)
+            raise RuntimeError(f"scenario {m.name!r}: no request of {m.primary!r} finished within its time cap "
+                               f"({sent} sent); raise --scenario-time or shrink the workload")
         figures = probe.finish()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.is_cuda else None
         info = self.engine_info.get(m.phase, {})
