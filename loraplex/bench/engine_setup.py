@@ -1,7 +1,8 @@
 """The bench's engine: EngineConfig keywords for the workload and what the started engine reports about itself
 (KV pool, CUDA graphs, tensor parallelism, quantization).
 
-    kw = engine_kwargs(cfg, work_dir, device="cuda", dtype="bfloat16", quantization="int8")
+    kw = engine_kwargs(cfg, work_dir, device="cuda", dtype="bfloat16", quantization="int8",
+                       max_loras=16, extra=optional_engine_kwargs(adapter_memory_bytes=...))   # engine_knobs.py
     with timed_model_load(setup_s, "model_load"):
         engine = LLMEngine.from_pretrained(model_folder, **kw)
     use_in_place_fetcher(engine)          # file:// adapters are read where they are (no copy into the cache)

@@ -69,10 +69,10 @@ def test_sweep_through_the_platform_counts_every_streamed_token(platform, tmp_pa
 def test_fairness_through_the_platform_sends_each_tenant_with_its_key(platform, tmp_path):
     server, keys, _ = platform
     report = _bench(server, keys, tmp_path / "fair", "--scenario", "fairness", "--light-rate", "2",
-                    "--heavy-factor", "3", "--arrivals", "fixed", "--scenario-time", "2")
+                    "--heavy-factor", "3", "--arrivals", "fixed", "--scenario-time", "3")
     alone, beside = report["scenarios"]
     assert alone["name"] == "e2e light alone" and beside["name"] == "e2e light beside heavy"
-    assert alone["extra"]["groups"]["light"]["requests_started"] == 4                  # 2 req/s for 2 s, fixed
+    assert alone["extra"]["groups"]["light"]["requests_started"] == 6                  # 2 req/s for 3 s, fixed
     heavy = beside["extra"]["groups"]["heavy"]
     assert heavy["requests_started"] >= 1 and heavy["output_tokens"] > 0
     assert beside["extra"]["errors"] == 0
