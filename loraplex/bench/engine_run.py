@@ -101,7 +101,7 @@ class EngineRun:
         # the engine loads, holds and evicts one by one like any other adapters (the values do not change the cost)
         self.adapter_refs = ([AdapterRef(f"bench/adapter-{k}/1", file_uri(folders[k % len(folders)]))
                               for k in range(cfg.num_adapters)] if folders else [])
-        if folders and len(folders) < cfg.num_adapters:
+        if folders and len(folders) < cfg.num_adapters and not cfg.hf_only:
             self.notes.append(f"{cfg.num_adapters} adapters read from {len(folders)} files (adapter k reads file "
                               f"k mod {len(folders)}; each is loaded and kept as its own adapter)")
 
