@@ -1,7 +1,8 @@
 """The bench's engine: EngineConfig keywords for the workload and what the started engine reports about itself
 (KV pool, CUDA graphs, tensor parallelism, quantization).
 
-    kw = engine_kwargs(cfg, work_dir, device="cuda", dtype="bfloat16", quantization="int8")
+    kw = engine_kwargs(cfg, work_dir, device="cuda", dtype="bfloat16", quantization="int8",
+                       max_loras=16, extra=optional_engine_kwargs(adapter_memory_bytes=...))   # engine_knobs.py
     with timed_model_load(setup_s, "model_load"):
         engine = LLMEngine.from_pretrained(model_folder, **kw)
     use_in_place_fetcher(engine)          # file:// adapters are read where they are (no copy into the cache)
@@ -16,22 +17,34 @@ from contextlib import contextmanager
 from loraplex.engine.lora.fetch import AdapterFetchError
 
 
-def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: str | None) -> dict:
+def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: str | None,
+                  max_loras: int | None = None, extra: dict | None = None) -> dict:
     """EngineConfig keywords of the workload ``cfg`` (a ServeBenchConfig).
 
-    The KV pool is sized for the workload (``max(concurrency, adapters)`` full sequences + 64 blocks) rather
-    than from free memory, so a run measures the same pool on any device and starts fast."""
+    ``kv_sizing="workload"`` (default): ``max_num_seqs`` = the most sequences the workload runs at once (its
+    largest concurrency level, its adapter count, a heavy tenant's ``n``) and a KV pool of that many full
+    sequences + 64 blocks, so a run measures the same pool on any device and starts fast; ``"engine"``: neither
+    is passed (the engine's own defaults, KV sized from free memory). ``max_loras``: this phase's adapter slots
+    (default ``cfg.max_loras``, else one per adapter); ``extra``: keywords of ``engine_knobs``."""
     bs = cfg.block_size
-    seqs = max(cfg.concurrency, cfg.num_adapters)
+    seqs = max(cfg.concurrency, cfg.num_adapters, max(cfg.heavy_n) if cfg.scenario == "fairness" else 1)
     per_seq = -(-(cfg.input_len + cfg.output_len + bs) // bs)
-    return dict(dtype=dtype, device=device, load_format="dummy", progress=False,
-                max_model_len=cfg.input_len + cfg.output_len + bs, max_num_seqs=seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=bs, num_kv_blocks=per_seq * seqs + 64,
-                swap_space_bytes=0, enable_prefix_caching=False, enable_lora=cfg.num_adapters > 0,
-                max_loras=max(1, cfg.num_adapters), max_lora_rank=cfg.rank, max_cpu_loras=max(16, cfg.num_adapters),
-                adapter_cache_dir=os.path.join(work_dir, "adapter-cache"),
-                tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
-                async_scheduling=cfg.async_scheduling, quantization=quantization)
+    loras = max_loras or cfg.max_loras or max(1, cfg.num_adapters)
+    kw = dict(dtype=dtype, device=device, load_format="dummy", progress=False,
+              max_model_len=cfg.input_len + cfg.output_len + bs,
+              max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=bs,
+              swap_space_bytes=0, enable_prefix_caching=False, enable_lora=cfg.num_adapters > 0,
+              max_loras=loras, max_lora_rank=cfg.rank,
+              max_cpu_loras=cfg.max_cpu_loras or max(16, cfg.num_adapters, loras),
+              adapter_cache_dir=os.path.join(work_dir, "adapter-cache"),
+              tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
+              async_scheduling=cfg.async_scheduling, quantization=quantization)
+    if cfg.kv_sizing == "workload":
+        kw.update(max_num_seqs=seqs, num_kv_blocks=per_seq * seqs + 64)
+    if cfg.cuda_graph_max_batch_size is not None:
+        kw["cuda_graph_max_batch_size"] = cfg.cuda_graph_max_batch_size
+    kw.update(extra or {})
+    return kw
 
 
 def engine_info(engine) -> dict:
@@ -39,6 +52,7 @@ def engine_info(engine) -> dict:
     runner, config = engine.runner, engine.config
     info = dict(kv_blocks=runner.num_blocks, kv_tokens=runner.num_blocks * runner.block_size,
                 kv_gib=runner.num_blocks * runner.bytes_per_block / 2**30,
+                max_num_seqs=engine.scheduler.config.max_num_seqs,
                 tensor_parallel_size=config.tensor_parallel_size, enforce_eager=config.enforce_eager,
                 quantization=config.quantization, cuda_graphs=runner.num_cuda_graphs,
                 async_scheduling=engine.async_scheduling)

@@ -1,4 +1,6 @@
-"""The benchmark report as JSON and Markdown."""
+"""The benchmark report as JSON and Markdown: one row per measured run (the same columns in process and end to
+end), then what the engine did during each run (CUDA-graph steps, KV usage peak, resident adapters, adapter load
+latency and the wait for admission), then the tenants of the fairness runs."""
 from __future__ import annotations
 
 import json
@@ -25,12 +27,16 @@ def _note(s: dict) -> str:
 
 def to_markdown(report: dict) -> str:
     env, wl = report["env"], report["workload"]
-    lines = [f"# loraplex bench serve ({wl['scale']})", "",
+    levels = wl.get("levels") or [wl["concurrency"]]
+    lines = [f"# loraplex bench serve ({wl['scale']}, {report.get('scenario', 'load')}, "
+             f"{report.get('mode', 'in-process')})", "",
              f"- device: {env.get('device')}; torch {env.get('torch')}, triton {env.get('triton')}, "
              f"transformers {env.get('transformers')}; date {env.get('date')}",
              f"- workload: {wl['num_adapters']} adapters of rank {wl['rank']} ({wl['mix']} mix), input "
-             f"{wl['input_len']}, output {wl['output_len']} (EOS ignored), concurrency {wl['concurrency']}, "
-             f"{wl['num_requests']} requests planned per scenario, dtype {wl['dtype']}",
+             f"{wl['input_len']}, output {wl['output_len']} (EOS ignored), concurrency "
+             f"{','.join(map(str, levels))}, {wl['num_requests']} requests planned per scenario"
+             + (f" (at least {wl['requests_per_client']} per client)" if wl.get("requests_per_client") else "")
+             + f", dtype {wl['dtype']}" + (f", endpoint {wl['url']}" if wl.get("url") else ""),
              f"- command: `{report.get('command', '')}`"]
     for phase, info in (report.get("engine") or {}).items():
         lines.append(f"- engine {phase}: tensor parallel {info.get('tensor_parallel_size')}, CUDA graphs "
@@ -59,6 +65,7 @@ def to_markdown(report: dict) -> str:
                      f"{_fmt(h['peak_memory_gib'])} | {_fmt(h['generate_s'])} | output {h['output_len']}"
                      + (f"; est. {_fmt(h['est_per_request_output_tok_s'])} tok/s per req at {h['est_output_len']}"
                         if h.get("est_per_request_output_tok_s") else "") + " |")
+    lines += _engine_table(report["scenarios"]) + _tenant_table(report["scenarios"])
     if report.get("ratios"):
         lines += ["", "Ratios: " + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in report["ratios"].items())]
     if report.get("skipped"):
@@ -66,6 +73,63 @@ def to_markdown(report: dict) -> str:
     if report.get("notes"):
         lines += [""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _pair(d: dict | None, digits: int = 0) -> str:
+    if not d or d.get("p50") is None:
+        return "-"
+    return f"{_fmt(d['p50'], digits)} / {_fmt(d['p99'], digits)}"
+
+
+def _loads(loads: dict, key: str) -> str:
+    """This run's load times, else (marked) those since the engine started."""
+    run = loads.get(key)
+    if run and run.get("n"):
+        return f"{_pair(run, 1)} ({run['n']})"
+    start = (loads.get("since_start") or {}).get(key)
+    if start and start.get("n"):
+        return f"{_pair(start, 1)} ({start['n']}, since start)"
+    return "-"
+
+
+def _engine_table(scenarios: list[dict]) -> list[str]:
+    rows = [s for s in scenarios if (s.get("extra") or {}).get("level") is not None]
+    if not rows:
+        return []
+    out = ["", "| scenario | C | ramp s | steady output tok/s | queue wait p50 / p99 ms | graph / other steps | "
+               "KV usage peak | adapters resident peak | GPU loads / evictions | adapter load disk→CPU p50 / p99 "
+               "ms (n) | CPU→GPU p50 / p99 ms (n) | wait, adapter cold p50 / p99 ms | wait, adapter resident p50 / p99 ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        e = s["extra"]
+        loads = e.get("adapter_loads") or {}
+        waits = e.get("adapter_wait_ms") or {}
+        queue = {"p50": s.get("queue_wait_p50_ms"), "p99": s.get("queue_wait_p99_ms")}
+        steps = (f"{e['graph_steps']} / {e['eager_steps']}" if e.get("eager_steps") is not None
+                 else _fmt(e.get("engine_steps")))
+        kv = e.get("kv_usage_peak")
+        counters = e.get("adapter_counters") or {}
+        swaps = (f"{counters.get('activations', 0)} / {counters.get('evictions', 0)}" if counters else "-")
+        out.append(f"| {s['name']} | {e['level'] or 'open'} | {_fmt(e.get('ramp_s'))} | "
+                   f"{_fmt(s.get('steady_output_tok_s'))} | {_pair(queue)} | {steps} | "
+                   f"{'-' if kv is None else f'{100 * kv:.0f}%'} | {_fmt(e.get('adapters_resident_peak'))} | {swaps} | "
+                   f"{_loads(loads, 'disk_to_cpu_ms')} | {_loads(loads, 'cpu_to_gpu_ms')} | "
+                   f"{_pair(waits.get('cold'))} | {_pair(waits.get('warm'))} |")
+    return out
+
+
+def _tenant_table(scenarios: list[dict]) -> list[str]:
+    rows = [s for s in scenarios if (s.get("extra") or {}).get("groups")]
+    if not rows:
+        return []
+    out = ["", "| run | tenant | requests completed / started | TTFT p50 ms | TTFT p99 ms | output tok/s | "
+               "out tok/s per req |", "|---|---|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        for name, g in s["extra"]["groups"].items():
+            out.append(f"| {s['name']} | {name} | {g['requests_completed']} / {g['requests_started']} | "
+                       f"{_fmt(g['ttft_p50_ms'], 0)} | {_fmt(g['ttft_p99_ms'], 0)} | {_fmt(g['output_tok_s'])} | "
+                       f"{_fmt(g['per_request_output_tok_s'])} |")
+    return out
 
 
 def write_report(report: dict, out_dir: str, stem: str = "bench_serve") -> tuple[str, str]:

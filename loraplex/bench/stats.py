@@ -1,4 +1,4 @@
-"""Per-request timings of a closed-loop run and their summary (percentiles, rates)."""
+"""Per-request timings of a load run and their summary (percentiles, rates)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,11 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class RequestTiming:
-    """Times are ``time.monotonic()`` seconds. ``first_token`` is when the first output token was returned."""
+    """Times are seconds on the driver's clock (``time.monotonic()`` in a real run). ``first_token`` is when the
+    first output token was returned; ``scheduled`` when the engine first scheduled the request (its
+    ``RequestMetrics.first_scheduled_time``: admission, after any wait for a seat, KV blocks or its adapter);
+    ``adapter_cold``: its adapter was not resident on the GPU when the request was sent (None: base model or
+    unknown). ``output_tokens`` counts every completion of an ``n > 1`` request."""
 
     request_id: str
     adapter: int | None
@@ -16,6 +20,10 @@ class RequestTiming:
     first_token: float | None = None
     finish: float | None = None
     output_tokens: int = 0
+    group: str | None = None
+    tenant: str | None = None
+    scheduled: float | None = None
+    adapter_cold: bool | None = None
 
     @property
     def ttft(self) -> float:
@@ -24,6 +32,11 @@ class RequestTiming:
     @property
     def e2e(self) -> float:
         return self.finish - self.arrival
+
+    @property
+    def queue_wait(self) -> float | None:
+        """Arrival -> admission (None when the engine did not report it)."""
+        return None if self.scheduled is None else max(0.0, self.scheduled - self.arrival)
 
     @property
     def tpot(self) -> float | None:
@@ -41,6 +54,13 @@ def percentile(values: list[float], q: float) -> float:
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def p50_p99(values: list[float], scale: float = 1.0) -> dict:
+    """``{"n", "p50", "p99"}`` of ``values`` times ``scale`` (None percentiles for no values)."""
+    if not values:
+        return {"n": 0, "p50": None, "p99": None}
+    return {"n": len(values), "p50": percentile(values, 50) * scale, "p99": percentile(values, 99) * scale}
 
 
 @dataclass
@@ -67,6 +87,9 @@ class ScenarioSummary:
     peak_memory_gib: float | None        # GPU: torch.cuda.max_memory_allocated; None on CPU
     peak_rss_gib: float
     truncated: bool = False              # the time limit stopped it before every planned request ran
+    queue_wait_p50_ms: float | None = None   # arrival -> admission by the engine (None: not reported)
+    queue_wait_p99_ms: float | None = None
+    steady_output_tok_s: float | None = None  # output tokens / time while all C clients had a request in flight
     extra: dict | None = None
 
     def to_dict(self) -> dict:
@@ -75,12 +98,14 @@ class ScenarioSummary:
 
 def summarize(name: str, timings: list[RequestTiming], *, concurrency: int, input_len: int, output_len: int,
               start: float, end: float, peak_memory_gib: float | None, peak_rss_gib: float,
-              truncated: bool = False, extra: dict | None = None) -> ScenarioSummary:
+              truncated: bool = False, steady_output_tok_s: float | None = None,
+              extra: dict | None = None) -> ScenarioSummary:
     done = [t for t in timings if t.finish is not None and t.first_token is not None]
     if not done:
         raise RuntimeError(f"scenario {name!r}: no request finished; raise the time limit or shrink the workload")
     ttft = [t.ttft * 1e3 for t in done]
     tpots = [t.tpot * 1e3 for t in done if t.tpot is not None]
+    waits = p50_p99([t.queue_wait for t in done if t.queue_wait is not None], 1e3)
     out_tokens = sum(t.output_tokens for t in done)
     prompt_tokens = sum(t.prompt_tokens for t in done)
     duration = end - start
@@ -95,4 +120,6 @@ def summarize(name: str, timings: list[RequestTiming], *, concurrency: int, inpu
         tpot_p99_ms=percentile(tpots, 99) if tpots else float("nan"),
         e2e_p50_s=percentile([t.e2e for t in done], 50),
         output_throughput_tok_s=out_tokens / duration, total_throughput_tok_s=(out_tokens + prompt_tokens) / duration,
-        peak_memory_gib=peak_memory_gib, peak_rss_gib=peak_rss_gib, truncated=truncated, extra=extra)
+        peak_memory_gib=peak_memory_gib, peak_rss_gib=peak_rss_gib, truncated=truncated,
+        queue_wait_p50_ms=waits["p50"], queue_wait_p99_ms=waits["p99"], steady_output_tok_s=steady_output_tok_s,
+        extra=extra)

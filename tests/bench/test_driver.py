@@ -15,6 +15,7 @@ from loraplex.bench.workload import request_plan
 class _Out:
     request_id: str
     output_token_ids: list[int]
+    new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
@@ -63,10 +64,10 @@ class FakeEngine:
             toks.append(7)
             if rid == self.fail:
                 del self.running[rid]
-                outs.append(_Out(rid, list(toks), True, "error", "adapter did not load"))
+                outs.append(_Out(rid, list(toks), [7], True, "error", "adapter did not load"))
                 continue
             done = len(toks) == n
-            outs.append(_Out(rid, list(toks), done, "length" if done else None))
+            outs.append(_Out(rid, list(toks), [7], done, "length" if done else None))
             if done:
                 del self.running[rid]
         return outs

@@ -1,0 +1,77 @@
+"""What the in-process engine did during one measured run, read from its public stats.
+
+    probe = EngineProbe(engine)          # before the run: counters and timing lists as they are now
+    drive(..., on_step=probe.on_step)    # KV usage every step; the engine_stats snapshot every ``every_s``
+    figures = probe.finish()             # {"kv_usage_peak": .., "adapters_resident_peak": .., "graph_steps": ..,
+                                         #  "adapter_loads": {"disk_to_cpu_ms": {"n", "p50", "p99"}, ...}, ...}
+
+Graph steps: decode steps served by the padded static-buffer path that replays CUDA graphs (counted only when
+graphs were captured). Adapter load latency: the adapter manager's per-load times when the engine reports them
+(``residency()["load_seconds"]``: ``cpu`` = fetch or disk -> CPU weights, ``gpu`` = CPU -> GPU copy); the loads of
+this run are the newest entries, as many as its ``loads`` / ``activations`` counters grew (``since_start``: all
+of them, warm-ups included: with a CPU tier that holds every adapter, disk -> CPU loads happen at first use).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from loraplex.bench.stats import p50_p99
+
+
+def _newest(values: list[float] | None, count: int) -> list[float] | None:
+    if values is None:
+        return None
+    return list(values)[-count:] if count > 0 else []
+
+
+class EngineProbe:
+    def __init__(self, engine, *, every_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
+        from loraplex.engine.stats import engine_stats
+
+        self.engine, self.every_s, self.clock = engine, every_s, clock
+        self._stats = engine_stats
+        graphs = engine.runner.decode_graphs
+        self._graphs = graphs if engine.runner.num_cuda_graphs else None
+        self._graph_steps0 = self._graphs.num_steps if self._graphs is not None else None
+        first = engine_stats(engine)
+        self._counters0 = dict(first.get("adapter_counters") or {})
+        self.kv_usage_peak = first["kv_usage"]
+        self.running_peak = first["requests_running"]
+        self.adapters_peak = first["adapter_tiers"]["gpu"]
+        self._next = clock() + every_s
+
+    def _snapshot(self) -> dict:
+        s = self._stats(self.engine)
+        self.running_peak = max(self.running_peak, s["requests_running"])
+        self.adapters_peak = max(self.adapters_peak, s["adapter_tiers"]["gpu"])
+        self.kv_usage_peak = max(self.kv_usage_peak, s["kv_usage"])
+        return s
+
+    def on_step(self, now: float) -> None:
+        self.kv_usage_peak = max(self.kv_usage_peak, self.engine.kv_cache.usage)
+        if now >= self._next:
+            self._next = now + self.every_s
+            self._snapshot()
+
+    def finish(self) -> dict:
+        last = self._snapshot()
+        counters = dict(last.get("adapter_counters") or {})
+        grew = {k: counters.get(k, 0) - self._counters0.get(k, 0) for k in counters}
+        out = {"kv_usage_peak": self.kv_usage_peak, "requests_running_peak": self.running_peak,
+               "adapters_resident_peak": self.adapters_peak, "adapters_resident_end": last["adapter_tiers"]["gpu"],
+               "adapter_counters": grew,
+               "graph_steps": (self._graphs.num_steps - self._graph_steps0) if self._graphs is not None else 0}
+        manager = getattr(self.engine, "adapters", None)
+        timings = manager.residency().get("load_seconds") if manager is not None else None
+        if timings is not None:
+            cpu = _newest(timings.get("cpu"), grew.get("loads", 0))
+            gpu = _newest(timings.get("gpu"), grew.get("activations", 0))
+            out["adapter_loads"] = {"disk_to_cpu_ms": p50_p99(cpu or [], 1e3),
+                                    "cpu_to_gpu_ms": p50_p99(gpu or [], 1e3),
+                                    # every load since the engine started (its warm-ups included)
+                                    "since_start": {"disk_to_cpu_ms": p50_p99(list(timings.get("cpu") or []), 1e3),
+                                                    "cpu_to_gpu_ms": p50_p99(list(timings.get("gpu") or []), 1e3)}}
+        else:
+            out["adapter_loads"] = None  # this engine does not report per-load times
+        return out
