@@ -55,7 +55,7 @@ class ServeBenchConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"                   # auto: bfloat16 on CUDA, float32 on CPU
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None   # None: the engine's default (4096 on CUDA, 2048 on CPU)
     block_size: int = 16
     base_only: bool = True                # also run the base-only scenario
     quantization: str | None = None       # "int8" / "mxfp4": the engine's experts quantised from the start (one phase)
@@ -64,7 +64,8 @@ class ServeBenchConfig:
     enforce_eager: bool = False           # no CUDA graphs for decode steps
     async_scheduling: bool | None = None  # overlapped decode steps; None: the engine's default (on with graphs)
     cuda_graph_max_batch_size: int | None = None  # None: the engine's default
-    kv_sizing: str = "workload"           # workload: max_num_seqs and KV pool for the workload; engine: its defaults
+    kv_sizing: str | None = None          # engine: its defaults (KV from free memory); workload: sized to the
+                                          # workload; None: engine at full scale, workload for tiny CPU runs
     hf_baseline: bool = False
     hf_only: bool = False                 # only the HF baseline (no engine scenarios)
     hf_output_len: int | None = None      # HF output tokens (default: output_len)
@@ -77,7 +78,7 @@ class ServeBenchConfig:
     total_time_s: float | None = None     # hard stop for the whole run (running requests aborted)
     # adapters and their memory
     adapter_files: int | None = None      # distinct adapter files (default num_adapters); adapter k reads file k % F
-    max_loras: int | None = None          # EngineConfig.max_loras (default: num_adapters)
+    max_loras: int | None = None          # EngineConfig.max_loras (default: none, the adapter memory budget rules)
     max_cpu_loras: int | None = None      # EngineConfig.max_cpu_loras (default: max(16, num_adapters))
     adapter_budget: int | None = None     # GPU memory for this many adapters (churn; -> adapter_memory_bytes)
     adapter_memory_gib: float | None = None  # the same in GiB
@@ -148,6 +149,8 @@ class ServeBenchConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.kv_sizing is None:
+            self.kv_sizing = "workload" if self.scale == "tiny" else "engine"
         if self.kv_sizing not in KV_SIZINGS:
             raise ValueError(f"kv_sizing {self.kv_sizing!r} is not supported; choose one of {', '.join(KV_SIZINGS)}")
         if self.ramp is not None:

@@ -21,24 +21,27 @@ def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: 
                   max_loras: int | None = None, extra: dict | None = None) -> dict:
     """EngineConfig keywords of the workload ``cfg`` (a ServeBenchConfig).
 
-    ``kv_sizing="workload"`` (default): ``max_num_seqs`` = the most sequences the workload runs at once (its
-    largest concurrency level, its adapter count, a heavy tenant's ``n``) and a KV pool of that many full
-    sequences + 64 blocks, so a run measures the same pool on any device and starts fast; ``"engine"``: neither
-    is passed (the engine's own defaults, KV sized from free memory). ``max_loras``: this phase's adapter slots
-    (default ``cfg.max_loras``, else one per adapter); ``extra``: keywords of ``engine_knobs``."""
+    ``kv_sizing="engine"`` (default): the engine's own ``max_num_seqs`` and KV pool (sized from free memory), as a
+    deployment runs; ``"workload"``: ``max_num_seqs`` = the most sequences the workload runs at once (its largest
+    concurrency level, its adapter count, a heavy tenant's ``n``) and a KV pool of that many full sequences + 64
+    blocks, so a run measures the same pool on any device and starts fast. ``max_loras``: this phase's cap on
+    distinct adapters (default ``cfg.max_loras``, else none: the engine's adapter memory budget decides);
+    ``max_num_batched_tokens`` only when the workload sets it; ``extra``: keywords of ``engine_knobs``."""
     bs = cfg.block_size
     seqs = max(cfg.concurrency, cfg.num_adapters, max(cfg.heavy_n) if cfg.scenario == "fairness" else 1)
     per_seq = -(-(cfg.input_len + cfg.output_len + bs) // bs)
-    loras = max_loras or cfg.max_loras or max(1, cfg.num_adapters)
+    loras = max_loras or cfg.max_loras
     kw = dict(dtype=dtype, device=device, load_format="dummy", progress=False,
               max_model_len=cfg.input_len + cfg.output_len + bs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=bs,
+              block_size=bs,
               swap_space_bytes=0, enable_prefix_caching=False, enable_lora=cfg.num_adapters > 0,
               max_loras=loras, max_lora_rank=cfg.rank,
-              max_cpu_loras=cfg.max_cpu_loras or max(16, cfg.num_adapters, loras),
+              max_cpu_loras=cfg.max_cpu_loras or max(16, cfg.num_adapters, loras or 0),
               adapter_cache_dir=os.path.join(work_dir, "adapter-cache"),
               tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
               async_scheduling=cfg.async_scheduling, quantization=quantization)
+    if cfg.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.kv_sizing == "workload":
         kw.update(max_num_seqs=seqs, num_kv_blocks=per_seq * seqs + 64)
     if cfg.cuda_graph_max_batch_size is not None:

@@ -57,7 +57,8 @@ def register(subparsers) -> None:
     s.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1600)")
     s.add_argument("--output-len", type=int, default=None, help="output tokens, EOS ignored (default 600)")
     s.add_argument("--mix", choices=("even", "zipf", "uniform"), default="even", help="adapter mix")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine step token budget (2048)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine step token budget (default: the engine's, 4096 on CUDA)")
     s.add_argument("--block-size", type=int, default=None, help="KV block size (16)")
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     s.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
@@ -108,9 +109,10 @@ def register(subparsers) -> None:
     e.add_argument("--ramp", default=None,
                    help="spread each level's first requests over this many seconds, or 'auto' (the previous "
                         "level's TTFT p50 + output-len x TPOT p50, at most --scenario-time; default in a sweep)")
-    e.add_argument("--kv-sizing", choices=("workload", "engine"), default="workload",
-                   help="workload: max_num_seqs and the KV pool fit the workload exactly; engine: the engine's own "
-                        "defaults (KV pool from free memory)")
+    e.add_argument("--kv-sizing", choices=("workload", "engine"), default=None,
+                   help="engine: the engine's own defaults (KV pool from free memory; the default at --scale full); "
+                        "workload: max_num_seqs and the KV pool fit the workload exactly (the default at --scale "
+                        "tiny)")
     e.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
                    help="largest decode batch replayed from a CUDA graph (default: the engine's)")
     a = s.add_argument_group("adapters and their memory (churn)")
@@ -122,7 +124,8 @@ def register(subparsers) -> None:
                         "dtype), passed to the engine as its adapter memory budget")
     a.add_argument("--adapter-memory-gib", type=float, default=None, help="the adapter memory budget in GiB")
     a.add_argument("--max-loras", type=int, default=None,
-                   help="the engine's max_loras (GPU adapter slots or cap; default: one per adapter)")
+                   help="the engine's max_loras, a cap on distinct resident adapters (default: none; the adapter "
+                        "memory budget decides)")
     a.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in CPU memory (default: max(16, adapters)); lower it to make the churn "
                         "reload from disk too")

@@ -80,9 +80,16 @@ def test_engine_kwargs_are_an_engine_config_of_the_workload(tmp_path):
     kw = engine_kwargs(cfg, str(tmp_path), device="cpu", dtype="float32", quantization="int8")
     config = EngineConfig(model=str(tmp_path), **kw)     # every keyword is a field the engine validates
     assert (config.quantization, config.tensor_parallel_size, config.enforce_eager) == ("int8", 2, True)
-    assert config.async_scheduling is False and config.load_format == "dummy" and config.max_loras == 8
-    assert config.num_kv_blocks == -(-(1600 + 600 + 16) // 16) * 16 + 64   # 16 full sequences + 64 blocks
+    assert config.async_scheduling is False and config.load_format == "dummy"
+    # the engine's defaults: no adapter cap, step budget, sequence count or KV pool patched by the bench
+    assert config.max_loras is None and config.max_num_batched_tokens is None
+    assert config.max_num_seqs is None and config.num_kv_blocks is None
     assert config.max_model_len == 1600 + 600 + 16 and config.max_lora_rank == 32
+    sized = ServeBenchConfig(scale="full", kv_sizing="workload", max_loras=8, max_num_batched_tokens=2048)
+    config = EngineConfig(model=str(tmp_path), **engine_kwargs(sized, str(tmp_path), device="cpu", dtype="float32",
+                                                               quantization=None))
+    assert config.num_kv_blocks == -(-(1600 + 600 + 16) // 16) * 16 + 64   # 16 full sequences + 64 blocks
+    assert (config.max_loras, config.max_num_batched_tokens, config.max_num_seqs) == (8, 2048, 16)
 
 
 def test_new_options_are_validated():
