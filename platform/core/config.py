@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     default_tokens_per_day: int | None = Field(default=None, ge=1)
     default_scheduling_weight: float = Field(default=1.0, gt=0, le=1e6)  # tenants whose scheduling_weight is null
 
+    # a request without max_tokens reserves min(this, the context left) per choice against tokens/minute (and the
+    # day's budget) instead of the whole context; tokens it uses past that are charged when it ends
+    default_max_tokens_reservation: int = Field(default=512, ge=1)
+
     quota_fail_open: bool = False  # Redis unreachable: admit without checks (True) or answer 503 (False)
     quota_timeout_s: float = Field(default=0.5, gt=0)
     quota_key_prefix: str = "loraplex:quota"  # Redis keys: <prefix>:{<tenant id>}:rpm|tpm|leases|day
