@@ -171,6 +171,8 @@ def _resolve(gw: Gateway, tenant_id: str, target) -> ResolvedAdapter | None:
 async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) -> QuotaDecision:
     """Quota check; a denial is an ``InferenceError`` (429 / 400 / 503) carrying the rate-limit headers (and is
     counted by ``meter`` as a quota rejection of its kind)."""
+    if meter is not None and prep.adapter is not None:
+        meter.resolved(prep.adapter.name, prep.adapter.number)   # the version label of every admitted-or-not request
     limits = QuotaLimits.resolve(prep.tenant, gw.settings)
     decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.reserved_tokens,
                                        request_id=prep.request_id)

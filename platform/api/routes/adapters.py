@@ -18,6 +18,7 @@ from loraplex.platform.api.errors import ApiError
 from loraplex.platform.crud import adapters as crud
 from loraplex.platform.db.models import Adapter, AdapterStatus, AdapterVersion, ApiKey
 from loraplex.platform.engines.notifier import Promotion, promote
+from loraplex.platform.metrics.middleware import note_upload
 from loraplex.platform.schemas.adapters import (ALIAS_PATTERN, NAME_PATTERN, AdapterPublic, AdaptersPublic,
                                                 AdapterSummary, AdapterVersionPublic, AliasHistoryEntry, AliasPublic,
                                                 AliasUpdate, KeyRef, RollbackRequest, VersionHistory,
@@ -90,6 +91,7 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
     and config as a ready version of the adapter answer that version (200, ``Loraplex-Deduplicated: true``;
     nothing is stored and no alias moves)."""
     tenant = key.tenant
+    note_upload(request, tenant=tenant.name)
     with spool_of(request.app).upload_dir() as work:
         form = await spool_multipart(request.stream(), request.headers.get("content-type"),
                                      request.headers.get("content-length"), dest_dir=work,
@@ -98,9 +100,11 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
         if not re.match(NAME_PATTERN, name):
             raise UploadError(422, f"form field 'name' must be 1-64 characters of a-z, 0-9, '.', '_', '-' starting "
                                    f"with a letter or digit (got {name!r})", code="bad_name")
+        note_upload(request, adapter=name)
         previous = await run_in_threadpool(find_idempotent, session=session, tenant=tenant, name=name,
                                            key=idempotency_key)
         if previous is not None:
+            note_upload(request, version=previous.number)
             response.status_code = 200
             response.headers["Idempotent-Replayed"] = "true"
             return version_public(previous.adapter, previous)
@@ -110,6 +114,7 @@ async def upload_adapter(request: Request, response: Response, session: SessionD
         result = await run_in_threadpool(register_upload, session=session, store=store, tenant=tenant, name=name,
                                          adapter=validated, idempotency_key=idempotency_key,
                                          heartbeat_s=settings.upload_heartbeat_s, created_by_key_id=key.id)
+    note_upload(request, version=result.version.number)
     if result.deduplicated:
         response.status_code = 200
         response.headers[DEDUPLICATED] = "true"
