@@ -9,20 +9,19 @@ from typing import Annotated, Any, Callable
 import anyio
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
-from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.platform.api.deps import (BaseModelDep, BlobStoreDep, CurrentKey, CurrentTenant, NotifierDep,
                                         ServingLimitsDep, SessionDep, SettingsDep, TenantAdapter)
 from loraplex.platform.api.errors import ApiError
 from loraplex.platform.crud import adapters as crud
+from loraplex.platform.crud.history import version_history
 from loraplex.platform.db.models import Adapter, AdapterStatus, AdapterVersion, ApiKey
 from loraplex.platform.engines.notifier import Promotion, promote
 from loraplex.platform.metrics.middleware import note_upload
 from loraplex.platform.schemas.adapters import (ALIAS_PATTERN, NAME_PATTERN, AdapterPublic, AdaptersPublic,
-                                                AdapterSummary, AdapterVersionPublic, AliasHistoryEntry, AliasPublic,
-                                                AliasUpdate, KeyRef, RollbackRequest, VersionHistory,
-                                                VersionHistoryEntry)
+                                                AdapterSummary, AdapterVersionPublic, AliasPublic, AliasUpdate,
+                                                RollbackRequest, VersionHistory)
 from loraplex.platform.schemas.types import Limit, Offset, VersionNumber
 from loraplex.platform.uploads.deletion import delete_versions, delete_whole_adapter
 from loraplex.platform.uploads.errors import UploadError
@@ -75,10 +74,6 @@ AliasName = Annotated[str, Path(pattern=ALIAS_PATTERN, examples=["prod"])]
 def version_public(adapter: Adapter, version: AdapterVersion) -> AdapterVersionPublic:
     return AdapterVersionPublic.model_validate({**{c: getattr(version, c) for c in AdapterVersionPublic.model_fields
                                                   if c != "adapter"}, "adapter": adapter.name})
-
-
-def key_ref(key: ApiKey | None) -> KeyRef | None:
-    return KeyRef(id=key.id, name=key.name, prefix=key.prefix) if key is not None else None
 
 
 @router.post("", status_code=201, response_model=AdapterVersionPublic, openapi_extra=UPLOAD_BODY, responses=ERRORS)
@@ -144,21 +139,7 @@ def version_history(session: SessionDep, adapter: TenantAdapter) -> VersionHisto
     """Every version of the adapter, newest first: number, status, sha256, size, when and by which API key it was
     uploaded (or imported, with its source) and deleted, and the aliases naming it now; then each alias with when
     and by which key it last moved."""
-    alias_rows = crud.alias_rows(session=session, adapter=adapter)
-    naming: dict[int, list[str]] = {}
-    for alias, number in alias_rows:
-        naming.setdefault(number, []).append(alias.name)
-    keys = {k.id: k for k in session.scalars(select(ApiKey).where(ApiKey.tenant_id == adapter.tenant_id))}
-    entries = [VersionHistoryEntry(number=v.number, status=v.status, sha256=v.sha256, size_bytes=v.size_bytes,
-                                   rank=v.rank, created_at=v.created_at,
-                                   created_by=key_ref(keys.get(v.created_by_key_id)), source=v.source,
-                                   aliases=naming.get(v.number, []) if v.status == AdapterStatus.ready else [],
-                                   deleted_at=v.deleted_at, deleted_by=key_ref(keys.get(v.deleted_by_key_id)),
-                                   error=v.error)
-               for v in sorted(adapter.versions, key=lambda v: -v.number)]
-    aliases = [AliasHistoryEntry(alias=a.name, version=n, updated_at=a.updated_at,
-                                 updated_by=key_ref(keys.get(a.updated_by_key_id))) for a, n in alias_rows]
-    return VersionHistory(adapter=adapter.name, data=entries, aliases=aliases)
+    return version_history(session=session, adapter=adapter)
 
 
 def _ready_version(session, adapter: Adapter, number: int, what: str) -> AdapterVersion:
