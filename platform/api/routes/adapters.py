@@ -135,7 +135,7 @@ def read_adapter(session: SessionDep, adapter: TenantAdapter) -> AdapterPublic:
 
 
 @router.get("/{name}/versions", response_model=VersionHistory)
-def version_history(session: SessionDep, adapter: TenantAdapter) -> VersionHistory:
+def read_versions(session: SessionDep, adapter: TenantAdapter) -> VersionHistory:
     """Every version of the adapter, newest first: number, status, sha256, size, when and by which API key it was
     uploaded (or imported, with its source) and deleted, and the aliases naming it now; then each alias with when
     and by which key it last moved."""
