@@ -23,7 +23,7 @@ VERSION_COLUMNS = [("version", "number"), ("status", "status"), ("aliases", "ali
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("adapters", help="upload, list, alias, roll back, delete and import your adapters",
-                              description=__doc__ + "\n" + CONNECTION_HELP,
+                              description=__doc__.replace("``", "") + "\n" + CONNECTION_HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="adapters_command", required=True, metavar="COMMAND")
 

@@ -16,7 +16,7 @@ COLUMNS = [("id", "id"), ("name", "name"), ("prefix", "prefix"), ("created", "cr
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("keys", help="list, create and revoke your tenant's API keys",
-                              description=__doc__ + "\n" + CONNECTION_HELP,
+                              description=__doc__.replace("``", "") + "\n" + CONNECTION_HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     c = sub.add_parser("list", help="every key of your tenant (never the keys themselves)")
