@@ -1,18 +1,37 @@
-"""The ``loraplex`` command line. Sub-commands register themselves here; each lives in its own module."""
+"""The ``loraplex`` command line. Sub-commands register themselves (``loraplex/commands/``); each lives in its own
+module."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+DESCRIPTION = """loraplex hosts many tenants' LoRA fine-tunes of one shared base model, each behind an OpenAI-compatible
+endpoint, on shared GPUs.
+
+Try it:        loraplex demo                     (a tiny random model on CPU, no services needed)
+Operate it:    loraplex db upgrade && loraplex serve
+Use it:        loraplex adapters upload ./my-lora --name support-bot     (LORAPLEX_URL, LORAPLEX_API_KEY)
+
+Run `loraplex COMMAND --help` for a command's options."""
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="loraplex", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from loraplex.commands import register_all
 
     register_all(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from pydantic import ValidationError
+
+    try:
+        return int(args.func(args) or 0)
+    except ValidationError as e:        # a LORAPLEX_* setting refused: one line per setting, no traceback
+        from loraplex.commands.serve import _one_line
+
+        print(f"loraplex {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,10 +17,17 @@ def log_config() -> dict:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run the control plane API (uvicorn)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--upgrade-db", action="store_true", help="run `loraplex db upgrade` first")
+    p = subparsers.add_parser("serve", help="run the platform: tenant and admin API, inference, dashboard",
+                              description="Run the loraplex platform (uvicorn): the tenant and admin API, the "
+                                          "OpenAI-compatible inference API and the admin dashboard. Settings come from "
+                                          "LORAPLEX_* environment variables (or a .env file); docs/platform.md lists "
+                                          "them. Refused at start, with one line saying what to fix: invalid settings, "
+                                          "a base model folder without config.json, an unreachable registry, a "
+                                          "registry whose schema is not upgraded.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--upgrade-db", action="store_true", help="upgrade the registry's schema first "
+                                                             "(`loraplex db upgrade`)")
 
     def _main(args) -> int:
         import sys
@@ -31,20 +38,40 @@ def register(subparsers) -> None:
         from loraplex.platform.core.config import get_settings
         from loraplex.platform.gateway.engines import check_engine_settings
 
+        from loraplex.commands.db import run, schema_problem
+
         try:   # refused settings: one line, no traceback
-            check_engine_settings(get_settings())
-        except (ValidationError, ValueError) as e:
+            settings = get_settings()
+            _check_model_path(settings)
+            check_engine_settings(settings)
+        except (ValidationError, ValueError, OSError) as e:
             print(f"loraplex serve: error: {_one_line(e)}", file=sys.stderr)
             return 2
         if args.upgrade_db:
-            from loraplex.commands.db import run
+            from sqlalchemy.exc import SQLAlchemyError
 
-            run("upgrade", "head")
+            try:
+                run("upgrade", "head", url=settings.sqlalchemy_url)
+            except SQLAlchemyError:
+                pass                     # schema_problem says why, in one line
+        problem = schema_problem(settings.sqlalchemy_url)
+        if problem is not None:
+            print(f"loraplex serve: error: {problem}", file=sys.stderr)
+            return 2
         uvicorn.run("loraplex.platform.main:create_app", factory=True, host=args.host, port=args.port,
                     log_level="info", log_config=log_config())
         return 0
 
     p.set_defaults(func=_main)
+
+
+def _check_model_path(settings) -> None:
+    import os
+
+    path = settings.base_model_path
+    if path and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"LORAPLEX_BASE_MODEL_PATH={path!r} has no config.json; point it at a Hugging Face model "
+                         "folder (config.json, *.safetensors, tokenizer files)")
 
 
 def _one_line(e: Exception) -> str:

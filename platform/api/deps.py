@@ -17,7 +17,7 @@ from loraplex.platform.core.security import same_secret
 from loraplex.platform.crud import adapters as adapters_crud
 from loraplex.platform.crud import tenants as tenants_crud
 from loraplex.platform.db.base import utcnow
-from loraplex.platform.db.models import Adapter, Tenant
+from loraplex.platform.db.models import Adapter, ApiKey, Tenant
 from loraplex.platform.engines.limits import EngineLimits
 from loraplex.platform.engines.notifier import EngineNotifier
 from loraplex.platform.schemas.adapters import NAME_PATTERN
@@ -76,7 +76,8 @@ def require_admin(settings: SettingsDep, credentials: Credentials) -> None:
         raise _unauthorized("admin key")
 
 
-def current_tenant(session: SessionDep, settings: SettingsDep, credentials: Credentials) -> Tenant:
+def current_key(session: SessionDep, settings: SettingsDep, credentials: Credentials) -> ApiKey:
+    """The caller's live API key (its tenant enabled); the key's id and name are what the history records."""
     if credentials is None:
         raise _unauthorized("API key")
     key = tenants_crud.authenticate_key(session=session, key=credentials.credentials,
@@ -86,6 +87,10 @@ def current_tenant(session: SessionDep, settings: SettingsDep, credentials: Cred
     if key.tenant.disabled:
         raise ApiError(403, "this tenant is disabled; contact the operator", code="tenant_disabled")
     touch_key(session, key)
+    return key
+
+
+def current_tenant(key: Annotated[ApiKey, Depends(current_key)]) -> Tenant:
     return key.tenant
 
 
@@ -100,6 +105,7 @@ def touch_key(session: Session, key) -> None:
 
 
 AdminKey = Annotated[None, Depends(require_admin)]
+CurrentKey = Annotated[ApiKey, Depends(current_key)]
 CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
 
 

@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     default_tokens_per_day: int | None = Field(default=None, ge=1)
     default_scheduling_weight: float = Field(default=1.0, gt=0, le=1e6)  # tenants whose scheduling_weight is null
 
+    # a request without max_tokens reserves min(this, the context left) per choice against tokens/minute (and the
+    # day's budget) instead of the whole context; tokens it uses past that are charged when it ends
+    default_max_tokens_reservation: int = Field(default=512, ge=1)
+
     quota_fail_open: bool = False  # Redis unreachable: admit without checks (True) or answer 503 (False)
     quota_timeout_s: float = Field(default=0.5, gt=0)
     quota_key_prefix: str = "loraplex:quota"  # Redis keys: <prefix>:{<tenant id>}:rpm|tpm|leases|day
@@ -96,6 +100,22 @@ class Settings(BaseSettings):
     upload_validation_threads: int = Field(default=2, ge=1)  # uploads validated at once (CPU-bound, in threads)
     spool_dir: str | None = None  # where uploads are streamed before validation; default <system temp>/loraplex-spool
     spool_lease_s: float = Field(default=60.0, gt=0)  # spool folders of other hosts' processes: gone when untouched
+
+    # imports by reference (POST /v1/adapters/import; uploads/sources.py): where the platform may fetch from
+    # (OWASP API7, SSRF). Hosts: "host", "host:port" or "*.domain"; "http://host[:port]" also allows plain HTTP to it.
+    # Every redirect hop must match too, and resolve to public addresses only, unless IMPORT_PRIVATE_HOSTS names it
+    import_allowed_hosts: list[str] = ["huggingface.co", "*.huggingface.co", "*.hf.co"]
+    import_private_hosts: list[str] = []          # hosts that may resolve to private/loopback addresses (mirrors)
+    import_s3_buckets: list[str] = ["*"]          # buckets tenants may import from with their own credentials
+    import_s3_endpoints: list[str] = []           # S3-compatible endpoints tenants may name (default: AWS only)
+    import_s3_operator_buckets: list[str] = []    # buckets the operator's credentials may be used for
+    import_s3_profile: str | None = None          # the operator's AWS profile (None: boto3's chain, e.g. a role)
+    import_ca_bundle: str | None = None           # CA certificates for HTTPS sources (default: the system's)
+    import_wait_s: float = Field(default=10.0, ge=0)      # the POST answers the result if done by then, else 202
+    import_timeout_s: float = Field(default=900.0, gt=0)  # a whole import (both files) ends by then
+    import_connect_timeout_s: float = Field(default=5.0, gt=0)
+    import_read_timeout_s: float = Field(default=30.0, gt=0)   # between two reads of a source
+    import_max_redirects: int = Field(default=5, ge=0)
 
     # janitor (uploads/janitor.py): expires `uploading` versions whose uploader stopped heartbeating for
     # UPLOAD_STALE_AFTER_S, removes their blobs and incomplete multipart uploads, orphan blobs and spool leftovers.

@@ -47,14 +47,25 @@ def get_version_by_idempotency_key(*, session: Session, tenant: Tenant, key: str
 
 
 def create_version(*, session: Session, adapter: Adapter, idempotency_key: str | None,
-                   status: AdapterStatus = AdapterStatus.uploading) -> AdapterVersion:
+                   status: AdapterStatus = AdapterStatus.uploading, created_by_key_id: str | None = None,
+                   source: str | None = None) -> AdapterVersion:
     """A new version numbered after every earlier one (deleted and failed included, so numbers never repeat)."""
     last = session.scalar(select(func.max(AdapterVersion.number)).where(AdapterVersion.adapter_id == adapter.id))
     version = AdapterVersion(adapter_id=adapter.id, tenant_id=adapter.tenant_id, number=(last or 0) + 1,
-                             status=status, idempotency_key=idempotency_key, targets=[])
+                             status=status, idempotency_key=idempotency_key, targets=[],
+                             created_by_key_id=created_by_key_id, source=source)
     session.add(version)
     session.flush()
     return version
+
+
+def find_duplicate(*, session: Session, adapter: Adapter, sha256: str, config: dict) -> AdapterVersion | None:
+    """The newest ready version of ``adapter`` with these weights (sha256) and this ``adapter_config.json`` (the
+    config decides the scaling and patterns, so equal weights with another config are another adapter)."""
+    rows = session.scalars(select(AdapterVersion).where(
+        AdapterVersion.adapter_id == adapter.id, AdapterVersion.sha256 == sha256,
+        AdapterVersion.status == AdapterStatus.ready).order_by(AdapterVersion.number.desc()))
+    return next((v for v in rows if (v.adapter_config or {}) == config), None)
 
 
 def find_ready_blob(*, session: Session, adapter: Adapter, sha256: str) -> str | None:
@@ -138,6 +149,12 @@ def blob_keys_of_tenant(*, session: Session, tenant_id: str) -> set[str]:
         AdapterVersion.tenant_id == tenant_id, AdapterVersion.blob_key.is_not(None))))
 
 
+def alias_version(*, session: Session, adapter: Adapter, alias: str) -> AdapterVersion | None:
+    """The version ``alias`` names, or None."""
+    return session.scalar(select(AdapterVersion).join(AdapterAlias, AdapterAlias.version_id == AdapterVersion.id)
+                          .where(AdapterAlias.adapter_id == adapter.id, AdapterAlias.name == alias))
+
+
 def aliases_of(*, session: Session, adapter: Adapter) -> dict[str, int]:
     rows = session.execute(select(AdapterAlias.name, AdapterVersion.number)
                            .join(AdapterVersion, AdapterAlias.version_id == AdapterVersion.id)
@@ -145,14 +162,40 @@ def aliases_of(*, session: Session, adapter: Adapter) -> dict[str, int]:
     return {name: number for name, number in rows}
 
 
-def set_alias(*, session: Session, adapter: Adapter, alias: str, version: AdapterVersion) -> None:
-    """Points ``alias`` at ``version`` in one statement (an upsert), so readers see the old or the new target."""
+def set_alias(*, session: Session, adapter: Adapter, alias: str, version: AdapterVersion,
+              by_key_id: str | None = None) -> None:
+    """Points ``alias`` at ``version`` in one statement (an upsert), so readers see the old or the new target.
+    ``by_key_id``: the API key that moved it (kept for the history)."""
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert(AdapterAlias).values(adapter_id=adapter.id, name=alias, version_id=version.id, updated_at=utcnow())
+    now = utcnow()
+    stmt = insert(AdapterAlias).values(adapter_id=adapter.id, name=alias, version_id=version.id, updated_at=now,
+                                       updated_by_key_id=by_key_id)
     stmt = stmt.on_conflict_do_update(index_elements=["adapter_id", "name"],
-                                      set_={"version_id": version.id, "updated_at": utcnow()})
+                                      set_={"version_id": version.id, "updated_at": now,
+                                            "updated_by_key_id": by_key_id})
     session.execute(stmt)
+
+
+def delete_alias(*, session: Session, adapter: Adapter, alias: str) -> bool:
+    """Removes ``alias``; False when the adapter has no such alias."""
+    result = session.execute(delete(AdapterAlias).where(AdapterAlias.adapter_id == adapter.id,
+                                                        AdapterAlias.name == alias)
+                             .execution_options(synchronize_session=False))
+    return result.rowcount == 1
+
+
+def alias_rows(*, session: Session, adapter: Adapter) -> list[tuple[AdapterAlias, int]]:
+    """Every alias of ``adapter`` with the number of the version it names, by name."""
+    return [(a, n) for a, n in session.execute(
+        select(AdapterAlias, AdapterVersion.number).join(AdapterVersion, AdapterAlias.version_id == AdapterVersion.id)
+        .where(AdapterAlias.adapter_id == adapter.id).order_by(AdapterAlias.name))]
+
+
+def has_live_versions(*, session: Session, adapter: Adapter) -> bool:
+    """Whether a version of ``adapter`` is ready or still being uploaded."""
+    return (session.scalar(select(func.count()).select_from(AdapterVersion).where(
+        AdapterVersion.adapter_id == adapter.id, AdapterVersion.status.in_(LIVE))) or 0) > 0
 
 
 def latest_ready(*, session: Session, adapter: Adapter) -> AdapterVersion | None:
@@ -161,14 +204,16 @@ def latest_ready(*, session: Session, adapter: Adapter) -> AdapterVersion | None
         .order_by(AdapterVersion.number.desc()).limit(1))
 
 
-def mark_deleted(*, session: Session, adapter: Adapter, version: AdapterVersion) -> None:
-    """Marks a version deleted, drops the aliases naming it and moves ``latest`` to the newest ready version."""
+def mark_deleted(*, session: Session, adapter: Adapter, version: AdapterVersion, by_key_id: str | None = None) -> None:
+    """Marks a version deleted (when, and by which API key), drops the aliases naming it and moves ``latest`` to the
+    newest ready version."""
     version.status = AdapterStatus.deleted
+    version.deleted_at, version.deleted_by_key_id = utcnow(), by_key_id
     session.execute(delete(AdapterAlias).where(AdapterAlias.version_id == version.id))
     session.flush()
     newest = latest_ready(session=session, adapter=adapter)
     if newest is not None:
-        set_alias(session=session, adapter=adapter, alias=LATEST, version=newest)
+        set_alias(session=session, adapter=adapter, alias=LATEST, version=newest, by_key_id=by_key_id)
 
 
 def delete_adapter(*, session: Session, adapter: Adapter) -> None:

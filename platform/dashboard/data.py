@@ -4,11 +4,13 @@
     series      per-bin throughput (requests/s, tokens/s), latency percentiles (ttft/tpot/e2e p50/p90/p99, s),
                 errors (4xx, 5xx) over the last ``span_s`` seconds
     engines     per replica: up, KV blocks, queue, running/waiting, hit rates, tiers
-    adapters    tiers (summed over replicas), resident adapters with their tier, top adapters by traffic
+    adapters    tiers (summed over replicas), resident adapters with their tier and their tenant, adapter and version
+                names from the registry, top adapters by traffic (tenant, adapter, version)
     tenants     per tenant: requests and tokens in the last minute against requests/tokens-per-minute limits,
                 quota rejections since start
     errors      the last errors (time, tenant, adapter, status, code), newest first
-    uploads     outcomes by (outcome, reason), uploads in flight with their progress, the last finished ones
+    uploads     outcomes by (outcome, reason), uploads in flight with their progress, the last finished ones (each with
+                its tenant, adapter and version once known)
 """
 from __future__ import annotations
 
@@ -22,7 +24,17 @@ ENGINE_FIELDS = ("requests_running", "requests_waiting", "queue_length", "kv_blo
 MAX_ADAPTERS_LISTED = 200
 
 
-def _adapters(engines: dict[str, dict]) -> dict:
+def resident_ids(engines: dict[str, dict]) -> list[str]:
+    """Every adapter id some replica reports in a tier (what the names lookup needs)."""
+    ids: set[str] = set()
+    for entry in engines.values():
+        ad = (entry.get("stats") or {}).get("adapters") or {}
+        for tier in ("gpu", "loading", "cpu"):
+            ids.update(ad.get(tier, []))
+    return sorted(ids)[:MAX_ADAPTERS_LISTED * 4]
+
+
+def _adapters(engines: dict[str, dict], names: dict[str, dict]) -> dict:
     tiers = {"gpu": 0, "cpu": 0, "disk": 0, "loading": 0}
     listed: list[dict] = []
     for replica, entry in sorted(engines.items()):
@@ -36,7 +48,10 @@ def _adapters(engines: dict[str, dict]) -> dict:
             for adapter_id in ad.get(tier, []):
                 if adapter_id not in seen and len(listed) < MAX_ADAPTERS_LISTED:
                     seen.add(adapter_id)
-                    listed.append({"adapter_id": adapter_id, "replica": replica, "tier": tier})
+                    named = names.get(adapter_id, {})
+                    listed.append({"adapter_id": adapter_id, "replica": replica, "tier": tier,
+                                   "tenant": named.get("tenant"), "adapter": named.get("adapter"),
+                                   "version": named.get("version")})
     return {"tiers": tiers, "resident": listed}
 
 
@@ -59,8 +74,8 @@ def _tenants(metrics: PlatformMetrics, quotas: dict[str, dict]) -> list[dict]:
 
 
 def dashboard_data(metrics: PlatformMetrics, *, quotas: dict[str, dict] | None = None, bin_s: int = 5,
-                   span_s: int = 300) -> dict[str, Any]:
-    """Everything the page draws, as plain JSON."""
+                   span_s: int = 300, names: dict[str, dict] | None = None) -> dict[str, Any]:
+    """Everything the page draws, as plain JSON. ``names``: ``resident_names`` of the resident adapter ids."""
     totals = dict(metrics.totals)
     totals["error_rate"] = totals["errors"] / totals["requests"] if totals["requests"] else 0.0
     engines = dict(metrics.engines)
@@ -71,8 +86,8 @@ def dashboard_data(metrics: PlatformMetrics, *, quotas: dict[str, dict] | None =
         "series": metrics.window.series(bin_s, span_s, since=metrics.started),
         "engines": [{"replica": r, "up": e.get("up"), "error": e.get("error"),
                      **{k: (e.get("stats") or {}).get(k) for k in ENGINE_FIELDS}} for r, e in sorted(engines.items())],
-        "adapters": {**_adapters(engines),
-                     "top": [{"tenant": k[0], "adapter": k[1], "requests": n}
+        "adapters": {**_adapters(engines, names or {}),
+                     "top": [{"tenant": k[0], "adapter": k[1], "version": k[2] if len(k) > 2 else None, "requests": n}
                              for k, n in metrics.adapters.top(10)]},
         "tenants": _tenants(metrics, quotas or {}),
         "errors": metrics.window.recent_errors(),

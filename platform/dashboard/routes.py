@@ -7,6 +7,8 @@
     POST /admin/dashboard/login      form field ``key`` -> cookie + 303 to the page; a wrong key -> 401 form
     POST /admin/dashboard/logout     revokes the session server-side and clears the cookie
     GET  /admin/dashboard/data       the JSON the page polls (cookie or bearer; 401 otherwise)
+    GET  /admin/dashboard/adapters   the "Adapters" view: the most recently changed adapters (``?tenant=`` a name)
+    GET  /admin/dashboard/adapters/{id}/versions   one adapter's version history (who, when, sha256, aliases)
     GET  /admin/dashboard/static/*   the page's script, style and Chart.js (no secrets; no auth)
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 from importlib import resources
 from urllib.parse import parse_qs
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -25,7 +27,8 @@ from loraplex.platform.api.deps import Credentials, SettingsDep, require_admin
 from loraplex.platform.dashboard.auth import (COOKIE, DashboardAdmin, LinkRedeemer, clear_session_cookie,
                                               end_session, has_session, login_link_token, new_session,
                                               set_session_cookie, valid_admin_key)
-from loraplex.platform.dashboard.data import dashboard_data
+from loraplex.platform.dashboard.data import dashboard_data, resident_ids
+from loraplex.platform.dashboard.names import adapter_history, adapter_list, resident_names
 from loraplex.platform.dashboard.sessions import session_store_of
 
 logger = logging.getLogger(__name__)
@@ -129,5 +132,30 @@ async def data(request: Request, _: DashboardAdmin, bin_s: int = Query(default=5
             quotas = await asyncio.to_thread(source)
         except Exception as e:  # noqa: BLE001 - the registry being down must not blank the dashboard
             logger.warning("dashboard quotas unavailable: %s", type(e).__name__)
+    names: dict = {}
+    sessionmaker = getattr(state, "sessionmaker", None)
+    ids = resident_ids(dict(state.metrics.engines))
+    if sessionmaker is not None and ids:
+        try:
+            names = await asyncio.to_thread(resident_names, sessionmaker, ids)
+        except Exception as e:  # noqa: BLE001 - the registry being down must not blank the dashboard
+            logger.warning("dashboard names unavailable: %s", type(e).__name__)
     return JSONResponse(dashboard_data(state.metrics, quotas=quotas, bin_s=bin_s, span_s=min(span_s,
-                        state.metrics.config.window_horizon_s)), headers={"Cache-Control": "no-store"})
+                        state.metrics.config.window_horizon_s), names=names), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/adapters")
+async def adapters(request: Request, _: DashboardAdmin,
+                   tenant: str | None = Query(default=None, max_length=100)):
+    rows = await run_in_threadpool(adapter_list, request.app.state.sessionmaker, tenant=tenant)
+    return JSONResponse({"data": rows}, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/adapters/{adapter_id}/versions")
+async def adapter_versions(request: Request, _: DashboardAdmin,
+                           adapter_id: str = Path(min_length=1, max_length=64)):
+    history = await run_in_threadpool(adapter_history, request.app.state.sessionmaker, adapter_id)
+    if history is None:
+        return JSONResponse({"error": {"message": f"adapter {adapter_id!r} not found", "type": "invalid_request_error",
+                                       "param": None, "code": "adapter_not_found"}}, status_code=404)
+    return JSONResponse(history, headers={"Cache-Control": "no-store"})

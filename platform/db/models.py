@@ -1,8 +1,9 @@
 """ORM models of the registry (Pydantic schemas for the API live apart, in ``schemas/``).
 
     tenants ─┬─< api_keys
-             ├─< adapters ─┬─< adapter_versions
-             │             └─< adapter_aliases ──> adapter_versions
+             ├─< adapters ─┬─< adapter_versions ──> api_keys (who uploaded / deleted it; set null)
+             │             └─< adapter_aliases ──> adapter_versions, api_keys (who moved it; set null)
+             ├─< adapter_imports ──> adapter_versions (the version an import made; set null)
              └─< usage_records ──> adapter_versions (set null when the version row goes)
     dashboard_sessions (admin dashboard sign-ins and used one-time login links; no foreign keys)
 """
@@ -116,8 +117,15 @@ class AdapterVersion(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = _ts()
     updated_at: Mapped[datetime] = _ts(onupdate=utcnow)
+    # history: the API key that uploaded (or imported) the version and the one that deleted it
+    created_by_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    deleted_by_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    source: Mapped[str | None] = mapped_column(String(2048))  # an import's source URI (no credentials); None: upload
 
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
+    created_by: Mapped[ApiKey | None] = relationship(foreign_keys=[created_by_key_id])
+    deleted_by: Mapped[ApiKey | None] = relationship(foreign_keys=[deleted_by_key_id])
 
 
 class AdapterAlias(Base):
@@ -127,9 +135,48 @@ class AdapterAlias(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     version_id: Mapped[str] = mapped_column(ForeignKey("adapter_versions.id", ondelete="CASCADE"))
     updated_at: Mapped[datetime] = _ts(onupdate=utcnow)
+    updated_by_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
 
     adapter: Mapped[Adapter] = relationship(back_populates="aliases")
     version: Mapped[AdapterVersion] = relationship()
+
+
+class ImportStatus(str, enum.Enum):
+    """An import by reference: ``running`` (fetching, validating, storing; ``updated_at`` is its heartbeat) until
+    ``succeeded`` (``version_id`` names the version) or ``failed`` (``error_*``). A ``running`` row without a
+    heartbeat for ``UPLOAD_STALE_AFTER_S`` was interrupted and reads as ``failed``."""
+
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+
+
+class AdapterImport(Base):
+    """``POST /v1/adapters/import``: one fetch of a PEFT folder from the tenant's S3 bucket or an HTTPS URL."""
+
+    __tablename__ = "adapter_imports"
+    __table_args__ = (UniqueConstraint("tenant_id", "idempotency_key"),
+                      Index("ix_adapter_imports_tenant_created", "tenant_id", "created_at"))
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    adapter_name: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(2048))              # as given, never with credentials
+    status: Mapped[ImportStatus] = mapped_column(
+        Enum(ImportStatus, native_enum=False, length=16, create_constraint=True, name="import_status",
+             values_callable=lambda e: [m.value for m in e]), default=ImportStatus.running)
+    bytes_received: Mapped[int] = mapped_column(BigInteger, default=0)
+    version_id: Mapped[str | None] = mapped_column(ForeignKey("adapter_versions.id", ondelete="SET NULL"))
+    deduplicated: Mapped[bool] = mapped_column(Boolean, default=False)
+    error_status: Mapped[int | None] = mapped_column(Integer)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    created_by_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    created_at: Mapped[datetime] = _ts()
+    updated_at: Mapped[datetime] = _ts(onupdate=utcnow)
+
+    version: Mapped[AdapterVersion | None] = relationship()
 
 
 class UsageRecord(Base):

@@ -69,6 +69,20 @@ def resolve_adapter(*, session: Session, tenant_id: str, target: ModelTarget) ->
                            config=dict(v.adapter_config or {}))
 
 
+def resolve_version(*, session: Session, tenant_id: str, version_id: str) -> ResolvedAdapter | None:
+    """The ready version ``version_id`` of ``tenant_id`` (None if it is not ready or not the tenant's)."""
+    row = session.execute(select(Adapter.name, AdapterVersion)
+                          .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
+                          .where(Adapter.tenant_id == tenant_id, AdapterVersion.id == version_id,
+                                 AdapterVersion.status == AdapterStatus.ready)).first()
+    if row is None or not row[1].blob_uri:
+        return None
+    name, v = row
+    return ResolvedAdapter(tenant_id=tenant_id, name=name, version_id=v.id, number=v.number, sha256=v.sha256,
+                           blob_uri=v.blob_uri, rank=v.rank, targets=tuple(v.targets or ()),
+                           config=dict(v.adapter_config or {}))
+
+
 def version_is_ready(*, session: Session, version_id: str) -> bool:
     """Whether the version is still ``ready`` (a request that resolved it may race its deletion)."""
     status = session.execute(select(AdapterVersion.status).where(AdapterVersion.id == version_id)).scalar()

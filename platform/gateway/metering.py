@@ -2,7 +2,8 @@
 
     arrival ─▶ authenticated (tenant) ─▶ prepared (adapter) ─▶ [quota denial] ─▶ first token ─▶ finish(status)
 
-``finish`` reports ``observe_request(tenant, adapter, status, ttft, tpot, e2e, prompt, completion, error=code)``:
+``finish`` reports ``observe_request(tenant, adapter, status, ttft, tpot, e2e, prompt, completion, error=code,
+version=number)``:
 
     ttft = first token - arrival        (None when no token came)
     e2e  = end - arrival                (served requests only: status < 400)
@@ -37,11 +38,15 @@ class RequestMeter:
         self.first_token_at: float | None = None
         self.tenant = ""                        # the tenant's name once authenticated
         self.adapter: str | None = UNRESOLVED   # the adapter's name once prepared; None = the base model
+        self.version: str | None = None         # the number of the adapter version that serves it
         self.finished = False
 
-    def resolved(self, adapter_name: str | None) -> None:
-        """The request's model is known: an adapter's name, or None for the base model."""
+    def resolved(self, adapter_name: str | None, version: int | None = None) -> None:
+        """The request's model is known: an adapter's name (and the number of the version serving it), or None for
+        the base model."""
         self.adapter = adapter_name
+        if version is not None:
+            self.version = str(version)
 
     def first_token(self) -> None:
         if self.first_token_at is None:
@@ -68,6 +73,6 @@ class RequestMeter:
             tpot = (e2e - ttft) / (per_sequence - 1)
         try:
             self.metrics.observe_request(self.tenant, self.adapter, status, ttft, tpot, e2e, prompt_tokens,
-                                         completion_tokens, error=error)
+                                         completion_tokens, error=error, version=self.version)
         except Exception:  # noqa: BLE001 - metrics must never turn a served request into an error
             logger.exception("recording request metrics failed")

@@ -1,4 +1,7 @@
-"""EngineFanoutNotifier: deleted adapter versions are evicted from every engine replica.
+"""EngineFanoutNotifier: deleted adapter versions are evicted from every engine replica; when an alias moves
+(rollback, promotion), every replica holding the version it named starts loading the new one, so the first
+request for the alias after the move does not wait for a cold load (requests resolve aliases in the registry on
+every call, so they reach the new version at once either way).
 
 ``evict`` is called by the (synchronous) delete routes in a worker thread: it schedules the evictions on the
 gateway's event loop and waits up to ``wait_s``. An engine still running requests with the adapter answers 409;
@@ -13,7 +16,8 @@ import logging
 from typing import Callable
 
 from loraplex.platform.engines.errors import AdapterInUseError, EngineError
-from loraplex.platform.engines.notifier import Eviction
+from loraplex.platform.engines.messages import AdapterReference
+from loraplex.platform.engines.notifier import Eviction, Promotion
 from loraplex.platform.gateway.adapters import engine_adapter_id
 from loraplex.platform.routing import Router
 
@@ -25,11 +29,53 @@ class EngineFanoutNotifier:
 
     def __init__(self, router: Router, loop: asyncio.AbstractEventLoop, *, wait_s: float = 5.0,
                  retries: int = 5, retry_delay_s: float = 1.0,
-                 on_evict: Callable[[Eviction], None] | None = None) -> None:
+                 on_evict: Callable[[Eviction], None] | None = None,
+                 reference_of: Callable[[str, str], AdapterReference | None] | None = None) -> None:
         self.router, self.loop = router, loop
         self.wait_s, self.retries, self.retry_delay_s = wait_s, retries, retry_delay_s
         self.on_evict = on_evict
+        self.reference_of = reference_of           # (tenant id, version id) -> the engines' reference (blocking)
         self.evicted: list[tuple[str, str]] = []   # (replica id, adapter id) evictions that took effect
+        self.warmed: list[tuple[str, str]] = []    # (replica id, adapter id) loads started by promotions
+        self._tasks: set[asyncio.Future] = set()
+
+    def promote(self, promotions: list[Promotion]) -> None:
+        """Schedules the warm-up loads on the gateway's loop and returns at once."""
+        if self.reference_of is None or not promotions:
+            return
+        coro = self._warm_all(promotions)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        future = self.loop.create_task(coro) if running is self.loop else \
+            asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._tasks.add(future)
+        future.add_done_callback(self._tasks.discard)
+
+    async def _warm_all(self, promotions: list[Promotion]) -> None:
+        for p in promotions:
+            if p.previous_version_id is None:
+                continue
+            old = engine_adapter_id(p.tenant_id, p.adapter_name, p.previous_version_id)
+            holders = [r for r in list(self.router.replicas.values()) if old in r.resident]
+            if not holders:
+                continue
+            try:
+                ref = await asyncio.to_thread(self.reference_of, p.tenant_id, p.version_id)
+            except Exception:  # noqa: BLE001 - best effort: the first request loads it instead
+                logger.exception("reference of promoted version %s unavailable", p.version_id)
+                continue
+            if ref is None:
+                continue
+            await asyncio.gather(*(self._warm(r, ref) for r in holders))
+
+    async def _warm(self, replica, ref: AdapterReference) -> None:
+        try:
+            await replica.client.load_adapter(ref)
+            self.warmed.append((replica.replica_id, ref.adapter_id))
+        except (EngineError, ConnectionError, OSError) as e:
+            logger.info("replica %s could not preload %s: %s", replica.replica_id, ref.adapter_id, e)
 
     def evict(self, evictions: list[Eviction]) -> None:
         for e in evictions:

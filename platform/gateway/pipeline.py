@@ -1,8 +1,13 @@
 """One inference request, start to end:
 
     authenticate ─▶ parse body ─▶ parse model ─▶ resolve adapter (tenant-scoped) ─▶ template + tokenize
-        ─▶ max_tokens ─▶ quota acquire (prompt + candidates * max_tokens) ─▶ router.stream(adapter) ─▶ chunks
-        ─▶ finally: quota finish (refund unused tokens, release lease) + usage event + request metrics
+        ─▶ max_tokens ─▶ quota acquire (prompt + candidates * reservation) ─▶ router.stream(adapter) ─▶ chunks
+        ─▶ finally: quota finish (refund unused tokens or charge the excess, release lease) + usage event + metrics
+
+The reservation per candidate is ``max_tokens`` when the request sets it, else
+``min(DEFAULT_MAX_TOKENS_RESERVATION, context left)``: a default client under a small tokens/minute quota is not
+refused for the whole context it will almost never use. The engine still may generate up to the context left;
+tokens used past the reservation are charged at the end (the tenant's bucket runs ahead, later requests wait).
 
 ``Generation.chunks()`` yields engine chunks; its ``finally`` does the accounting exactly once whatever ends the
 stream (last chunk, engine error, client gone: the consumer closes the iterator, which closes the router's
@@ -81,17 +86,19 @@ class Prepared:
     body: ChatCompletionRequest | CompletionRequest
     prompt: str | list[int]
     prompt_tokens: int
-    max_tokens: int
+    max_tokens: int                            # the engine's completion budget per choice
     sampling: dict[str, Any]
     adapter: ResolvedAdapter | None
     reference: AdapterReference | None
     plan: ChoicePlan
     echo_text: str = ""                        # completions with echo: the prompt as text
+    reserve_tokens: int | None = None          # per choice reserved against quotas (None: max_tokens)
 
     @property
     def reserved_tokens(self) -> int:
-        """What quota acquire reserves: the prompt once, max_tokens for every choice and best_of candidate."""
-        return self.prompt_tokens + self.plan.candidates * self.max_tokens
+        """What quota acquire reserves: the prompt once, the reservation for every choice and best_of candidate."""
+        per_choice = self.max_tokens if self.reserve_tokens is None else self.reserve_tokens
+        return self.prompt_tokens + self.plan.candidates * per_choice
 
 
 async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prepared:
@@ -126,6 +133,7 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
     if n_prompt == 0:
         raise InferenceError(400, "the prompt is empty; send at least one token", param="prompt")
     max_tokens = resolve_max_tokens(requested, n_prompt, gw.max_model_len)
+    reserve = max_tokens if requested is not None else min(gw.settings.default_max_tokens_reservation, max_tokens)
     sampling = body.sampling_params(max_tokens)
     if kind == "chat":
         sampling.update(gw.tokenizer.chat_sampling())   # GPT-OSS: harmony's stop tokens
@@ -143,7 +151,7 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
         reference = await run_in_threadpool(gw.references.reference, adapter)
     return Prepared(kind=kind, request_id=new_id("chatcmpl" if kind == "chat" else "cmpl"), tenant=tenant,
                     body=body, prompt=prompt, prompt_tokens=n_prompt, max_tokens=max_tokens, sampling=sampling,
-                    adapter=adapter, reference=reference, plan=plan, echo_text=echo_text)
+                    adapter=adapter, reference=reference, plan=plan, echo_text=echo_text, reserve_tokens=reserve)
 
 
 def _prompt_text(gw: Gateway, raw: str | list[int]) -> str:
@@ -164,6 +172,8 @@ def _resolve(gw: Gateway, tenant_id: str, target) -> ResolvedAdapter | None:
 async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) -> QuotaDecision:
     """Quota check; a denial is an ``InferenceError`` (429 / 400 / 503) carrying the rate-limit headers (and is
     counted by ``meter`` as a quota rejection of its kind)."""
+    if meter is not None and prep.adapter is not None:
+        meter.resolved(prep.adapter.name, prep.adapter.number)   # the version label of every admitted-or-not request
     limits = QuotaLimits.resolve(prep.tenant, gw.settings)
     decision = await gw.quotas.acquire(prep.tenant.id, limits, tokens=prep.reserved_tokens,
                                        request_id=prep.request_id)
@@ -178,8 +188,8 @@ async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) 
             param = "max_tokens" if plan.candidates == 1 else "best_of" if plan.candidates > plan.n else "n"
             if plan.candidates > 1:
                 message = (f"prompt ({prep.prompt_tokens}) + {param} ({plan.candidates}) x max_tokens "
-                           f"({prep.max_tokens}) = {prep.reserved_tokens} tokens exceed the tenant's tokens-per-minute "
-                           f"burst; lower '{param}' or max_tokens")
+                           f"({prep.reserve_tokens}) = {prep.reserved_tokens} tokens exceed the tenant's "
+                           f"tokens-per-minute burst; lower '{param}' or max_tokens")
         raise InferenceError(decision.status_code, message, code=code, param=param, headers=decision.headers())
     return decision
 

@@ -16,8 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.engine.engine_config import EngineSettingsError
 from loraplex.platform.core.config import Settings
 from loraplex.platform.engines.limits import EngineLimits, LimitsWatcher
-from loraplex.platform.engines.notifier import EngineNotifier, Eviction
-from loraplex.platform.gateway.adapters import AdapterReferences
+from loraplex.platform.engines.notifier import EngineNotifier, Eviction, Promotion, promote
+from loraplex.platform.engines.messages import AdapterReference
+from loraplex.platform.gateway.adapters import AdapterReferences, resolve_version
 from loraplex.platform.gateway.auth import TenantAuth
 from loraplex.platform.gateway.engines import build_replicas
 from loraplex.platform.gateway.notifier import EngineFanoutNotifier
@@ -104,10 +105,17 @@ class Gateway:
                                                 interval_s=self.settings.engine_limits_poll_s)
             await self.limits_watcher.refresh()
             self.limits_watcher.start()
-            self.notifier = EngineFanoutNotifier(self.router, asyncio.get_running_loop(), on_evict=self._forget)
+            self.notifier = EngineFanoutNotifier(self.router, asyncio.get_running_loop(), on_evict=self._forget,
+                                                 reference_of=self._reference_of)
 
     def _forget(self, eviction: Eviction) -> None:
         self.references.forget(eviction.version_id)
+
+    def _reference_of(self, tenant_id: str, version_id: str) -> AdapterReference | None:
+        """The engine reference of a ready version (None if it is not ready): what a promotion warms."""
+        with self.sessions() as session:
+            adapter = resolve_version(session=session, tenant_id=tenant_id, version_id=version_id)
+        return self.references.reference(adapter) if adapter is not None else None
 
     async def stop(self) -> None:
         """Stop polling, write the remaining usage, close quota store and engines (idempotent)."""
@@ -137,3 +145,7 @@ class CompositeNotifier:
     def evict(self, evictions: list[Eviction]) -> None:
         for n in self.notifiers:
             n.evict(evictions)
+
+    def promote(self, promotions: list[Promotion]) -> None:
+        for n in self.notifiers:
+            promote(n, promotions)

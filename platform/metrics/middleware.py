@@ -2,9 +2,12 @@
 shown without touching the upload route.
 
     receive: every body chunk -> UploadTracker.received (bytes of Content-Length); the last -> stage "validating"
-    send:    response status (+ the error body's "code", read from at most 16 KiB) -> observe_upload(outcome, reason)
+    send:    response status (+ the error body's "code", read from at most 16 KiB) -> observe_upload(outcome, reason,
+             tenant); the route names the upload (``note_upload``: tenant, adapter, version) through the upload id
+             this middleware leaves in the request's state
 
-    201 / 200            outcome "ready"        reason "ok"     (200 with Idempotent-Replayed: "replayed")
+    201 / 200            outcome "ready"        reason "ok"     (200 with Idempotent-Replayed: "replayed", with
+                                                                 Loraplex-Deduplicated: "deduplicated")
     4xx                  outcome "rejected"     reason = the error's code ("too_large", "invalid_adapter", ...)
     5xx or an exception  outcome "failed"       reason = the error's code, or "internal_error"
     client went away     outcome "aborted"      reason "client_disconnected"
@@ -18,9 +21,21 @@ from typing import Any
 MAX_ERROR_BODY = 16 * 1024
 
 
-def _outcome(status: int, replayed: bool, body: bytes) -> tuple[str, str]:
+UPLOAD_ID = "loraplex_upload_id"    # key in the ASGI scope's "state" (request.state) naming the tracked upload
+
+
+def note_upload(request: Any, **names) -> None:
+    """From the upload route: name the upload this request is (``tenant``, ``adapter``, ``version``) for the
+    dashboard and the metrics' tenant label. A no-op without the middleware."""
+    upload_id = getattr(request.state, UPLOAD_ID, None)
+    metrics = getattr(request.app.state, "metrics", None)
+    if upload_id is not None and metrics is not None:
+        metrics.uploads.note(upload_id, **names)
+
+
+def _outcome(status: int, replayed: str | None, body: bytes) -> tuple[str, str]:
     if status < 400:
-        return ("replayed" if replayed else "ready"), "ok"
+        return (replayed or "ready"), "ok"
     code = None
     try:
         data = json.loads(body.decode("utf-8")) if body else None
@@ -52,13 +67,15 @@ class UploadMetricsMiddleware:
         except ValueError:
             total = None
         tracker.start(upload_id, total)
-        state = {"status": None, "replayed": False, "body": b"", "done": False}
+        scope.setdefault("state", {})[UPLOAD_ID] = upload_id
+        state = {"status": None, "replayed": None, "body": b"", "done": False}
 
         def finish(status: int | None, outcome: str, reason: str) -> None:
             if not state["done"]:
                 state["done"] = True
+                tenant = tracker.tenant_of(upload_id)
                 tracker.finish(upload_id, status=status, outcome=outcome, reason=reason)
-                self.metrics.observe_upload(outcome, reason)
+                self.metrics.observe_upload(outcome, reason, tenant)
 
         async def receive_counted():
             message = await receive()
@@ -71,8 +88,9 @@ class UploadMetricsMiddleware:
         async def send_watched(message):
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
-                state["replayed"] = any(k.lower() == b"idempotent-replayed" and v.lower() == b"true"
-                                        for k, v in message.get("headers", []))
+                for k, v in message.get("headers", []):
+                    if v.lower() == b"true" and k.lower() in (b"idempotent-replayed", b"loraplex-deduplicated"):
+                        state["replayed"] = "replayed" if k.lower() == b"idempotent-replayed" else "deduplicated"
             elif message["type"] == "http.response.body":
                 if state["status"] is not None and state["status"] >= 400 and len(state["body"]) < MAX_ERROR_BODY:
                     state["body"] += message.get("body", b"")[:MAX_ERROR_BODY - len(state["body"])]

@@ -3,14 +3,17 @@ global one: tests and several apps in one process do not collide), plus the in-m
 
 The gateway calls, once per finished request (status = the HTTP status it answered):
 
-    metrics.observe_request(tenant, adapter, status, ttft, tpot, e2e, prompt_tokens, completion_tokens)
+    metrics.observe_request(tenant, adapter, status, ttft, tpot, e2e, prompt_tokens, completion_tokens,
+                            version="3")                   # the version number that served it
     metrics.observe_quota_rejection(tenant, kind)          # kind: QuotaDecision.reason
-    metrics.observe_upload(outcome, reason)                # the upload middleware does this by itself
+    metrics.observe_upload(outcome, reason, tenant)        # the upload middleware does this by itself
 
 and the engine poller calls ``apply_engine_stats(replica, stats)`` with ``loraplex.engine.stats.engine_stats``'s
 dict. ``tenant`` is the tenant's name (readable in Grafana); ``adapter`` the adapter's name, None/"" for the base
-model (label ``_base``), ``UNRESOLVED`` for a request refused before its model was known (label ``_unresolved``).
-Labels are bounded: see ``LabelLimiter``.
+model (label ``_base``), ``UNRESOLVED`` for a request refused before its model was known (label ``_unresolved``);
+``version`` the number of the version that served it (``name``, ``name:2`` and ``name:prod`` resolve to a number),
+"" for the base model, unresolved requests and adapters past the label cap. Labels are bounded: the limiter keeps
+(tenant, adapter, version) triples, the rest count as ``adapter="_other", version=""`` (see ``LabelLimiter``).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from loraplex.platform.metrics.config import MetricsConfig
-from loraplex.platform.metrics.label_limiter import LabelLimiter
+from loraplex.platform.metrics.label_limiter import OTHER, LabelLimiter
 from loraplex.platform.metrics.uploads import UploadTracker
 from loraplex.platform.metrics.window import RecentWindow
 
@@ -59,7 +62,7 @@ class PlatformMetrics:
     # ---- definitions ------------------------------------------------------------------------------------------
     def _build(self, ns: str) -> None:
         r, c = self.registry, self.config
-        ta, tas = ["tenant", "adapter"], ["tenant", "adapter", "status"]
+        ta, tas = ["tenant", "adapter", "version"], ["tenant", "adapter", "version", "status"]
         self.requests = Counter(f"{ns}_requests", "Inference requests finished, by HTTP status", tas, registry=r)
         self.errors = Counter(f"{ns}_request_errors", "Inference requests that failed (status >= 400)", tas,
                               registry=r)
@@ -73,8 +76,8 @@ class PlatformMetrics:
         self.completion_tokens = Counter(f"{ns}_completion_tokens", "Completion tokens generated", ta, registry=r)
         self.quota_rejections = Counter(f"{ns}_quota_rejections", "Requests refused by a quota", ["tenant", "kind"],
                                         registry=r)
-        self.upload_total = Counter(f"{ns}_uploads", "Adapter uploads finished, by outcome and reason",
-                                    ["outcome", "reason"], registry=r)
+        self.upload_total = Counter(f"{ns}_uploads", "Adapter uploads finished, by tenant, outcome and reason",
+                                    ["tenant", "outcome", "reason"], registry=r)
         self.adapter_label_evictions = Counter(f"{ns}_adapter_label_evictions", "Adapters that lost their own label "
                                                "to a heavier one (their series were dropped)", registry=r)
         # engines (fed by the poller), one series per replica
@@ -105,21 +108,24 @@ class PlatformMetrics:
                                    "slot, since start", [g], registry=r)
 
     # ---- labels -----------------------------------------------------------------------------------------------
-    def labels_for(self, tenant: str, adapter: str | None) -> tuple[str, str]:
-        """The bounded (tenant, adapter) label values for one request (counts it as traffic)."""
+    def labels_for(self, tenant: str, adapter: str | None, version: str | None = None) -> tuple[str, str, str]:
+        """The bounded (tenant, adapter, version) label values for one request (counts it as traffic)."""
         t = self.tenants.label(tenant or "_unknown")
         a = adapter or BASE
         if a in (BASE, UNRESOLVED):
-            return t, a
-        return t, self.adapters.label((t, a), label_of=lambda key: key[1])
+            return t, a, ""
+        v = version or ""
+        if self.adapters.label((t, a, v)) == OTHER:
+            return t, OTHER, ""
+        return t, a, v
 
-    def _drop_adapter_series(self, key: tuple[str, str]) -> None:
-        """An adapter lost its name: drop its series, so the label set stays within the cap."""
+    def _drop_adapter_series(self, key: tuple[str, str, str]) -> None:
+        """An adapter version lost its labels: drop its series, so the label set stays within the cap."""
         statuses = self._series.pop(key, set())
         for status in statuses:
             for metric in (self.requests, self.errors):
                 try:
-                    metric.remove(key[0], key[1], status)
+                    metric.remove(*key, status)
                 except KeyError:
                     pass
         for metric in (self.ttft, self.tpot, self.e2e, self.prompt_tokens, self.completion_tokens):
@@ -132,32 +138,34 @@ class PlatformMetrics:
     # ---- platform events --------------------------------------------------------------------------------------
     def observe_request(self, tenant: str, adapter: str | None, status: int, ttft: float | None = None,
                         tpot: float | None = None, e2e: float | None = None, prompt_tokens: int = 0,
-                        completion_tokens: int = 0, *, error: str | None = None) -> None:
+                        completion_tokens: int = 0, *, error: str | None = None, version: str | None = None) -> None:
         """One finished inference request. Latencies in seconds (None: not measured, e.g. failed before the first
-        token); ``error`` a short reason code for the dashboard's error list (never the prompt)."""
+        token); ``error`` a short reason code for the dashboard's error list (never the prompt); ``version`` the
+        number of the adapter version that served it."""
         status = int(status)
         with self._lock:  # labels and series bookkeeping must not interleave with an eviction
-            t, a = self.labels_for(tenant, adapter)
+            t, a, v = self.labels_for(tenant, adapter, version)
             s = str(status)
-            self._series.setdefault((t, a), set()).add(s)
-            self.requests.labels(t, a, s).inc()
+            self._series.setdefault((t, a, v), set()).add(s)
+            self.requests.labels(t, a, v, s).inc()
             if status >= 400:
-                self.errors.labels(t, a, s).inc()
+                self.errors.labels(t, a, v, s).inc()
             if ttft is not None:
-                self.ttft.labels(t, a).observe(ttft)
+                self.ttft.labels(t, a, v).observe(ttft)
             if tpot is not None:
-                self.tpot.labels(t, a).observe(tpot)
+                self.tpot.labels(t, a, v).observe(tpot)
             if e2e is not None:
-                self.e2e.labels(t, a).observe(e2e)
+                self.e2e.labels(t, a, v).observe(e2e)
             if prompt_tokens:
-                self.prompt_tokens.labels(t, a).inc(prompt_tokens)
+                self.prompt_tokens.labels(t, a, v).inc(prompt_tokens)
             if completion_tokens:
-                self.completion_tokens.labels(t, a).inc(completion_tokens)
+                self.completion_tokens.labels(t, a, v).inc(completion_tokens)
             self.totals["requests"] += 1
             self.totals["errors"] += status >= 400
             self.totals["prompt_tokens"] += prompt_tokens
             self.totals["completion_tokens"] += completion_tokens
-        self.window.record(tenant=tenant or "_unknown", adapter=adapter or BASE, status=status,
+        shown = f"{adapter}:{version}" if adapter and adapter not in (BASE, UNRESOLVED) and version else adapter
+        self.window.record(tenant=tenant or "_unknown", adapter=shown or BASE, status=status,
                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            latencies={"ttft": ttft, "tpot": tpot, "e2e": e2e}, error=error)
 
@@ -168,10 +176,12 @@ class PlatformMetrics:
         with self._lock:
             self.quota_counts[(t, kind)] = self.quota_counts.get((t, kind), 0) + 1
 
-    def observe_upload(self, outcome: str, reason: str = "ok") -> None:
-        """A finished upload: ``outcome`` "ready", "replayed", "rejected" (4xx) or "failed" (5xx); ``reason`` the
-        error code ("too_large", "invalid_adapter", ...) or "ok"."""
-        self.upload_total.labels(outcome, reason).inc()
+    def observe_upload(self, outcome: str, reason: str = "ok", tenant: str | None = None) -> None:
+        """A finished upload: ``outcome`` "ready", "replayed", "deduplicated", "rejected" (4xx) or "failed" (5xx);
+        ``reason`` the error code ("too_large", "invalid_adapter", ...) or "ok"; ``tenant`` its tenant's name (None:
+        refused before the key was checked, label ``_unknown``)."""
+        t = self.tenants.label(tenant or "_unknown")
+        self.upload_total.labels(t, outcome, reason).inc()
         with self._lock:
             self.upload_counts[(outcome, reason)] = self.upload_counts.get((outcome, reason), 0) + 1
 

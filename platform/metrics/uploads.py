@@ -3,6 +3,7 @@ the dashboard's progress report. The ASGI middleware (``middleware.py``) feeds i
 
     start(id, total_bytes) ─▶ received(id, n)* ─▶ body_done(id)  (stage "validating": checks, sha256, blob write)
                                                       ─▶ finish(id, status, outcome, reason)
+    note(id, tenant=..., adapter=..., version=...)    the route names the upload as soon as it knows
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class UploadProgress:
     outcome: str | None = None
     reason: str | None = None
     finished: float | None = None
+    tenant: str | None = None      # names, once the route knows them (tenant name, adapter name, version number)
+    adapter: str | None = None
+    version: int | None = None
 
     def as_dict(self, now: float) -> dict:
         d = asdict(self)
@@ -50,6 +54,20 @@ class UploadTracker:
             p = self._active.get(upload_id)
             if p is not None:
                 p.received_bytes += num_bytes
+
+    def note(self, upload_id: str, **names) -> None:
+        """Names an upload in flight: ``tenant``, ``adapter``, ``version`` (only the ones given change)."""
+        with self._lock:
+            p = self._active.get(upload_id)
+            if p is not None:
+                for k in ("tenant", "adapter", "version"):
+                    if k in names:
+                        setattr(p, k, names[k])
+
+    def tenant_of(self, upload_id: str) -> str | None:
+        with self._lock:
+            p = self._active.get(upload_id)
+            return p.tenant if p is not None else None
 
     def body_done(self, upload_id: str) -> None:
         with self._lock:

@@ -9,6 +9,8 @@ A limit of R units per minute with burst B keeps one number per tenant, the theo
     remaining (after)        floor((tau - (new_tat - now)) / T)
     reset (full again in)    new_tat - now
     refund u units           tat = max(tat - u * T, now)
+    charge c units after     tat = max(tat, now) + c * T   (no check: a request that used more than it reserved
+                                                          pays the rest; later requests wait for it)
 
 From idle, exactly B units pass at once; afterwards one unit per T.
 """
@@ -47,3 +49,9 @@ def gcra_refund(tat: float | None, now: float, units: int, interval_s: float) ->
     if tat is None:
         return None
     return max(tat - units * interval_s, now)
+
+
+def gcra_charge(tat: float | None, now: float, units: int, interval_s: float) -> float:
+    """The tat after taking ``units`` more without a check (tokens used past a request's reservation)."""
+    base = now if tat is None or tat < now else tat
+    return base + units * interval_s

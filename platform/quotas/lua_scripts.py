@@ -83,11 +83,13 @@ return {0, 0, req_rem, req_reset, tok_rem, tok_reset, day}
 """
 
 FINISH = r"""
--- loraplex quota finish: refund unused tokens and release the lease in one round trip. Idempotent, so a release
+-- loraplex quota finish: refund unused tokens (or charge tokens used past the reservation) and release the lease in
+-- one round trip. Idempotent, so a release
 -- retried after a timeout (Redis stalled; the first attempt may or may not have run) never refunds twice: when a
 -- lease is named, its tokens are refunded only by the call that removed it.
 -- KEYS: 1 tokens tat, 2 leases, 3 day budget key (or "" when none)
--- ARGV: 1 token interval (0 = off), 2 tokens to refund, 3 lease id (or ""), 4 lease ttl (renew when > 0)
+-- ARGV: 1 token interval (0 = off), 2 tokens to refund (< 0: to charge), 3 lease id (or ""), 4 lease ttl (renew
+--       when > 0)
 -- Returns 1 if the lease existed (released or renewed), else 0.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -104,9 +106,12 @@ if lease_id ~= '' and renew_ttl > 0 then
 end
 local removed = 0
 if lease_id ~= '' then removed = redis.call('ZREM', KEYS[2], lease_id) end
-if units > 0 and (lease_id == '' or removed == 1) then
+-- units > 0: a refund (never below now: a full bucket holds no credit); units < 0: a charge of -units tokens used
+-- past the reservation (no check; later requests wait for them)
+if units ~= 0 and (lease_id == '' or removed == 1) then
   if tok_T > 0 then
     local tat = tonumber(redis.call('GET', KEYS[1]))
+    if units < 0 and (not tat or tat < now) then tat = now end
     if tat then
       local new_tat = math.max(tat - units * tok_T, now)
       if new_tat <= now then

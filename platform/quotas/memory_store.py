@@ -14,7 +14,7 @@ from typing import Callable
 
 from loraplex.platform.quotas.base import (CONCURRENCY_RETRY_S, DAY_S, build_decision, check_acquire_args)
 from loraplex.platform.quotas.decision import QuotaDecision
-from loraplex.platform.quotas.gcra import gcra_check, gcra_refund
+from loraplex.platform.quotas.gcra import gcra_charge, gcra_check, gcra_refund
 from loraplex.platform.quotas.limits import QuotaLimits
 
 
@@ -96,13 +96,15 @@ class InMemoryQuotaStore:
         with self._lock:
             now = self._clock()
             st = self._tenants.setdefault(decision.tenant_id, _TenantState())
-            refund = max(0, min(refund, decision.reserved_tokens - decision.refunded_tokens))
+            if refund >= 0 or not release:   # a charge (< 0: tokens used past the reservation) comes with finish
+                refund = max(0, min(refund, decision.reserved_tokens - decision.refunded_tokens))
             if release and decision.lease_id is not None and decision.lease_id not in st.leases:
                 refund = 0          # the lease expired and was swept: as FINISH, no refund without its release
             if refund:
                 decision.refunded_tokens += refund
                 if limits.tokens_per_minute:
-                    st.tok_tat = gcra_refund(st.tok_tat, now, refund, limits.token_interval_s)
+                    st.tok_tat = gcra_refund(st.tok_tat, now, refund, limits.token_interval_s) if refund > 0 \
+                        else gcra_charge(st.tok_tat, now, -refund, limits.token_interval_s)
                 if decision.budget_day is not None and decision.budget_day in st.day_used:
                     st.day_used[decision.budget_day] = max(0, st.day_used[decision.budget_day] - refund)
             if decision.lease_id is None:

@@ -166,13 +166,15 @@ class RedisQuotaStore:
 
     def _finish_call(self, decision: QuotaDecision, refund: int, lease_id: str | None,
                      renew_ttl_s: float) -> tuple[list[str], list] | None:
-        """The FINISH script's keys and arguments, or None when there is nothing to do."""
+        """The FINISH script's keys and arguments, or None when there is nothing to do. ``refund`` < 0 is a charge
+        (tokens used past the reservation; only ``finish`` passes one)."""
         if not decision.allowed or decision.degraded or decision.limits is None:
             return None
         limits = decision.limits
         if decision.released:
             refund, lease_id = 0, None
-        refund = max(0, min(refund, decision.reserved_tokens - decision.refunded_tokens))
+        if refund >= 0:
+            refund = max(0, min(refund, decision.reserved_tokens - decision.refunded_tokens))
         if refund == 0 and lease_id is None:
             return None
         decision.refunded_tokens += refund
@@ -219,7 +221,7 @@ class RedisQuotaStore:
     async def finish(self, decision: QuotaDecision, *, used_tokens: int) -> None:
         if decision.released:
             return
-        unused = decision.reserved_tokens - decision.refunded_tokens - max(0, used_tokens)
+        unused = decision.reserved_tokens - decision.refunded_tokens - max(0, used_tokens)  # < 0: charged
         await self._finish(decision, unused, decision.lease_id, 0)
         decision.released = True
         if decision.lease_id is not None:

@@ -33,6 +33,52 @@ class AdapterVersionPublic(BaseModel):
     updated_at: UtcDatetime
 
 
+class KeyRef(BaseModel):
+    """The API key that did something (its id, name and the prefix shown in key lists); null fields when the
+    key's row is gone."""
+
+    id: str
+    name: str
+    prefix: str
+
+
+class VersionHistoryEntry(BaseModel):
+    """One version in an adapter's history: who uploaded (or imported) it and when, what it is, and what became
+    of it."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "number": 2, "status": "ready", "sha256": "9f86d081884c7d65...", "size_bytes": 83886080,
+        "created_at": "2026-11-29T17:00:00Z", "created_by": {"id": "0f3c...", "name": "ci", "prefix": "3f9a1c0b2d"},
+        "source": None, "aliases": ["latest", "prod"], "deleted_at": None, "deleted_by": None, "error": None}]})
+
+    number: int
+    status: AdapterStatus
+    sha256: str | None
+    size_bytes: int | None
+    rank: int | None
+    created_at: UtcDatetime
+    created_by: KeyRef | None = Field(description="the API key that uploaded or imported it (null: unknown)")
+    source: str | None = Field(description="the URI it was imported from; null for an upload")
+    aliases: list[str] = Field(description="the aliases that name it now")
+    deleted_at: UtcDatetime | None
+    deleted_by: KeyRef | None
+    error: str | None
+
+
+class AliasHistoryEntry(BaseModel):
+    alias: str
+    version: int
+    updated_at: UtcDatetime
+    updated_by: KeyRef | None
+
+
+class VersionHistory(BaseModel):
+    object: str = "list"
+    adapter: str
+    data: list[VersionHistoryEntry] = Field(description="every version, newest first")
+    aliases: list[AliasHistoryEntry] = Field(description="each alias, with when and by which key it last moved")
+
+
 class AdapterSummary(BaseModel):
     name: str
     created_at: UtcDatetime
@@ -60,3 +106,10 @@ class AliasPublic(BaseModel):
     adapter: str
     alias: str
     version: int
+    previous_version: int | None = Field(default=None, description="the version the alias named before (null: "
+                                                                   "it is new)")
+
+
+class RollbackRequest(BaseModel):
+    version: int = Field(ge=1, le=MAX_INT32, examples=[2], description="the ready version `latest` (and so the "
+                                                                       "bare adapter name) should serve")

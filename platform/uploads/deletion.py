@@ -24,11 +24,12 @@ def _store_down(what: str) -> UploadError:
                             "repeat the DELETE later to finish", code="blob_store_unavailable")
 
 
-def _retire(session: Session, notifier: EngineNotifier, adapter: Adapter, versions: list[AdapterVersion]) -> None:
+def _retire(session: Session, notifier: EngineNotifier, adapter: Adapter, versions: list[AdapterVersion],
+            by_key_id: str | None = None) -> None:
     """Marks ``versions`` deleted (commit) and tells engines to evict them."""
     live = [v for v in versions if v.status != AdapterStatus.deleted]
     for v in live:
-        crud.mark_deleted(session=session, adapter=adapter, version=v)
+        crud.mark_deleted(session=session, adapter=adapter, version=v, by_key_id=by_key_id)
     session.commit()
     if live:
         notifier.evict([Eviction(tenant_id=adapter.tenant_id, adapter_name=adapter.name, version_id=v.id,
@@ -36,10 +37,11 @@ def _retire(session: Session, notifier: EngineNotifier, adapter: Adapter, versio
 
 
 def delete_versions(*, session: Session, store: BlobStore, notifier: EngineNotifier, adapter: Adapter,
-                    versions: list[AdapterVersion]) -> None:
+                    versions: list[AdapterVersion], by_key_id: str | None = None, keep_adapter: bool = True) -> bool:
     """Marks ``versions`` deleted, tells engines to evict them and removes their unshared blobs (recorded or
-    intended) and any incomplete upload of those keys."""
-    _retire(session, notifier, adapter, versions)
+    intended) and any incomplete upload of those keys. Unless ``keep_adapter``, an adapter left without a ready or
+    in-progress version goes too (its name is freed); returns whether it did."""
+    _retire(session, notifier, adapter, versions, by_key_id)
     ids = [v.id for v in versions]
     keys = sorted({v.blob_key for v in versions if v.blob_key})
     unshared = {k for k in keys if not crud.blob_in_use(session=session, blob_key=k, excluding=ids)}
@@ -52,12 +54,33 @@ def delete_versions(*, session: Session, store: BlobStore, notifier: EngineNotif
                     store.abort_incomplete(upload)
     except BlobStoreUnavailable:
         raise _store_down("adapter") from None
+    if keep_adapter or crud.has_live_versions(session=session, adapter=adapter):
+        return False
+    _remove_empty(session, store, adapter)
+    return True
 
 
-def delete_whole_adapter(*, session: Session, store: BlobStore, notifier: EngineNotifier, adapter: Adapter) -> None:
-    delete_versions(session=session, store=store, notifier=notifier, adapter=adapter, versions=list(adapter.versions))
+def _remove_empty(session: Session, store: BlobStore, adapter: Adapter) -> None:
+    """The rows of an adapter none of whose versions is live any more, after the blobs its failed versions
+    intended (their uploads stopped before the store had them, or left them behind)."""
+    versions = list(adapter.versions)
+    ids = [v.id for v in versions]
+    try:
+        for key in sorted({v.blob_key for v in versions if v.blob_key}):
+            if not crud.blob_in_use(session=session, blob_key=key, excluding=ids) and store.exists(key):
+                store.delete(key)
+    except BlobStoreUnavailable:
+        raise _store_down("adapter") from None
     crud.delete_adapter(session=session, adapter=adapter)
     session.commit()
+
+
+def delete_whole_adapter(*, session: Session, store: BlobStore, notifier: EngineNotifier, adapter: Adapter,
+                         by_key_id: str | None = None) -> None:
+    """Every version (engines evict), every blob any of them recorded or intended, every alias and the name."""
+    delete_versions(session=session, store=store, notifier=notifier, adapter=adapter, versions=list(adapter.versions),
+                    by_key_id=by_key_id)
+    _remove_empty(session, store, adapter)
 
 
 def delete_tenant(*, session: Session, store: BlobStore, notifier: EngineNotifier, tenant: Tenant) -> None:

@@ -2,6 +2,7 @@
 registry holds a row that names the blob's key, so whatever is left after a crash is found from the registry by the
 janitor (``janitor.py``) and removed.
 
+    a ready version of the adapter has the same weights (sha256) and config ─▶ that version, nothing written
     row `uploading` + intended blob key (commit) ─▶ blob write (heartbeat: the row's updated_at every few seconds;
         skipped when a ready version of this adapter stores the same sha256: its blob is shared)
         ─▶ row `ready` if still `uploading` (one conditional UPDATE) + alias `latest` moved (one commit)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -67,13 +69,28 @@ def find_idempotent(*, session: Session, tenant: Tenant, name: str, key: str | N
     return previous
 
 
+@dataclass(frozen=True)
+class Registered:
+    """The ready version an upload or import ended with; ``deduplicated``: an existing version with the same
+    weights and config (nothing new was stored)."""
+
+    version: AdapterVersion
+    deduplicated: bool = False
+
+
 def register_upload(*, session: Session, store: BlobStore, tenant: Tenant, name: str, adapter: ValidatedAdapter,
-                    idempotency_key: str | None, heartbeat_s: float = 30.0) -> AdapterVersion:
-    """Writes the blob and the registry rows for a validated adapter; returns the ready version. ``heartbeat_s``:
-    how often the row's ``updated_at`` is refreshed while the blob is written (``Settings.upload_heartbeat_s``)."""
+                    idempotency_key: str | None, heartbeat_s: float = 30.0, created_by_key_id: str | None = None,
+                    source: str | None = None) -> Registered:
+    """Writes the blob and the registry rows for a validated adapter; returns the ready version, or the existing
+    ready version of the same adapter with the same weights and config (no row, no blob). ``heartbeat_s``: how
+    often the row's ``updated_at`` is refreshed while the blob is written (``Settings.upload_heartbeat_s``);
+    ``created_by_key_id`` / ``source``: the history (the uploading API key; an import's source URI)."""
     checkpoints.reached("upload.validated")
-    version, reused = _new_version(session=session, tenant=tenant, name=name, sha256=adapter.sha256,
-                                   idempotency_key=idempotency_key)
+    version, reused = _new_version(session=session, tenant=tenant, name=name, adapter=adapter,
+                                   idempotency_key=idempotency_key, created_by_key_id=created_by_key_id,
+                                   source=source)
+    if version.status == AdapterStatus.ready:
+        return Registered(version, deduplicated=True)
     checkpoints.reached("upload.recorded")
     key = version.blob_key
     try:
@@ -114,16 +131,24 @@ def register_upload(*, session: Session, store: BlobStore, tenant: Tenant, name:
         raise UploadError(503, "the registry failed while recording the upload; nothing was stored — retry the "
                                "upload", code="registry_unavailable") from None
     session.refresh(version)
-    return version
+    return Registered(version)
 
 
-def _new_version(*, session: Session, tenant: Tenant, name: str, sha256: str,
-                 idempotency_key: str | None) -> tuple[AdapterVersion, bool]:
-    """The ``uploading`` row with its blob key, committed; and whether that key is a ready version's shared blob."""
+def _new_version(*, session: Session, tenant: Tenant, name: str, adapter: ValidatedAdapter,
+                 idempotency_key: str | None, created_by_key_id: str | None,
+                 source: str | None) -> tuple[AdapterVersion, bool]:
+    """The ``uploading`` row with its blob key, committed, and whether that key is a ready version's shared blob;
+    or the ready duplicate (same weights and config) when there is one."""
+    sha256 = adapter.sha256
     for attempt in range(3):  # racing uploads of one name collide on the unique constraints; retry
         try:
             parent = crud.get_or_create_adapter(session=session, tenant=tenant, name=name)
-            version = crud.create_version(session=session, adapter=parent, idempotency_key=idempotency_key)
+            duplicate = crud.find_duplicate(session=session, adapter=parent, sha256=sha256, config=adapter.config)
+            if duplicate is not None:
+                session.commit()
+                return duplicate, True
+            version = crud.create_version(session=session, adapter=parent, idempotency_key=idempotency_key,
+                                          created_by_key_id=created_by_key_id, source=source)
             shared = crud.find_ready_blob(session=session, adapter=parent, sha256=sha256)
             version.blob_key = shared or blob_key(tenant.id, name, version.id, sha256)
             session.commit()

@@ -1,5 +1,7 @@
 """The README's main job: ``loraplex demo`` on embedded defaults exits 0 within two minutes and prints three
-answers (the base model and two adapters), the API docs address and the dashboard's with a one-time login link."""
+answers (the base model and two adapters), says that the model is a random one and what the answers show, prints
+the full tenant and admin keys, the API docs address and the dashboard's with a one-time login link, and keeps its
+settings in demo.env (0600) so the printed keys stay valid against its registry."""
 from __future__ import annotations
 
 import os
@@ -25,3 +27,20 @@ def test_demo_runs_the_whole_platform(tmp_path):
                      r"http://127\.0\.0\.1:\1/admin/dashboard\?login=\d+\.[\w-]+\.[0-9a-f]{64}", proc.stdout, flags=re.M), \
         proc.stdout
     assert "uploaded adapter poet v1" in proc.stdout and "uploaded adapter pirate v1" in proc.stdout
+    assert "tiny random qwen3_moe model" in proc.stdout and "each adapter changes" in proc.stdout
+    [key] = re.findall(r"its API key \(the platform keeps only a hash\): (lpx_\S+)$", proc.stdout, flags=re.M)
+    [admin] = re.findall(r"^admin key: (\S+)", proc.stdout, flags=re.M)
+    env_file = tmp_path / "demo" / "demo.env"
+    assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+    saved = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+    assert saved["LORAPLEX_ADMIN_KEY"] == admin and saved["LORAPLEX_API_KEY"] == key
+    assert f". {env_file}" in proc.stdout
+    # the printed key authenticates against the demo's registry with the saved secret (what `loraplex serve` does)
+    from loraplex.platform.crud.tenants import authenticate_key
+    from loraplex.platform.db.session import make_engine
+    from sqlalchemy.orm import Session
+
+    engine = make_engine(saved["LORAPLEX_DATABASE_URL"])
+    with Session(engine) as session:
+        assert authenticate_key(session=session, key=key, secret=saved["LORAPLEX_SECRET_KEY"]) is not None
+    engine.dispose()

@@ -11,11 +11,16 @@ from tests.security.conftest import bearer
 # (method, path template, body kind) of every tenant route that names an adapter
 ADAPTER_ROUTES = [
     ("GET", "/v1/adapters/{name}", None),
+    ("GET", "/v1/adapters/{name}/versions", None),
     ("DELETE", "/v1/adapters/{name}", None),
     ("DELETE", "/v1/adapters/{name}/versions/{n}", None),
     ("PUT", "/v1/adapters/{name}/aliases/{alias}", "alias"),
+    ("DELETE", "/v1/adapters/{name}/aliases/{alias}", None),
+    ("POST", "/v1/adapters/{name}/rollback", "alias"),
 ]
-LISTING_ROUTES = ["/v1/adapters", "/v1/models", "/v1/usage"]
+LISTING_ROUTES = ["/v1/adapters", "/v1/models", "/v1/usage", "/v1/usage/export", "/v1/imports", "/v1/keys"]
+OWN_ROUTES = {("POST", "/v1/adapters/import"), ("GET", "/v1/imports/{import_id}"), ("POST", "/v1/keys"),
+              ("DELETE", "/v1/keys/{key_id}")}    # tested below: another tenant's import / key is a 404
 MODEL_ROUTE = "/v1/models/{model}"
 INFERENCE_ROUTES = ["/v1/chat/completions", "/v1/completions"]
 UPLOAD_ROUTE = "/v1/adapters"
@@ -110,7 +115,7 @@ def test_every_tenant_route_is_covered(tenants):
                      if p.startswith("/v1/")}
     covered = {(m, p.replace("{n}", "{number}")) for m, p, _ in ADAPTER_ROUTES}
     covered |= {("GET", p) for p in LISTING_ROUTES} | {("POST", p) for p in INFERENCE_ROUTES}
-    covered |= {("POST", UPLOAD_ROUTE), ("GET", MODEL_ROUTE)}
+    covered |= {("POST", UPLOAD_ROUTE), ("GET", MODEL_ROUTE)} | OWN_ROUTES
     normalised = {(m, p) for m, p in tenant_routes}
     uncovered = {(m, p) for m, p in normalised
                  if (m, p) not in covered and (m, _generic(p)) not in {(cm, _generic(cp)) for cm, cp in covered}}
@@ -121,3 +126,16 @@ def _generic(path: str) -> str:
     import re
 
     return re.sub(r"\{[^}]+\}", "{}", path)
+
+
+def test_another_tenants_keys_and_imports_are_404(tenants):
+    """Key ids and import ids of the owner, used by the other tenant: 404 like ids that do not exist."""
+    t, http = tenants, tenants.server.http
+    keys = http.get("/v1/keys", headers=bearer(t.owner_key)).json()["data"]
+    assert keys and all(k["prefix"] for k in keys)
+    assert all(k["id"] not in http.get("/v1/keys", headers=bearer(t.other_key)).text for k in keys)
+    r = http.delete(f"/v1/keys/{keys[0]['id']}", headers=bearer(t.other_key))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "key_not_found"
+    assert http.get("/v1/adapters", headers=bearer(t.owner_key)).status_code == 200     # still live
+    r = http.get("/v1/imports/no-such-import", headers=bearer(t.other_key))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "import_not_found"

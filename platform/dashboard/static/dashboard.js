@@ -1,5 +1,6 @@
-// loraplex admin dashboard: polls the data endpoint and redraws six Chart.js charts.
-// State for tests and debugging: window.loraplexDashboard = {charts, data, updates, failures, lastError}.
+// loraplex admin dashboard: polls the data endpoint and redraws six Chart.js charts; lists adapters with their
+// version history (click a row). State for tests and debugging:
+// window.loraplexDashboard = {charts, data, updates, failures, lastError, adapters, history}.
 (function () {
   "use strict";
 
@@ -14,7 +15,9 @@
     return q.toString() ? `${baseUrl}?${q}` : baseUrl;
   }
   const pollMs = Math.max(500, parseInt(body.dataset.pollMs || "2000", 10));
-  const state = (window.loraplexDashboard = { charts: {}, data: null, updates: 0, failures: 0, lastError: null });
+  const state = (window.loraplexDashboard = { charts: {}, data: null, updates: 0, failures: 0, lastError: null,
+                                              adapters: null, history: null, selected: null });
+  const adaptersUrl = body.dataset.adaptersUrl || "/admin/dashboard/adapters";
   const colors = ["#2563eb", "#16a34a", "#dc2626", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
   const tierColors = { gpu: "#16a34a", cpu: "#2563eb", disk: "#6b7280", loading: "#ea580c" };
 
@@ -74,10 +77,11 @@
     });
   }
 
-  function setRows(tableId, rows) {
+  function setRows(tableId, rows, onClick) {
     const tbody = $(tableId).tBodies[0];
-    tbody.replaceChildren(...rows.map((cells) => {
+    tbody.replaceChildren(...rows.map((cells, i) => {
       const tr = document.createElement("tr");
+      if (onClick) { tr.className = "clickable"; tr.addEventListener("click", () => onClick(i)); }
       for (const c of cells) {
         const td = document.createElement("td");
         td.textContent = c === null || c === undefined ? "–" : String(c);
@@ -88,13 +92,51 @@
     }));
   }
 
+  const uploadName = (u) => (u.adapter ? `${u.tenant || "?"} / ${u.adapter}` + (u.version ? ` v${u.version}` : "")
+                                       : u.upload_id);
+  const day = (iso) => (iso ? iso.replace("T", " ").slice(0, 19) : null);
+  const keyName = (k) => (k ? `${k.name || "(unnamed)"} (${k.prefix})` : null);
+
+  async function getJson(url) {
+    const r = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
+    if (r.status === 401) { window.location.reload(); throw new Error("signed out"); }
+    if (!r.ok) throw new Error(`${url} answered ${r.status}`);
+    return r.json();
+  }
+
+  async function showHistory(adapter) {
+    state.selected = adapter.id;
+    const h = await getJson(`${adaptersUrl}/${encodeURIComponent(adapter.id)}/versions`);
+    state.history = h;
+    $("history-title").textContent = `Version history: ${h.tenant} / ${h.adapter}`;
+    setRows("history-table", h.data.map((v) => [v.number, v.status, v.sha256 ? v.sha256.slice(0, 12) : null,
+      v.size_bytes === null ? null : fmt(v.size_bytes) + " B", day(v.created_at), keyName(v.created_by),
+      v.aliases.join(", ") || null, v.deleted_at ? `${day(v.deleted_at)} by ${keyName(v.deleted_by) || "?"}` : null]));
+  }
+
+  async function refreshAdapters() {
+    try {
+      const d = await getJson(adaptersUrl);
+      state.adapters = d.data;
+      setRows("registry-table", d.data.map((a) => [a.tenant, a.adapter, a.latest_version,
+        Object.entries(a.aliases).map(([k, v]) => `${k}→${v}`).join(", "), a.versions, day(a.changed_at)]),
+        (i) => showHistory(d.data[i]).catch((e) => { state.lastError = String(e); }));
+      if (state.selected) {
+        const still = d.data.find((a) => a.id === state.selected);
+        if (still) await showHistory(still);
+      }
+    } catch (e) {
+      state.lastError = String(e);
+    }
+  }
+
   function renderUploads(uploads) {
     const box = $("upload-progress");
     const items = uploads.active.map((u) => {
       const div = document.createElement("div");
       div.className = "upload";
       const pct = u.fraction === null ? null : Math.round(u.fraction * 100);
-      div.textContent = `${u.upload_id}: ${u.stage}` + (pct === null ? "" : ` ${pct}%`) +
+      div.textContent = `${uploadName(u)}: ${u.stage}` + (pct === null ? "" : ` ${pct}%`) +
                         ` · ${fmt(u.received_bytes)} B · ${u.elapsed_s.toFixed(1)} s`;
       const bar = document.createElement("progress");
       bar.max = 100;
@@ -102,10 +144,10 @@
       div.appendChild(bar);
       return div;
     });
-    for (const u of uploads.recent.slice(0, 3)) {
+    for (const u of uploads.recent.slice(0, 5)) {
       const div = document.createElement("div");
       div.className = "upload";
-      div.textContent = `${u.upload_id}: ${u.outcome} (${u.reason}) in ${u.elapsed_s.toFixed(1)} s`;
+      div.textContent = `${uploadName(u)}: ${u.outcome} (${u.reason}) in ${u.elapsed_s.toFixed(1)} s`;
       items.push(div);
     }
     box.replaceChildren(...items);
@@ -127,7 +169,9 @@
 
     const tiers = d.adapters.tiers;
     c.adapters.data.datasets[0].data = ["gpu", "cpu", "disk", "loading"].map((t) => tiers[t] || 0);
-    setRows("adapter-table", d.adapters.resident.map((a) => [a.adapter_id, a.replica, a.tier]));
+    setRows("adapter-table", d.adapters.resident.map((a) => [a.tenant, a.adapter || a.adapter_id,
+                                                             a.version === null ? null : `v${a.version}`,
+                                                             a.replica, a.tier]));
 
     const tenants = d.tenants.slice(0, 12);
     c.tenants.data.labels = tenants.map((t) => t.tenant);
@@ -171,6 +215,7 @@
       update(d);
       state.data = d;
       state.updates += 1;
+      if (state.updates % 5 === 1) await refreshAdapters();
       setStatus(`updated ${clock(d.time)}`, false);
     } catch (e) {
       state.failures += 1;

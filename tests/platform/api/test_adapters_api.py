@@ -1,5 +1,5 @@
 """Tenant adapter API on PostgreSQL and moto's S3: upload, dedupe, versions, aliases, delete, idempotency,
-tenant isolation."""
+tenant isolation (the lifecycle routes: test_adapter_lifecycle.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -33,21 +33,22 @@ def test_upload_ready_with_metadata(platform, adapter_dir):
     assert got["aliases"] == {"latest": 1} and [x["status"] for x in got["versions"]] == ["ready"]
 
 
-def test_same_content_reuses_blob_and_versions_increase(platform, adapter_dir):
+def test_same_content_is_the_existing_version_and_versions_increase(platform, adapter_dir):
     _, auth = platform.new_tenant()
     puts = []
     real_put = platform.store.put_file
     platform.store.put_file = lambda *a, **k: puts.append(a[0]) or real_put(*a, **k)
     a, b = read_files(adapter_dir(seed=1)), read_files(adapter_dir(seed=2))
-    assert platform.upload(auth, "m", a).json()["number"] == 1
-    second = platform.upload(auth, "m", a).json()
-    assert second["number"] == 2 and second["status"] == "ready"
+    first = platform.upload(auth, "m", a)
+    assert first.status_code == 201 and first.json()["number"] == 1
+    second = platform.upload(auth, "m", a)
+    assert second.status_code == 200 and second.headers["Loraplex-Deduplicated"] == "true"
+    assert second.json()["number"] == 1 and second.json()["sha256"] == first.json()["sha256"]
     assert len(puts) == 1 and len(platform.store.list_keys()) == 1
-    uris = platform.sql("SELECT DISTINCT blob_uri FROM adapter_versions")
-    assert len(uris) == 1
+    assert platform.sql("SELECT count(*) FROM adapter_versions")[0][0] == 1
     third = platform.upload(auth, "m", b).json()
-    assert third["number"] == 3 and len(puts) == 2 and len(platform.store.list_keys()) == 2
-    assert platform.client.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 3}
+    assert third["number"] == 2 and len(puts) == 2 and len(platform.store.list_keys()) == 2
+    assert platform.client.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 2}
 
 
 def test_alias_moves_atomically(platform, adapter_dir):
@@ -56,13 +57,13 @@ def test_alias_moves_atomically(platform, adapter_dir):
         assert platform.upload(auth, "m", read_files(adapter_dir(seed=seed))).status_code == 201
     c = platform.client
     r = c.put("/v1/adapters/m/aliases/prod", json={"version": 2}, headers=auth)
-    assert r.status_code == 200 and r.json() == {"adapter": "m", "alias": "prod", "version": 2}
+    assert r.status_code == 200 and r.json() == {"adapter": "m", "alias": "prod", "version": 2, "previous_version": None}
     assert c.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 3, "prod": 2}
     r = c.put("/v1/adapters/m/aliases/prod", json={"version": 9}, headers=auth)
     assert r.status_code == 404 and "has no version 9" in r.json()["error"]["message"]
     r = c.put("/v1/adapters/m/aliases/latest", json={"version": 1}, headers=auth)
-    assert r.status_code == 422 and "choose another alias name" in r.json()["error"]["message"]
-    assert c.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 3, "prod": 2}
+    assert r.status_code == 200 and r.json()["previous_version"] == 3
+    assert c.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 1, "prod": 2}
     # many concurrent moves: one row, pointing at one of the requested versions
     errors = []
 
@@ -105,10 +106,15 @@ def test_delete_version_and_adapter(platform, adapter_dir):
 
 
 def test_shared_blob_survives_deleting_one_version(platform, adapter_dir):
+    """The same weights under another config (here lora_alpha) are another version that shares the blob."""
     _, auth = platform.new_tenant()
     files = read_files(adapter_dir(seed=1))
-    platform.upload(auth, "m", files)
-    platform.upload(auth, "m", files)
+    config = json.loads(files["adapter_config.json"])
+    other = {**files, "adapter_config.json": json.dumps({**config, "lora_alpha": config["lora_alpha"] * 2}).encode()}
+    assert platform.upload(auth, "m", files).status_code == 201
+    r = platform.upload(auth, "m", other)
+    assert r.status_code == 201 and r.json()["number"] == 2 and r.json()["alpha"] == config["lora_alpha"] * 2
+    assert len(platform.store.list_keys()) == 1
     assert platform.client.delete("/v1/adapters/m/versions/1", headers=auth).status_code == 204
     assert len(platform.store.list_keys()) == 1
     assert platform.client.delete("/v1/adapters/m/versions/2", headers=auth).status_code == 204

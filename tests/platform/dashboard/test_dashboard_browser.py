@@ -2,7 +2,8 @@
 while traffic runs: the whole platform app (SQLite, local blobs, its lifespan and gateway) on a loopback port, a
 real tiny engine with LoRA as its one replica (and so its stats source), real uploads and real inference over
 HTTP (adapters, the base model, quota 429s; every fifth round one request the engine client fails with a 500).
-Every chart must show non-empty series. The screenshot goes to the test's temp folder, or to the path in
+Every chart must show non-empty series; resident adapters and recent uploads show tenant and adapter names and
+version numbers (never the registry's ids), and a click on an adapter opens its version history. The screenshot goes to the test's temp folder, or to the path in
 ``LORAPLEX_DASHBOARD_SCREENSHOT`` (``LORAPLEX_DASHBOARD_SCREENSHOT=docs/dashboard.png`` refreshes the README's
 picture), so a test run leaves the tree as it was. Chromium missing is a failure, never a skip."""
 from __future__ import annotations
@@ -127,6 +128,9 @@ class Workload:
             with httpx.Client(base_url=self.url, timeout=30.0) as http:
                 keys = self._setup(http)
                 assert self._upload(http, keys["acme"], "support-bot", self.files["good"]) == 201
+                assert self._upload(http, keys["acme"], "support-bot", self.files["good3"]) == 201    # v2
+                r = http.post("/v1/adapters/support-bot/rollback", json={"version": 1}, headers=keys["acme"])
+                assert r.status_code == 200, r.text
                 assert self._upload(http, keys["globex"], "sql-writer", self.files["good2"]) == 201
                 assert self._upload(http, keys["globex"], "too-big-rank", self.files["bad_rank"]) == 422
                 assert self._upload(http, keys["acme"], "junk", {"adapter_model.safetensors": b"junk"}) == 422
@@ -158,6 +162,7 @@ def live(tmp_path, base_model_dir, adapter_dir):
                                        adapter_cache_dir=str(tmp_path / "adapter-cache"))
     client = FaultyEngineClient(EngineService(AsyncEngine(engine), model_name=BASE_NAME))
     files = {"good": read_files(adapter_dir(seed=11)), "good2": read_files(adapter_dir(seed=12)),
+             "good3": read_files(adapter_dir(seed=13)),
              "bad_rank": read_files(adapter_dir(r=32))}
 
     settings = make_settings(data_dir=str(tmp_path / "data"), base_model_path=base_model_dir, residency_poll_s=0.5)
@@ -234,9 +239,42 @@ def test_dashboard_charts_fill_in_a_real_browser(live, tmp_path):
         table = driver.find_element(By.ID, "error-table").get_attribute("textContent")
         assert rows and "rate_limit_exceeded" in table
         assert workload.statuses.get(200, 0) > 0 and workload.statuses.get(429, 0) > 0 and workload.statuses[500] > 0
+        _check_names_and_history(driver)
         time.sleep(2.5)  # one more poll so the screenshot shows a settled page
         screenshot = os.path.abspath(os.environ.get(SCREENSHOT_ENV) or str(tmp_path / "dashboard.png"))
         os.makedirs(os.path.dirname(screenshot), exist_ok=True)
         assert driver.save_screenshot(screenshot) and os.path.getsize(screenshot) > 20_000
     finally:
         driver.quit()
+
+
+def _check_names_and_history(driver) -> None:
+    """Names, not ids, in the resident list and the uploads; the adapters view and one adapter's history."""
+    import re
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def text(element_id: str) -> str:
+        return driver.find_element(By.ID, element_id).get_attribute("textContent")
+
+    resident = text("adapter-table")
+    assert "acme" in resident and "support-bot" in resident and re.search(r"v[12]", resident), resident
+    assert not re.search(r"[0-9a-f]{32}", resident), resident            # no tenant or version ids
+    uploads = text("upload-progress")
+    assert "globex / sql-writer v1: ready (ok)" in uploads and "acme / support-bot v2: ready (ok)" in uploads, uploads
+    assert not re.search(r"[0-9a-f]{12}:", uploads), uploads
+    WebDriverWait(driver, 20).until(lambda d: "support-bot" in text("registry-table"))
+    rows = driver.find_elements(By.CSS_SELECTOR, "#registry-table tbody tr")
+    row = next(r for r in rows if "support-bot" in r.get_attribute("textContent"))
+    assert "latest→1" in row.get_attribute("textContent")               # the rollback
+    row.click()
+    WebDriverWait(driver, 20).until(lambda d: "acme / support-bot" in text("history-title"))
+    history = [[td.get_attribute("textContent") for td in tr.find_elements(By.TAG_NAME, "td")]
+               for tr in driver.find_elements(By.CSS_SELECTOR, "#history-table tbody tr")]
+    assert [h[0] for h in history] == ["2", "1"], history
+    assert [h[1] for h in history] == ["ready", "ready"] and history[1][6] == "latest" and history[0][6] == "–"
+    assert all(re.fullmatch(r"[0-9a-f]{12}", h[2]) for h in history), history
+    assert all(h[5].startswith("load (") for h in history), history       # the API key's name and prefix
+    state = driver.execute_script("return window.loraplexDashboard.history")
+    assert state["adapter"] == "support-bot" and state["tenant"] == "acme"

@@ -11,7 +11,7 @@ from loraplex.platform.db.base import Base
 from loraplex.platform.db.session import make_engine
 from tests.utils.services import create_database, drop_database
 
-TABLES = {"tenants", "api_keys", "adapters", "adapter_versions", "adapter_aliases", "usage_records",
+TABLES = {"tenants", "api_keys", "adapters", "adapter_versions", "adapter_aliases", "usage_records", "adapter_imports",
           "dashboard_sessions"}
 
 

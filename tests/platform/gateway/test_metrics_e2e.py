@@ -57,6 +57,9 @@ def samples_of(values: dict, name: str) -> dict[tuple, float]:
 
 
 def by(**labels) -> tuple:
+    """A series' sorted labels; ``version`` is the served version's number for an adapter, "" otherwise."""
+    if "adapter" in labels:
+        labels.setdefault("version", "1" if labels["adapter"] not in ("_base", "_unresolved") else "")
     return tuple(sorted(labels.items()))
 
 

@@ -17,7 +17,11 @@ def parse_scrape(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def sample(values: dict, name: str, **labels) -> float | None:
-    return values.get((name, frozenset(labels.items())))
+    """The value of ``name`` summed over every series carrying ``labels`` (as PromQL's ``sum`` over the others,
+    e.g. over versions); None when no series carries them."""
+    want = set(labels.items())
+    found = [v for (n, lbls), v in values.items() if n == name and want <= set(lbls)]
+    return sum(found) if found else None
 
 
 def label_values(values: dict, label: str, prefix: str = "loraplex_") -> set[str]:

@@ -6,7 +6,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from loraplex.platform.metrics import BASE, PlatformMetrics, install_metrics, metrics_router
+from loraplex.platform.metrics import BASE, MetricsConfig, PlatformMetrics, install_metrics, metrics_router
 from tests.platform.metrics.conftest import parse_scrape, sample
 
 # (tenant, adapter, status, ttft, tpot, e2e, prompt, completion)
@@ -166,3 +166,20 @@ def test_access_log_lines_never_show_credential_query_parameters():
     record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
                                ("1.2.3.4:5", "GET", "/admin/dashboard?key=s3cr3t", "1.1", 400), None)
     assert RedactQueryFilter().filter(record) and "s3cr3t" not in record.getMessage()
+
+
+def test_versions_of_one_adapter_are_series_of_their_own_within_the_cap():
+    """``bot:1``, ``bot:2`` and ``bot:prod`` (an alias of 2) count under the version that served them; past the
+    label cap a (tenant, adapter, version) triple counts as ``_other`` with no version."""
+    m = PlatformMetrics(MetricsConfig(max_adapter_labels=3))
+    for version in ("1", "2", "2", "2"):          # bot:1, bot:2, bot:prod -> 2, bot -> 2
+        m.observe_request("acme", "bot", 200, version=version)
+    m.observe_request("acme", "other", 200, version="7")
+    m.observe_request("acme", None, 200)
+    values = parse_scrape(m.exposition().decode())
+    assert sample(values, "loraplex_requests_total", tenant="acme", adapter="bot", version="1", status="200") == 1
+    assert sample(values, "loraplex_requests_total", tenant="acme", adapter="bot", version="2", status="200") == 3
+    assert sample(values, "loraplex_requests_total", tenant="acme", adapter="_other", version="", status="200") == 1
+    assert sample(values, "loraplex_requests_total", tenant="acme", adapter="_base", version="", status="200") == 1
+    assert {dict(lbls)["adapter"] for (n, lbls) in values if n == "loraplex_requests_total"} == {
+        "bot", "_other", "_base"}

@@ -1,5 +1,6 @@
-"""UploadMetricsMiddleware: real uploads through the platform app are counted by outcome and reason, and an upload's
-progress (bytes of Content-Length, stage) is visible while the route runs."""
+"""UploadMetricsMiddleware: real uploads through the platform app are counted by tenant, outcome and reason and
+named (tenant, adapter, version) in the recent list, and an upload's progress (bytes of Content-Length, stage) is
+visible while the route runs."""
 from __future__ import annotations
 
 import io
@@ -16,13 +17,15 @@ from tests.platform.metrics.conftest import parse_scrape, sample
 def test_platform_uploads_are_counted_by_outcome_and_reason(embedded, adapter_dir):
     p = embedded
     metrics = p.client.app.state.metrics   # create_app installs the metrics and the upload middleware
-    _, auth = p.new_tenant()
-    good = read_files(adapter_dir(seed=3))
+    _, auth = p.new_tenant("acme")
+    good, other = read_files(adapter_dir(seed=3)), read_files(adapter_dir(seed=4))
     assert p.upload(auth, "m", good).status_code == 201
-    r = p.upload({**auth, "Idempotency-Key": "k1"}, "m", good)
+    r = p.upload({**auth, "Idempotency-Key": "k1"}, "m", other)
     assert r.status_code == 201
-    r = p.upload({**auth, "Idempotency-Key": "k1"}, "m", good)
+    r = p.upload({**auth, "Idempotency-Key": "k1"}, "m", other)
     assert r.status_code == 200 and r.headers["Idempotent-Replayed"] == "true"
+    r = p.upload(auth, "m", good)
+    assert r.status_code == 200 and r.headers["Loraplex-Deduplicated"] == "true"
     r = p.upload(auth, "m", read_files(adapter_dir(r=32)))
     assert r.status_code == 422 and "retrain with r <= 16" in r.json()["error"]["message"]
     code = r.json()["error"]["code"]
@@ -31,16 +34,19 @@ def test_platform_uploads_are_counted_by_outcome_and_reason(embedded, adapter_di
     assert r.status_code == 422
     code2 = r.json()["error"]["code"]
     v = parse_scrape(p.client.get("/metrics", headers=p.admin()).text)
-    assert sample(v, "loraplex_uploads_total", outcome="ready", reason="ok") == 2
-    assert sample(v, "loraplex_uploads_total", outcome="replayed", reason="ok") == 1
+    assert sample(v, "loraplex_uploads_total", tenant="acme", outcome="ready", reason="ok") == 2
+    assert sample(v, "loraplex_uploads_total", tenant="acme", outcome="replayed", reason="ok") == 1
+    assert sample(v, "loraplex_uploads_total", tenant="acme", outcome="deduplicated", reason="ok") == 1
     if code == code2:
         assert sample(v, "loraplex_uploads_total", outcome="rejected", reason=code) == 2
     else:
         assert sample(v, "loraplex_uploads_total", outcome="rejected", reason=code) == 1
         assert sample(v, "loraplex_uploads_total", outcome="rejected", reason=code2) == 1
     recent = metrics.uploads.snapshot()["recent"]
-    assert [u["outcome"] for u in recent] == ["rejected", "rejected", "replayed", "ready", "ready"]
+    assert [u["outcome"] for u in recent] == ["rejected", "rejected", "deduplicated", "replayed", "ready", "ready"]
     assert all(u["stage"] == "done" and u["fraction"] == 1.0 for u in recent)
+    assert [(u["tenant"], u["adapter"], u["version"]) for u in recent[2:]] == [
+        ("acme", "m", 1), ("acme", "m", 2), ("acme", "m", 2), ("acme", "m", 1)]
     assert metrics.uploads.snapshot()["active"] == []
 
 

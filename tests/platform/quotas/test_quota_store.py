@@ -229,3 +229,24 @@ def test_bad_arguments_name_the_problem(make_store, run):
             await store.close()
 
     run(main())
+
+
+def test_finish_charges_tokens_used_past_the_reservation(make_store, run):
+    """A request that used more than it reserved (no max_tokens: the default reservation) pays the rest at finish,
+    on tokens/minute and the day's budget; a second finish charges nothing more."""
+    limits = QuotaLimits(tokens_per_minute=1000, tokens_per_day=10_000, max_concurrency=2)
+
+    async def scenario():
+        store = make_store()
+        try:
+            first = await store.acquire("t-charge", limits, tokens=10)
+            assert first.allowed and first.remaining_tokens == 990
+            await store.finish(first, used_tokens=300)
+            await store.finish(first, used_tokens=300)              # idempotent: charged once
+            probe = await store.acquire("t-charge", limits, tokens=1)
+            await store.finish(probe, used_tokens=1)
+            return probe
+        finally:
+            await store.close()
+    probe = run(scenario())
+    assert 698 <= probe.remaining_tokens <= 700, probe.remaining_tokens

@@ -22,8 +22,11 @@ def test_upload_flow_on_sqlite_and_local_folder(embedded, adapter_dir):
     path = os.path.join(p.settings.blob_path, key)
     assert open(path, "rb").read() == a["adapter_model.safetensors"]
     assert p.sql("SELECT blob_uri FROM adapter_versions")[0][0] == "file://" + path
-    assert p.upload(auth, "m", a).json()["number"] == 2 and len(p.store.list_keys()) == 1
-    assert p.upload(auth, "m", b).json()["number"] == 3 and len(p.store.list_keys()) == 2
+    again = p.upload(auth, "m", a)                                     # identical: version 1 again
+    assert again.status_code == 200 and again.json()["number"] == 1 and len(p.store.list_keys()) == 1
+    assert p.upload(auth, "m", b).json()["number"] == 2 and len(p.store.list_keys()) == 2
+    c = read_files(adapter_dir(seed=3))
+    assert p.upload(auth, "m", c).json()["number"] == 3 and len(p.store.list_keys()) == 3
     assert p.client.put("/v1/adapters/m/aliases/prod", json={"version": 1}, headers=auth).status_code == 200
     assert p.client.get("/v1/adapters/m", headers=auth).json()["aliases"] == {"latest": 3, "prod": 1}
     _, other = p.new_tenant()
