@@ -170,8 +170,9 @@ def error_dict(message: str, type_: str) -> dict:
     return {"error": {"message": message, "type": type_}}
 
 
-def limits_dict(model_config: Any, *, lora: bool, max_lora_rank: int, max_loras: int, max_model_len: int | None,
-                quantization: str | None, targets: tuple[str, ...] | None = None) -> dict:
+def limits_dict(model_config: Any, *, lora: bool, max_lora_rank: int, max_loras: int | None,
+                max_model_len: int | None, quantization: str | None,
+                targets: tuple[str, ...] | None = None) -> dict:
     """An engine's serving limits, as ``GET /health`` reports them under ``"limits"``:
 
         {"lora": true, "max_lora_rank": 16, "max_loras": 4, "targets": ["self_attn.q_proj", ...],

@@ -68,9 +68,9 @@ class Settings(BaseSettings):
     engine_mode: Literal["embedded", "null", "none"] = "embedded"  # embedded: in-process engine on BASE_MODEL_PATH
     engine_device: str = "auto"
     engine_dtype: str = "auto"
-    engine_max_loras: int = Field(default=4, ge=1)
+    engine_max_loras: int | None = Field(default=None, ge=1)   # null: no cap, the adapter memory budget decides
     engine_max_lora_rank: int = Field(default=16, ge=1)
-    engine_max_num_seqs: int = Field(default=64, ge=1)
+    engine_max_num_seqs: int | None = Field(default=None, ge=1)  # null: the engine's default (256 CUDA, 64 CPU)
     engine_null_tokens: int = Field(default=8, ge=1)
     max_model_len: int | None = None  # default: the base model's max_position_embeddings, capped at 8192
     residency_poll_s: float = Field(default=2.0, gt=0)  # how often replicas' resident adapters are polled

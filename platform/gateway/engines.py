@@ -37,7 +37,7 @@ def embedded_engine_kwargs(settings: Settings) -> dict:
     return dict(device=settings.engine_device, dtype=settings.engine_dtype, progress=False,
                 max_num_seqs=settings.engine_max_num_seqs, max_model_len=settings.max_model_len, enable_lora=True,
                 max_loras=settings.engine_max_loras, max_lora_rank=settings.engine_max_lora_rank,
-                max_cpu_loras=max(16, settings.engine_max_loras),
+                max_cpu_loras=max(16, settings.engine_max_loras or 0),
                 adapter_cache_dir=os.path.join(os.path.abspath(settings.data_dir), "adapter-cache"))
 
 

@@ -138,8 +138,8 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
     if kind == "chat":
         sampling.update(gw.tokenizer.chat_sampling())   # GPT-OSS: harmony's stop tokens
     plan = body.choice_plan()
-    limit = gw.settings.engine_max_num_seqs
-    if plan.engine_n > limit:
+    limit = gw.settings.engine_max_num_seqs   # None: the engines refuse what they cannot run (400 as well)
+    if limit is not None and plan.engine_n > limit:
         param = "best_of" if plan.pick_best else "n"
         raise InferenceError(400, f"'{param}' asks for {plan.engine_n} sequences but engines run at most {limit} per "
                                   f"request; lower '{param}'", param=param)
