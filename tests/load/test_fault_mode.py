@@ -3,8 +3,9 @@ Zipf, churn and streaming load while every fault of ``load_tests.faults`` is inj
 have been in effect (a probe during it failed the expected way), restored and recovered, with every invariant
 holding after it and at the end; the report carries the fault matrix.
 
-~100 s on 2 cores (the engine restart alone is 10–40 s of model load on a busy CPU; the load runs 90 s so that
-every fault is injected while it runs): marked slow.
+~3 min on 2 cores: the load runs 180 s so that every fault is injected while it runs even when the engine restart
+alone takes 10–50 s of model load on a busy CPU (the schedule's pace, not the clock, decides when each fault comes;
+the length only has to outlast the seven faults): marked slow.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_every_fault_injected_recovered_and_every_invariant_held(stack, populati
                              max_rounds=1)
     schedule.budget_s = lambda fault: 0.0       # one round: inject each while the load runs, however long it takes
     before = engine_stats(info.engine_urls)
-    records, secs = run_load(info, pop_path, ("zipf", "churn", "stream"), duration_s=90, users=3, streams=2,
+    records, secs = run_load(info, pop_path, ("zipf", "churn", "stream"), duration_s=180, users=3, streams=2,
                              max_tokens=4, work_dir=str(tmp_path), faults=schedule)
     summary, results, pj, pm = check_and_report(info, records, secs, before=before, out=str(tmp_path / "report"),
                                                 config={}, faults=schedule)
