@@ -23,15 +23,23 @@ def main(argv: list[str] | None = None) -> int:
 
     register_all(sub)
     args = parser.parse_args(argv)
-    from pydantic import ValidationError
-
     try:
         return int(args.func(args) or 0)
-    except ValidationError as e:        # a LORAPLEX_* setting refused: one line per setting, no traceback
+    except _settings_errors() as e:     # a LORAPLEX_* setting refused: one line per setting, no traceback
         from loraplex.commands.serve import _one_line
 
         print(f"loraplex {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _settings_errors() -> tuple[type[BaseException], ...]:
+    """pydantic's ValidationError where the platform is installed; nothing on a GPU image without the web stack
+    (the engine and bench commands run there)."""
+    try:
+        from pydantic import ValidationError
+    except ImportError:
+        return ()
+    return (ValidationError,)
 
 
 if __name__ == "__main__":
