@@ -62,17 +62,26 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch):
     rows = data["rows"]
     assert rc == 0 and data["copy_tbs"] > 0
     variants = {(r["m"], r["variant"]) for r in rows}
+    whole = ("kernel layout", "checkpoint layout", "bf16", "int8", "kernel layout, bits", *mod.DECODE_FAMILIES)
     for m in (1, 3):
-        for v in ("kernel layout", "checkpoint layout", "bf16", "int8", "kernel layout, bits",
-                  "kernel layout, split-K 2", "kernel layout, split-K 4"):
+        for v in whole:
             assert (m, v) in variants
+        tuned = next(r["config"] for r in rows if r["m"] == m and r["variant"] == "kernel layout")
+        knobs = mod.relative_variants(m, tuned)  # the knob rows that differ from the tuned config
+        assert len(knobs) >= 4 and all((m, v) in variants for v in knobs)
+    assert (1, "kernel layout, direct") in variants
     assert (3, "lora kernel layout") in variants and (3, "lora checkpoint layout") in variants
+    for name in ("kernel layout", *mod.DECODE_FAMILIES):  # each GEMM alone at --gemm-m
+        assert (3, f"gate_up, {name}") in variants and (3, f"down, {name}") in variants
+    assert (3, "align, BLOCK_M 8") in variants and (3, "align, BLOCK_M 16") in variants
     checked = [r for r in rows if "rel_err" in r]
-    assert len(checked) == 14 and all(r["ok"] and r["rel_err"] < 1e-4 for r in checked)
-    assert all(r["us"] > 0 and r["nbytes"] > 0 and "error" not in r for r in rows)
+    assert len(checked) >= 2 * len(whole) + 2 and all(r["ok"] and r["rel_err"] < 1e-4 for r in checked)
+    assert all(r["us"] > 0 and "error" not in r for r in rows)
+    assert all(r["nbytes"] > 0 for r in rows if not r["variant"].startswith("align"))
     assert any(n.startswith("sweep M=1: default") for n in data["notes"])
     table = (tmp_path / "mxfp4_gemm.md").read_text()
-    assert table.startswith("| M | variant |") and table.count("\n| 3 |") >= 10
-    tuned = json.loads((tmp_path / "tuning" / "cpu" / "fused_moe_mxfp4.json").read_text())
+    assert table.startswith("| M | variant |") and table.count("\n| 3 |") >= 20
+    tuned = json.loads((tmp_path / "fused_moe_mxfp4.json").read_text())  # flat in $OUT
     assert set(tuned) == {"E=4,A=2,H=96,I=64"} and set(tuned["E=4,A=2,H=96,I=64"]) == {"1", "3"}
     assert all(c["BLOCK_K"] % 64 == 0 and c["DECODE"] in ("asm", "bits") for c in tuned["E=4,A=2,H=96,I=64"].values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused_moe_mxfp4.json", "mxfp4_gemm.json", "mxfp4_gemm.md"]
