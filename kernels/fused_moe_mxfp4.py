@@ -12,22 +12,29 @@ routed pairs on its N (swap-AB):
 
     acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] (decoded in registers) @ x^T [BLOCK_K, BLOCK_M] (shared memory)
 
-At decode a block holds a few tokens, and the MMA's M must be 64 per warpgroup on Hopper: with weights on M the
-MMA does no padded work on weights and the decoded tile is the register operand of wgmma, never stored to shared
-memory. Each thread loads its fragment's codes (16 bytes per 64-K atom and row group) and scales (4 bytes), and
-decodes them with bit operations and one bf16x2 multiply per two weights (``mxfp4_dequant.decode_kernel_tile``).
-Same pair tables as ``fused_moe`` (moe_align; one expert per BLOCK_M block, GROUP_M ordering). The gate_up kernel
-keeps a gate and an up accumulator and applies bias and activation in the epilogue (or stores the pre-activation
-for the LoRA path). The down kernel can split K (``SPLIT_K`` > 1: float32 partial sums per split, bias on split
-0, routing weight on each; ``_sum_pairs_kernel`` adds splits and top-k in one pass); otherwise it writes the pairs'
-outputs and the top-k sum is torch's, as in ``fused_moe``.
+At decode a block holds a few tokens: with weights on M the MMA does no padded work on weights and the decoded
+tile is the MMA's register operand, never stored to shared memory. Each thread loads its fragment's codes (16
+bytes per 64-K atom and row group) and scales (4 bytes), and decodes them with bit operations and one bf16x2
+multiply per two weights (``mxfp4_dequant.decode_kernel_tile``). The MMA follows from the tile: wgmma (Triton's
+MMAv3) where BLOCK_M >= 16, the product's rows are a multiple of 64 and num_warps a multiple of 4, else mma.sync
+(MMAv2: 1 or 2 warps, or BLOCK_M 8), which at decode issues about a third fewer instructions per weight (no
+warpgroup fence and wait per 16-K step, and an n8 tile at BLOCK_M 8). Same pair tables as ``fused_moe``
+(moe_align; one expert per BLOCK_M block, GROUP_M ordering). The gate_up kernel keeps a gate and an up accumulator,
+or with GU_FUSED one over BLOCK_N / 2 gate rows and the same rows of up (one accumulator per warpgroup: half the
+registers, so larger BLOCK_M or two CTAs per SM), and applies bias and activation in the epilogue (or stores the
+pre-activation for the LoRA path). Either GEMM can split K (SPLIT_K for down, GU_SPLIT_K for gate_up: float32
+partial sums per split, bias on split 0, routing weight on each; ``_gate_up_finish_kernel`` adds gate_up's splits
+and applies the activation, ``_sum_pairs_kernel`` adds down's splits and top-k in one pass); without a down split
+the pairs' outputs are written and the top-k sum is torch's, as in ``fused_moe``.
 
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
-block, the MMA's N), BLOCK_N (weight rows, a multiple of 16; 64 per warpgroup for wgmma), BLOCK_K (a multiple of
-64), GROUP_M, SPLIT_K (down only), DECODE ("asm": the scale multiply as inline PTX ``mul.rn.bf16x2``; "bits":
-the same in plain Triton), DIRECT (1: one routed pair per block and no moe_align launch, ``route_tables``; for a
-token or two), num_warps, num_stages. Under TRITON_INTERPRET the decode runs in float32
-(``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in float32.
+block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
+of 64), GROUP_M, SPLIT_K (down), GU_SPLIT_K (gate_up), GU_FUSED, PREFETCH (1: the next K step loaded into
+registers while this one computes, instead of Triton's cp.async pipeline; launched with num_stages 1), DECODE
+("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
+and no moe_align launch, ``route_tables``; for a token or two), num_warps, num_stages. Under TRITON_INTERPRET the
+decode runs in float32 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in
+float32.
 """
 from __future__ import annotations
 

@@ -57,11 +57,11 @@ def load_mxfp4_tile(w_ptrs, s_ptrs, k0, K, col_ok, EVEN_K: tl.constexpr, BLOCK_K
 #                           ──> w [BLOCK_N, BLOCK_K] (bf16: value * 2^-63, see below)
 #
 # The dims are ordered so that Triton's coalesced layout gives lane i the words of lane i (16 contiguous bytes)
-# and warps the row groups, which is where the Hopper wgmma wants them: the reshape / permute at the end moves no
-# data. Each word becomes four bf16x2 registers with 11 integer operations (``_bf16x2_codes``): value * 2^-126,
+# and warps the row groups, which is where wgmma and mma.sync want them: the reshape / permute at the end moves no
+# data. Each word becomes four bf16x2 registers with 9 integer operations (``_bf16x2_codes``): value * 2^-126,
 # 0.5 a subnormal. The scale multiply then folds the 2^126 in: bf16 factor 2^(s - 64) (exact for E8M0 bytes
 # 65..191, i.e. scales 2^-62 .. 2^64), the MMA accumulates value * 2^-63 and the epilogue multiplies by 2^63.
-# DECODE selects how: DECODE_ASM one ``mul.rn.bf16x2`` per register (inline PTX), DECODE_BITS the same product in
+# DECODE selects how: DECODE_ASM one bf16x2 multiply per register (inline PTX), DECODE_BITS the same product in
 # plain Triton bf16 (ptxas pairs the scalar multiplies, with register swaps), DECODE_EMULATE in float32 (exact; the
 # interpreter, whose bf16 bitcasts and dots are wrong, and fp32 / fp16 activations, where the scale is applied
 # exactly without the fold: 2^126 * 2^(s - 127), the byte 0 reading as 0).
