@@ -52,9 +52,11 @@ from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP, check_kernel_layout, is_ke
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, DECODE_EMULATE, decode_kernel_tile,
                                             kernel_tile_ptrs, load_kernel_tile, row_groups)
 from loraplex.kernels.reference_lora import check_mxfp4_weights
+from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "GU_SPLIT_K": 1,
-                  "GU_FUSED": 0, "PREFETCH": 0, "DECODE": "asm", "DIRECT": 0, "num_warps": 4, "num_stages": 4}
+                  "GU_FUSED": 0, "PREFETCH": 0, "PDL": 0, "DECODE": "asm", "DIRECT": 0, "num_warps": 4,
+                  "num_stages": 4}
 DECODES = {"asm": DECODE_ASM, "bits": DECODE_BITS}
 
 
@@ -157,8 +159,9 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
-    FUSED: tl.constexpr, PREFETCH: tl.constexpr,
+    FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
     dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
@@ -186,6 +189,7 @@ def _gate_up_kernel(
         acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
                                x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
                                k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    pdl_trigger(USE_PDL)  # the next kernel may launch (it waits for this grid to finish before reading)
     # ---- epilogue: the bf16 decode's 2^63, bias (split 0), activation; out[pair, n] = acc[n, pair]
     if x_ptr.dtype.element_ty == tl.bfloat16:
         acc_g *= BF16_FOLD
@@ -211,7 +215,9 @@ def _gate_up_kernel(
 def _gate_up_finish_kernel(part_ptr, out_ptr, N, alpha, limit, stride_ps, stride_pt, stride_ot,
                            # part [SPLIT_K, T*A, 2N] float32 (bias in split 0) -> out [T*A, N] = act(gate) * up,
                            # or [T*A, 2N] the pre-activation (ACT_NONE)
-                           ACT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                           ACT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     p = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -238,8 +244,9 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
-    DIRECT: tl.constexpr, PREFETCH: tl.constexpr,
+    DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
     dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
@@ -254,6 +261,7 @@ def _down_kernel(
     h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # h^T [BLOCK_K, BLOCK_M]
     acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, h_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok, k_begin,
                      k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    pdl_trigger(USE_PDL)
     # ---- epilogue: the bf16 decode's 2^63, bias (split 0), routing weight; out[pair, n] = acc[n, pair]
     if h_ptr.dtype.element_ty == tl.bfloat16:
         acc *= BF16_FOLD
@@ -270,7 +278,9 @@ def _down_kernel(
 @triton.jit
 def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
                       # part [SPLIT_K, T*A, N] float32 -> out [T, N]: sum over splits and the token's A pairs
-                      TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                      TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -303,6 +313,13 @@ def _launch(cfg: dict) -> tuple[int, int, int, int, dict]:
         raise ValueError(f"PREFETCH {prefetch!r}: expected 0 or 1")
     stages = 1 if prefetch else int(cfg["num_stages"])  # PREFETCH pipelines in registers, not through Triton's
     return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=stages)
+
+
+def use_pdl(cfg: dict, device: torch.device) -> bool:
+    """Whether cfg "PDL" (1: every launch of the op with programmatic dependent launch, so that each starts while
+    the one before drains; each kernel waits for it before reading) applies on ``device`` (sm_90+, not the
+    interpreter)."""
+    return bool(int(cfg.get("PDL", 0))) and pdl_enabled(device)
 
 
 def route_tables(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
@@ -361,6 +378,7 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
     inter = w13.shape[1] // 2
     num_m = expert_ids.shape[0]
     splits = max(1, min(int(cfg.get("GU_SPLIT_K", 1)), triton.cdiv(hidden, bk)))
+    pdl = use_pdl(cfg, x.device)
     act = ACT_CODES[activation] if activation else ACT_NONE
     width = inter if activation else 2 * inter
     out = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
@@ -373,12 +391,12 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
         dest.stride(0) if splits > 1 else 0,
         TOP_K=top_k, ACT=act, HAS_BIAS=b13 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n,
         SPLIT_K=splits, EVEN_K=hidden % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, FUSED=fused,
-        PREFETCH=int(cfg.get("PREFETCH", 0)), **launch)
+        PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, **launch, **pdl_launch(pdl))
     if splits > 1:
         block = min(1024, triton.next_power_of_2(inter))
         _gate_up_finish_kernel[(num_pairs, triton.cdiv(inter, block))](
             dest, out, inter, float(alpha), float(limit), dest.stride(0), dest.stride(1), out.stride(0), ACT=act,
-            SPLIT_K=splits, BLOCK=block, num_warps=4)
+            SPLIT_K=splits, BLOCK=block, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 
@@ -394,6 +412,7 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
     num_m = expert_ids.shape[0]
     splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
     splits = max(1, min(splits, triton.cdiv(inter, bk)))  # no empty splits
+    pdl = use_pdl(cfg, h.device)
     if splits == 1:
         out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     else:
@@ -406,13 +425,14 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         out.stride(0) if splits > 1 else 0,
         HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, SPLIT_K=splits,
         EVEN_K=inter % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, PREFETCH=int(cfg.get("PREFETCH", 0)),
-        **launch)
+        USE_PDL=pdl, **launch, **pdl_launch(pdl))
     return out
 
 
-def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype, *,
+              pdl: bool = False) -> torch.Tensor:
     """[T*A, H] pair outputs -> [T, H] (torch's sum), or float32 split partials [S, T*A, H] -> [T, H] in ``dtype``
-    (one launch)."""
+    (one launch; with ``pdl`` a PDL launch)."""
     if out.dim() == 2:
         return out.view(num_tokens, top_k, -1).sum(dim=1)
     splits, _, hidden = out.shape
@@ -420,7 +440,7 @@ def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](
         out, res, hidden, out.stride(0), out.stride(1), res.stride(0), TOP_K=top_k, SPLIT_K=splits, BLOCK=block,
-        num_warps=4)
+        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return res
 
 
@@ -452,8 +472,8 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     h = gate_up(x, w13_blocks, w13_scales, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha,
                 limit=limit)
     out = down(h, w2_blocks, w2_scales, topk_weights, align, cfg, b2=b2)
-    return sum_pairs(out, num_tokens, top_k, x.dtype)
+    return sum_pairs(out, num_tokens, top_k, x.dtype, pdl=use_pdl(cfg, x.device))
 
 
 __all__ = ["DEFAULT_CONFIG", "check_kernel_weights", "decode_mode", "down", "fused_moe_mxfp4", "gate_up",
-           "kernel_config", "route_tables", "sum_pairs"]
+           "kernel_config", "route_tables", "sum_pairs", "use_pdl"]

@@ -108,8 +108,9 @@ MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
 # which issues about a third fewer instructions per weight at decode (no warpgroup fences, n8 tiles at BLOCK_M 8).
 # SPLIT_K / GU_SPLIT_K split the down / gate_up K (SM fill when a few experts are touched), GU_FUSED puts gate and
 # up rows in one product (one accumulator per warpgroup: fewer registers, two CTAs per SM at prefill tiles),
-# PREFETCH loads the next K step into registers instead of Triton's cp.async pipeline (num_stages 1). The tuner
-# stops at its time budget, so best bets come first.
+# PREFETCH loads the next K step into registers instead of Triton's cp.async pipeline (num_stages 1), PDL launches
+# the op's kernels with programmatic dependent launch (a launch overlaps the previous kernel's tail; a decode step
+# of one token runs three or four). The tuner stops at its time budget, so best bets come first.
 _MXFP4_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "GU_SPLIT_K", "GU_FUSED", "PREFETCH",
                "num_warps", "num_stages")
 MXFP4_DECODE_SPACE = _cfgs(_MXFP4_KEYS, [  # M <= 16: a few pairs per touched expert
@@ -141,16 +142,19 @@ MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while to
 
 def mxfp4_moe_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first: at M <= 16 the decode
-    tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), at M <= 2 also DIRECT."""
+    tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first
+    three candidates up to M = 64, at M <= 2 also DIRECT."""
     if m >= MXFP4_PREFILL_MIN_M:
         return list(MXFP4_PREFILL_SPACE) + MXFP4_MID_SPACE[:2]
     if m >= MXFP4_MID_MIN_M:
         return list(MXFP4_MID_SPACE) + MXFP4_PREFILL_SPACE[:2] + MXFP4_BLOCK16_SPACE[:2]
     if m > MXFP4_SPLIT_MAX_M:
-        return list(MXFP4_BLOCK16_SPACE) + MXFP4_DECODE_SPACE[:4]
+        return MXFP4_BLOCK16_SPACE[:2] + [{**c, "PDL": 1} for c in MXFP4_BLOCK16_SPACE[:2]] \
+            + MXFP4_BLOCK16_SPACE[2:] + MXFP4_DECODE_SPACE[:4]
     splits = [{**c, "SPLIT_K": s, "GU_SPLIT_K": g} for c in MXFP4_DECODE_SPACE[:3] for s, g in MXFP4_SPLITS]
     space = splits[:4] + MXFP4_DECODE_SPACE + splits[4:] if m <= 4 else MXFP4_DECODE_SPACE[:6] + splits \
         + MXFP4_DECODE_SPACE[6:]
+    space = space[:3] + [{**c, "PDL": 1} for c in space[:3]] + space[3:]
     if m <= MXFP4_DIRECT_MAX_M:
         space = space[:2] + [{**c, "DIRECT": 1} for c in (space[0], space[1], MXFP4_DECODE_SPACE[0])] + space[2:]
     return space + MXFP4_BLOCK16_SPACE[:2]

@@ -20,7 +20,7 @@ Phases, each wrapped (a failure is a row or a line, and the next phase runs):
       kernel layout             fused_moe_mxfp4 on ``mxfp4.prepare_for_kernel``'s layout, tuned config
       kernel layout, <knob>     the tuned config with one knob changed (``RELATIVE_VARIANTS``: the scale multiply
                                 in plain Triton, split-K on both GEMMs, register prefetch, gate/up in one product,
-                                one pair per block without moe_align at M <= 4)
+                                PDL launches, one pair per block without moe_align at M <= 4)
       <family>                  fixed configs of each kernel family (``DECODE_FAMILIES`` at M <= 64,
                                 ``PREFILL_FAMILIES`` above), the first being the previous best ("run-1 ...")
       checkpoint layout         fused_moe's W_MXFP4 kernels on the checkpoint's bytes
@@ -88,6 +88,7 @@ RELATIVE_VARIANTS = {  # the tuned config with one knob changed (split-K / direc
     "kernel layout, split-K 4+4": {"SPLIT_K": 4, "GU_SPLIT_K": 4},
     "kernel layout, prefetch": {"PREFETCH": 1, "num_stages": 1},
     "kernel layout, fused gate/up": {"GU_FUSED": 1},
+    "kernel layout, PDL": {"PDL": 1},
     "kernel layout, direct": {"DIRECT": 1},
 }
 SPLIT_VARIANT_MAX_M = 64  # the split-K rows only up to this M

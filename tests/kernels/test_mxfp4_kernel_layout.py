@@ -135,7 +135,7 @@ CONFIGS = {
     "direct 16x64x128": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 2, "SPLIT_K": 2, "DIRECT": 1,
                          "num_warps": 4, "num_stages": 1},
     "8x64x64 gate_up split3": {"BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 2,
-                               "GU_SPLIT_K": 3, "num_warps": 4, "num_stages": 3},
+                               "GU_SPLIT_K": 3, "PDL": 1, "num_warps": 4, "num_stages": 3},
     "fused 16x64x64 prefetch": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "GU_FUSED": 1,
                                 "PREFETCH": 1, "num_warps": 4, "num_stages": 1},
     "fused 8x32x128 split2 bits": {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "GU_FUSED": 1,
@@ -252,7 +252,7 @@ def build(kernel, consts, warps, stages):
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "shfl": "shfl.sync" in ptx,
-            "asm": "fma.rn.bf16x2" in ptx}
+            "asm": "fma.rn.bf16x2" in ptx, "pdl": "griddepcontrol.wait" in ptx}
 
 out = []
 # (BLOCK_M, DECODE, EVEN_K, SPLIT_K, DIRECT, FUSED, PREFETCH, warps, stages)
@@ -260,7 +260,7 @@ for bm, decode, even_k, split, direct, fused, prefetch, warps, stages in (
         (16, 2, True, 1, False, False, 0, 4, 3), (16, 1, False, 2, True, False, 0, 4, 3),
         (8, 2, True, 2, False, False, 0, 2, 3), (16, 2, False, 1, False, True, 1, 4, 1)):
     common = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=45, EVEN_K=even_k,
-                  DECODE=decode, DIRECT=direct, SPLIT_K=split, FUSED=fused, PREFETCH=prefetch)
+                  DECODE=decode, DIRECT=direct, SPLIT_K=split, FUSED=fused, PREFETCH=prefetch, USE_PDL=bm == 8)
     out.append(build(fm._gate_up_kernel, {**common, "TOP_K": 4, "ACT": 1 if split == 1 else 2}, warps, stages))
     out.append(build(fm._down_kernel, common, warps, stages))
 print("RESULT " + json.dumps(out))
@@ -269,9 +269,9 @@ print("RESULT " + json.dumps(out))
 
 def test_kernel_layout_gemms_build_for_sm90():
     """The kernel-layout GEMMs compile for sm_90 (both decodes, K tail, split-K, both gate_up epilogues, with and
-    without the alignment tables, gate/up in one product, register prefetch): to register-operand wgmma at BLOCK_M
-    16 and 4 warps, to mma.sync at BLOCK_M 8, both times with the decoded fragment taken as it is (no lane
-    shuffles) and the inline-PTX bf16x2 scale multiply where DECODE is "asm" (2)."""
+    without the alignment tables, gate/up in one product, register prefetch, PDL): to register-operand wgmma at 4
+    warps and to mma.sync at 2, both times with the decoded fragment taken as it is (no lane shuffles), with the
+    inline-PTX bf16x2 scale multiply where DECODE is "asm" (2) and the grid-dependency wait where PDL is on."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
@@ -282,3 +282,4 @@ def test_kernel_layout_gemms_build_for_sm90():
     assert [b["mma_sync"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
     assert [b["asm"] for b in got] == [True, True, False, False, True, True, True, True]
     assert not any(b["shfl"] for b in got)
+    assert [b["pdl"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
