@@ -30,7 +30,9 @@ the pairs' outputs are written and the top-k sum is torch's, as in ``fused_moe``
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
 block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
 of 64), GROUP_M, SPLIT_K (down), GU_SPLIT_K (gate_up), GU_FUSED, PREFETCH (1: the next K step loaded into
-registers while this one computes, instead of Triton's cp.async pipeline; launched with num_stages 1), DECODE
+registers while this one computes, instead of Triton's cp.async pipeline; launched with num_stages 1), PDL (1:
+every kernel of the op launched with programmatic dependent launch on sm_90+: it starts while the previous kernel
+drains, waits for it before reading, and lets the next one start after its K loop), DECODE
 ("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
 and no moe_align launch, ``route_tables``; for a token or two), num_warps, num_stages. Under TRITON_INTERPRET the
 decode runs in float32 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in

@@ -673,9 +673,11 @@ def main(argv: list[str] | None = None) -> int:
                             args.dtype)
         if warm:
             try:
-                tuned = winner_variants(winners, run_ms)
-                warm_compiles(s, tuned, args.compile_workers, run, args.warm_variants_s, "the winners' variants",
-                              lora=[c for c in tuned if c in winners.values()])
+                from loraplex.kernels.fused_moe_mxfp4 import DEFAULT_CONFIG
+
+                lora = [{**DEFAULT_CONFIG, **w} for w in winners.values()]
+                warm_compiles(s, winner_variants(winners, run_ms), args.compile_workers, run, args.warm_variants_s,
+                              "the winners' variants", lora=lora)
             except Exception as e:  # noqa: BLE001
                 run.note(f"compile warm-up FAILED: {type(e).__name__}: {e}")
         for m in run_ms:

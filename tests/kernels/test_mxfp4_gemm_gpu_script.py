@@ -85,3 +85,23 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch):
     assert set(tuned) == {"E=4,A=2,H=96,I=64"} and set(tuned["E=4,A=2,H=96,I=64"]) == {"1", "3"}
     assert all(c["BLOCK_K"] % 64 == 0 and c["DECODE"] in ("asm", "bits") for c in tuned["E=4,A=2,H=96,I=64"].values())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fused_moe_mxfp4.json", "mxfp4_gemm.json", "mxfp4_gemm.md"]
+
+
+def test_warm_up_lists_cover_the_rows():
+    """The first warm-up compiles every sweep candidate and family config; the second every config the rows run
+    from the winners (the nearest swept M's winner at each M and its knob variants), each once."""
+    mod = _script()
+    from loraplex.kernels.fused_moe_mxfp4 import DEFAULT_CONFIG
+    from loraplex.kernels.tuning_cases import mxfp4_moe_space
+
+    first = mod.warm_configs([1, 16, 2048])
+    assert all(c in first for m in (1, 16, 2048) for c in mxfp4_moe_space(m))
+    assert all(c in first for c in (*mod.DECODE_FAMILIES.values(), *mod.PREFILL_FAMILIES.values()))
+    assert len(first) == len({tuple(sorted(c.items())) for c in first}) <= 150
+    winners = {1: mxfp4_moe_space(1)[0], 16: mxfp4_moe_space(16)[0], 2048: mxfp4_moe_space(2048)[0]}
+    second = mod.winner_variants(winners, [16, 1, 4, 2048])
+    for m, near in ((16, 16), (1, 1), (4, 1), (2048, 2048)):
+        tuned = {**DEFAULT_CONFIG, **winners[near]}
+        assert tuned in second and all(c in second for c in mod.relative_variants(m, tuned).values())
+    assert len(second) == len({tuple(sorted(c.items())) for c in second})
+    assert mod.winner_variants({}, [1]) == []
