@@ -12,22 +12,31 @@ routed pairs on its N (swap-AB):
 
     acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] (decoded in registers) @ x^T [BLOCK_K, BLOCK_M] (shared memory)
 
-At decode a block holds a few tokens, and the MMA's M must be 64 per warpgroup on Hopper: with weights on M the
-MMA does no padded work on weights and the decoded tile is the register operand of wgmma, never stored to shared
-memory. Each thread loads its fragment's codes (16 bytes per 64-K atom and row group) and scales (4 bytes), and
-decodes them with bit operations and one bf16x2 multiply per two weights (``mxfp4_dequant.decode_kernel_tile``).
-Same pair tables as ``fused_moe`` (moe_align; one expert per BLOCK_M block, GROUP_M ordering). The gate_up kernel
-keeps a gate and an up accumulator and applies bias and activation in the epilogue (or stores the pre-activation
-for the LoRA path). The down kernel can split K (``SPLIT_K`` > 1: float32 partial sums per split, bias on split
-0, routing weight on each; ``_sum_pairs_kernel`` adds splits and top-k in one pass); otherwise it writes the pairs'
-outputs and the top-k sum is torch's, as in ``fused_moe``.
+At decode a block holds a few tokens: with weights on M the MMA does no padded work on weights and the decoded
+tile is the MMA's register operand, never stored to shared memory. Each thread loads its fragment's codes (16
+bytes per 64-K atom and row group) and scales (4 bytes), and decodes them with bit operations and one bf16x2
+multiply per two weights (``mxfp4_dequant.decode_kernel_tile``). The MMA follows from the tile: wgmma (Triton's
+MMAv3) where BLOCK_M >= 16, the product's rows are a multiple of 64 and num_warps a multiple of 4, else mma.sync
+(MMAv2: 1 or 2 warps, or BLOCK_M 8), which at decode issues about a third fewer instructions per weight (no
+warpgroup fence and wait per 16-K step, and an n8 tile at BLOCK_M 8). Same pair tables as ``fused_moe``
+(moe_align; one expert per BLOCK_M block, GROUP_M ordering). The gate_up kernel keeps a gate and an up accumulator,
+or with GU_FUSED one over BLOCK_N / 2 gate rows and the same rows of up (one accumulator per warpgroup: half the
+registers, so larger BLOCK_M or two CTAs per SM), and applies bias and activation in the epilogue (or stores the
+pre-activation for the LoRA path). Either GEMM can split K (SPLIT_K for down, GU_SPLIT_K for gate_up: float32
+partial sums per split, bias on split 0, routing weight on each; ``_gate_up_finish_kernel`` adds gate_up's splits
+and applies the activation, ``_sum_pairs_kernel`` adds down's splits and top-k in one pass); without a down split
+the pairs' outputs are written and the top-k sum is torch's, as in ``fused_moe``.
 
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
-block, the MMA's N), BLOCK_N (weight rows, a multiple of 16; 64 per warpgroup for wgmma), BLOCK_K (a multiple of
-64), GROUP_M, SPLIT_K (down only), DECODE ("asm": the scale multiply as inline PTX ``mul.rn.bf16x2``; "bits":
-the same in plain Triton), DIRECT (1: one routed pair per block and no moe_align launch, ``route_tables``; for a
-token or two), num_warps, num_stages. Under TRITON_INTERPRET the decode runs in float32
-(``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in float32.
+block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
+of 64), GROUP_M, SPLIT_K (down), GU_SPLIT_K (gate_up), GU_FUSED, PREFETCH (1: the next K step loaded into
+registers while this one computes, instead of Triton's cp.async pipeline; launched with num_stages 1), PDL (1:
+every kernel of the op launched with programmatic dependent launch on sm_90+: it starts while the previous kernel
+drains, waits for it before reading, and lets the next one start after its K loop), DECODE
+("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
+and no moe_align launch, ``route_tables``; for a token or two), num_warps, num_stages. Under TRITON_INTERPRET the
+decode runs in float32 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in
+float32.
 """
 from __future__ import annotations
 
@@ -43,11 +52,13 @@ from loraplex.kernels.fused_moe import ACT_CODES, ACT_NONE, _grouped_pid, run_mo
 from loraplex.kernels.moe_align import moe_align
 from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP, check_kernel_layout, is_kernel_layout, kernel_k
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, DECODE_EMULATE, decode_kernel_tile,
-                                            kernel_tile_ptrs, load_kernel_tile)
+                                            kernel_tile_ptrs, load_kernel_tile, row_groups)
 from loraplex.kernels.reference_lora import check_mxfp4_weights
+from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait
 
-DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "DECODE": "asm",
-                  "DIRECT": 0, "num_warps": 4, "num_stages": 4}
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "GU_SPLIT_K": 1,
+                  "GU_FUSED": 0, "PREFETCH": 0, "PDL": 0, "DECODE": "asm", "DIRECT": 0, "num_warps": 4,
+                  "num_stages": 4}
 DECODES = {"asm": DECODE_ASM, "bits": DECODE_BITS}
 
 
@@ -75,64 +86,154 @@ def _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M: 
     return dead, expert, pairs, pairs < num_pairs
 
 
+@triton.jit
+def _split_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, split):
+    """K range [k_begin, k_end) of split ``split``: an equal share of the BLOCK_K steps, the last split the rest."""
+    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = split * steps * BLOCK_K
+    return k_begin, tl.minimum(k_begin + steps * BLOCK_K, K)
+
+
+@triton.jit
+def _load_xt(x_ptrs, k0, limit, row_ok, MASKED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x^T [BLOCK_K, BLOCK_M] of K rows k0 ..; with MASKED, rows at or past ``limit`` read as 0."""
+    if MASKED:
+        return tl.load(x_ptrs, mask=row_ok[None, :] & (k0 + tl.arange(0, BLOCK_K) < limit)[:, None], other=0.0)
+    else:
+        return tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _k_loop(acc, acc2, x_ptrs, w_ptrs, s_ptrs, w2_offset, s2_offset, row_ok, k_begin, k_end,
+            TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            DECODE: tl.constexpr, PREFETCH: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += w @ x^T over K [k_begin, k_end), and with TWO acc2 += the tile ``w2_offset`` words
+    / ``s2_offset`` scale words further (gate_up's up rows) against the same x^T.
+
+    PREFETCH 0: plain loads in the loop, which Triton's software pipeliner turns into cp.async copies through
+    shared memory (num_stages deep); PREFETCH 1 (num_stages 1): the next step's words, scales and x^T are loaded
+    into registers while this step decodes and multiplies (one step of lookahead, no shared-memory round trip for
+    the weights)."""
+    atom_end = tl.cdiv(k_end, 64)
+    if PREFETCH:
+        xt = _load_xt(x_ptrs, k_begin, k_end, row_ok, True, BLOCK_K)
+        words, scales = load_kernel_tile(w_ptrs, s_ptrs, k_begin // 64, atom_end, True, BLOCK_K)
+        if TWO:
+            words2, scales2 = load_kernel_tile(w_ptrs + w2_offset, s_ptrs + s2_offset, k_begin // 64, atom_end,
+                                               True, BLOCK_K)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * 2
+            s_ptrs += BLOCK_K // 8
+            xt_next = _load_xt(x_ptrs, k0 + BLOCK_K, k_end, row_ok, True, BLOCK_K)
+            words_next, scales_next = load_kernel_tile(w_ptrs, s_ptrs, (k0 + BLOCK_K) // 64, atom_end, True,
+                                                       BLOCK_K)
+            if TWO:
+                words2_next, scales2_next = load_kernel_tile(w_ptrs + w2_offset, s_ptrs + s2_offset,
+                                                             (k0 + BLOCK_K) // 64, atom_end, True, BLOCK_K)
+                acc2 = _mma(decode_kernel_tile(words2, scales2, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc2,
+                            DECODE)
+                words2, scales2 = words2_next, scales2_next
+            acc = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc, DECODE)
+            xt, words, scales = xt_next, words_next, scales_next
+    else:
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            xt = _load_xt(x_ptrs, k0, k_end, row_ok, not EVEN_K, BLOCK_K)
+            words, scales = load_kernel_tile(w_ptrs, s_ptrs, k0 // 64, atom_end, not EVEN_K, BLOCK_K)
+            acc = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc, DECODE)
+            if TWO:
+                words, scales = load_kernel_tile(w_ptrs + w2_offset, s_ptrs + s2_offset, k0 // 64, atom_end,
+                                                 not EVEN_K, BLOCK_K)
+                acc2 = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc2, DECODE)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * 2
+            s_ptrs += BLOCK_K // 8
+    return acc, acc2
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     # x [T, K]; w13 words [E, 2N, KP/8] int32; scales [E, 2N, KP/32] uint8 (read as int32); bias [E, 2N];
-    # out [T*A, N] ([T*A, 2N] if ACT_NONE); tables
+    # out [T*A, N] ([T*A, 2N] if ACT_NONE; float32 partial sums [SPLIT_K, T*A, 2N] if SPLIT_K > 1); tables
     num_pairs, num_m, N, K, alpha, limit,
-    stride_xt, stride_we, stride_se, stride_be, stride_ot,
+    stride_xt, stride_we, stride_se, stride_be, stride_ot, stride_os,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_N: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
+    NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
+    FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
+    split = tl.program_id(1)
     dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
     if dead:
         return
     tok = (pairs // TOP_K).to(tl.int64)
     atoms = (K + 63) // 64
     groups = N // 16
-    # gate rows [pid_n * BLOCK_N, + BLOCK_N); the up rows are N further (row group + N / 16)
-    wg_ptrs, sg_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we, s_ptr.to(tl.pointer_type(tl.int32))
-                                        + expert * (stride_se // 4), pid_n * (BLOCK_N // 16), groups, atoms,
-                                        BLOCK_N, BLOCK_K)
-    wu_ptrs = wg_ptrs + groups * atoms * 128
-    su_ptrs = sg_ptrs + groups * atoms * 8
-    k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[None, :] * stride_xt + k[:, None]  # x^T [BLOCK_K, BLOCK_M]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
-        else:
-            xt = tl.load(x_ptrs, mask=row_ok[None, :] & (k0 + k < K)[:, None], other=0.0)
-        words, scales = load_kernel_tile(wg_ptrs, sg_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
-        acc_g = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc_g, DECODE)
-        words, scales = load_kernel_tile(wu_ptrs, su_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
-        acc_u = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc_u, DECODE)
-        x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K * 2
-        wu_ptrs += BLOCK_K * 2
-        sg_ptrs += BLOCK_K // 8
-        su_ptrs += BLOCK_K // 8
-    # ---- epilogue: the bf16 decode's 2^63, bias, activation; out[pair, n] = acc[n, pair]
+    k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
+    w_e = w_ptr + expert * stride_we + k_begin * 2
+    s_e = s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8
+    x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # x^T [BLOCK_K, BLOCK_M]
+    ROWS: tl.constexpr = BLOCK_N // 2 if FUSED else BLOCK_N  # output columns of this program
+    if FUSED:  # one [BLOCK_N, BLOCK_M] product: gate rows, then the same rows of up (N further)
+        RGH: tl.constexpr = BLOCK_N // 32
+        i = tl.arange(0, 2 * RGH)
+        rg = tl.minimum(pid_n * RGH + i % RGH, groups - 1) + (i // RGH) * groups
+        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, rg, atoms, BLOCK_K)
+        acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, x_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok,
+                         k_begin, k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, ROWS, BLOCK_M)), (1, 2, 0)))
+    else:  # gate rows [pid_n * BLOCK_N, + BLOCK_N) and the up rows N further (row group + N / 16)
+        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, row_groups(pid_n * (BLOCK_N // 16), groups, BLOCK_N // 16),
+                                          atoms, BLOCK_K)
+        acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
+                               x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
+                               k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    pdl_trigger(USE_PDL)  # the next kernel may launch (it waits for this grid to finish before reading)
+    # ---- epilogue: the bf16 decode's 2^63, bias (split 0), activation; out[pair, n] = acc[n, pair]
     if x_ptr.dtype.element_ty == tl.bfloat16:
         acc_g *= BF16_FOLD
         acc_u *= BF16_FOLD
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_n * ROWS + tl.arange(0, ROWS)
     rows_ok = rows < N
     if HAS_BIAS:
-        acc_g += tl.load(bias_ptr + expert * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
-        acc_u += tl.load(bias_ptr + expert * stride_be + N + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + pairs.to(tl.int64)[None, :] * stride_ot + rows[:, None]
+        first = (split == 0).to(tl.float32)
+        acc_g += (tl.load(bias_ptr + expert * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
+                  * first)[:, None]
+        acc_u += (tl.load(bias_ptr + expert * stride_be + N + rows, mask=rows_ok, other=0.0).to(tl.float32)
+                  * first)[:, None]
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs.to(tl.int64)[None, :] * stride_ot + rows[:, None]
     mask = row_ok[None, :] & rows_ok[:, None]
-    if ACT == 2:  # pre-activation: gate to columns [0, N), up to [N, 2N)
+    if ACT == 2 or SPLIT_K > 1:  # pre-activation (or its partial sum): gate to columns [0, N), up to [N, 2N)
         tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptrs + N, acc_u.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, gated_act(acc_g, acc_u, ACT, alpha, limit).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_up_finish_kernel(part_ptr, out_ptr, N, alpha, limit, stride_ps, stride_pt, stride_ot,
+                           # part [SPLIT_K, T*A, 2N] float32 (bias in split 0) -> out [T*A, N] = act(gate) * up,
+                           # or [T*A, 2N] the pre-activation (ACT_NONE)
+                           ACT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
+    p = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    gate = tl.zeros([BLOCK], tl.float32)
+    up = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        gate += tl.load(part_ptr + s * stride_ps + p * stride_pt + cols, mask=ok, other=0.0)
+        up += tl.load(part_ptr + s * stride_ps + p * stride_pt + N + cols, mask=ok, other=0.0)
+    if ACT == 2:
+        tl.store(out_ptr + p * stride_ot + cols, gate.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + p * stride_ot + N + cols, up.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptr + p * stride_ot + cols, gated_act(gate, up, ACT, alpha, limit).to(out_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
@@ -145,8 +246,9 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
     dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
@@ -154,28 +256,14 @@ def _down_kernel(
         return
     pairs64 = pairs.to(tl.int64)
     atoms = (K + 63) // 64
-    # this split's K steps: an equal share of the BLOCK_K steps, the last split the rest
-    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-    k_begin = split * steps * BLOCK_K
-    k_end = tl.minimum(k_begin + steps * BLOCK_K, K)
-    w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we, s_ptr.to(tl.pointer_type(tl.int32))
-                                      + expert * (stride_se // 4), pid_n * (BLOCK_N // 16), N // 16, atoms,
-                                      BLOCK_N, BLOCK_K)
-    w_ptrs += k_begin * 2
-    s_ptrs += k_begin // 8
-    k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + k)[:, None]  # h^T [BLOCK_K, BLOCK_M]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if EVEN_K:
-            ht = tl.load(h_ptrs, mask=row_ok[None, :], other=0.0)
-        else:
-            ht = tl.load(h_ptrs, mask=row_ok[None, :] & (k0 + k < K)[:, None], other=0.0)
-        words, scales = load_kernel_tile(w_ptrs, s_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
-        acc = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, ht.dtype, DECODE), ht, acc, DECODE)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * 2
-        s_ptrs += BLOCK_K // 8
+    k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
+    w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we + k_begin * 2,
+                                      s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8,
+                                      row_groups(pid_n * (BLOCK_N // 16), N // 16, BLOCK_N // 16), atoms, BLOCK_K)
+    h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # h^T [BLOCK_K, BLOCK_M]
+    acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, h_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok, k_begin,
+                     k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    pdl_trigger(USE_PDL)
     # ---- epilogue: the bf16 decode's 2^63, bias (split 0), routing weight; out[pair, n] = acc[n, pair]
     if h_ptr.dtype.element_ty == tl.bfloat16:
         acc *= BF16_FOLD
@@ -192,7 +280,9 @@ def _down_kernel(
 @triton.jit
 def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
                       # part [SPLIT_K, T*A, N] float32 -> out [T, N]: sum over splits and the token's A pairs
-                      TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                      TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -220,7 +310,18 @@ def _launch(cfg: dict) -> tuple[int, int, int, int, dict]:
     if bn % ROW_GROUP or bk % K_ATOM:
         raise ValueError(f"the MXFP4 kernel layout needs BLOCK_N a multiple of {ROW_GROUP} and BLOCK_K of {K_ATOM}, "
                          f"got BLOCK_N {bn}, BLOCK_K {bk}")
-    return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    prefetch = int(cfg.get("PREFETCH", 0))
+    if prefetch not in (0, 1):
+        raise ValueError(f"PREFETCH {prefetch!r}: expected 0 or 1")
+    stages = 1 if prefetch else int(cfg["num_stages"])  # PREFETCH pipelines in registers, not through Triton's
+    return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=stages)
+
+
+def use_pdl(cfg: dict, device: torch.device) -> bool:
+    """Whether cfg "PDL" (1: every launch of the op with programmatic dependent launch, so that each starts while
+    the one before drains; each kernel waits for it before reading) applies on ``device`` (sm_90+, not the
+    interpreter)."""
+    return bool(int(cfg.get("PDL", 0))) and pdl_enabled(device)
 
 
 def route_tables(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
@@ -265,23 +366,39 @@ def check_kernel_weights(x, w13, s13, w2, s2, topk_weights, topk_ids, activation
 def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
             limit: float = 7.0) -> torch.Tensor:
     """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
-    or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None."""
+    or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None. cfg GU_SPLIT_K > 1 splits K: float32
+    partial sums [S, T*A, 2I], then one launch adds them and applies the activation."""
     bm, bn, bk, gm, launch = _launch(cfg)
     direct = bool(int(cfg.get("DIRECT", 0)))
+    fused = bool(int(cfg.get("GU_FUSED", 0)))
+    if fused and bn % (2 * ROW_GROUP):
+        raise ValueError(f"GU_FUSED needs BLOCK_N a multiple of {2 * ROW_GROUP} (gate and up halves of whole row "
+                         f"groups), got {bn}")
     _check_align(align, bm, direct)
     sorted_ids, expert_ids, num_post = align
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
     inter = w13.shape[1] // 2
     num_m = expert_ids.shape[0]
-    out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
-    num_n = triton.cdiv(inter, bn)
-    _gate_up_kernel[(num_m * num_n,)](
-        x, w13, s13, b13 if b13 is not None else x, out, sorted_ids, expert_ids, num_post,
+    splits = max(1, min(int(cfg.get("GU_SPLIT_K", 1)), triton.cdiv(hidden, bk)))
+    pdl = use_pdl(cfg, x.device)
+    act = ACT_CODES[activation] if activation else ACT_NONE
+    width = inter if activation else 2 * inter
+    out = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
+    dest = out if splits == 1 else torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    num_n = triton.cdiv(inter, bn // 2 if fused else bn)
+    _gate_up_kernel[(num_m * num_n, splits)](
+        x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post,
         num_pairs, num_m, inter, hidden, float(alpha), float(limit),
-        x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, out.stride(0),
-        TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, HAS_BIAS=b13 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0,
-        DECODE=decode_mode(cfg), DIRECT=direct, **launch)
+        x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, dest.stride(-2),
+        dest.stride(0) if splits > 1 else 0,
+        TOP_K=top_k, ACT=act, HAS_BIAS=b13 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n,
+        SPLIT_K=splits, EVEN_K=hidden % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, FUSED=fused,
+        PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, **launch, **pdl_launch(pdl))
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(inter))
+        _gate_up_finish_kernel[(num_pairs, triton.cdiv(inter, block))](
+            dest, out, inter, float(alpha), float(limit), dest.stride(0), dest.stride(1), out.stride(0), ACT=act,
+            SPLIT_K=splits, BLOCK=block, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 
@@ -297,6 +414,7 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
     num_m = expert_ids.shape[0]
     splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
     splits = max(1, min(splits, triton.cdiv(inter, bk)))  # no empty splits
+    pdl = use_pdl(cfg, h.device)
     if splits == 1:
         out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     else:
@@ -308,13 +426,15 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         h.stride(0), w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(-2),
         out.stride(0) if splits > 1 else 0,
         HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, SPLIT_K=splits,
-        EVEN_K=inter % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, **launch)
+        EVEN_K=inter % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, PREFETCH=int(cfg.get("PREFETCH", 0)),
+        USE_PDL=pdl, **launch, **pdl_launch(pdl))
     return out
 
 
-def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype, *,
+              pdl: bool = False) -> torch.Tensor:
     """[T*A, H] pair outputs -> [T, H] (torch's sum), or float32 split partials [S, T*A, H] -> [T, H] in ``dtype``
-    (one launch)."""
+    (one launch; with ``pdl`` a PDL launch)."""
     if out.dim() == 2:
         return out.view(num_tokens, top_k, -1).sum(dim=1)
     splits, _, hidden = out.shape
@@ -322,7 +442,7 @@ def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](
         out, res, hidden, out.stride(0), out.stride(1), res.stride(0), TOP_K=top_k, SPLIT_K=splits, BLOCK=block,
-        num_warps=4)
+        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return res
 
 
@@ -354,8 +474,8 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     h = gate_up(x, w13_blocks, w13_scales, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha,
                 limit=limit)
     out = down(h, w2_blocks, w2_scales, topk_weights, align, cfg, b2=b2)
-    return sum_pairs(out, num_tokens, top_k, x.dtype)
+    return sum_pairs(out, num_tokens, top_k, x.dtype, pdl=use_pdl(cfg, x.device))
 
 
 __all__ = ["DEFAULT_CONFIG", "check_kernel_weights", "decode_mode", "down", "fused_moe_mxfp4", "gate_up",
-           "kernel_config", "route_tables", "sum_pairs"]
+           "kernel_config", "route_tables", "sum_pairs", "use_pdl"]

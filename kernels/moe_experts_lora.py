@@ -13,8 +13,9 @@ Tokens without an adapter (token_lora_idx -1) are in no LoRA table and cost noth
 ``token_lora_idx`` None the op is fused_moe with the activation launched separately. The LoRA alignment is
 made once, before the gate_up GEMM, with the gate_up LoRA config's BLOCK_M (the down one's if gate_up has no
 LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept). MXFP4 weights in the kernel
-layout (int32 words, ``mxfp4.prepare_for_kernel``) run ``fused_moe_mxfp4``'s GEMMs (its tuned config, split-K off:
-the down delta is added to the pair outputs).
+layout (int32 words, ``mxfp4.prepare_for_kernel``) run ``fused_moe_mxfp4``'s GEMMs (its tuned config; the down
+GEMM without split-K, since the down delta is added to the pair outputs; a gate_up split-K sums its partials into
+the pre-activation before the gate_up delta).
 """
 from __future__ import annotations
 

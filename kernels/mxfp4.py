@@ -111,8 +111,11 @@ K_ATOM = 64  # K elements of one atom (four 16-K MMA steps)
 KERNEL_MAX_SCALE = 191  # largest E8M0 byte the kernels' bf16 decode (factor 2^(s - 64)) represents
 # Bit of a 16-bit half of a word that each code bit (sign, e1, e0, m) lands on, per register j = 2 * jk + jr of a
 # word: the decode is r0 = w & M, r1 = (w << 3) & M, r2 = (w << 6) & M (M = 0x81C081C0: bf16 sign and the low two
-# exponent bits and top mantissa bit of each half) and r3 gathered from bits 14, 11, 10, 13 by three shifts.
-_CODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
+# exponent bits and top mantissa bit of each half) and r3 = ((w & 0x6C006C00) * 1057 >> 8) & M in 64 bits: the
+# multiply by 2^10 + 2^5 + 1 puts copies of bits 13, 11, 10, 14 at +2, -3, -3, -8 after the shift, on 15, 8, 7, 6,
+# and no two copies of any bit of either half on the same bit (so no carries): 4 operations instead of 6 shifts
+# and masks.
+_CODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (13, 11, 10, 14))
 
 
 def kernel_k(k: int) -> int:

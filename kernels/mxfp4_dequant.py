@@ -57,11 +57,11 @@ def load_mxfp4_tile(w_ptrs, s_ptrs, k0, K, col_ok, EVEN_K: tl.constexpr, BLOCK_K
 #                           ──> w [BLOCK_N, BLOCK_K] (bf16: value * 2^-63, see below)
 #
 # The dims are ordered so that Triton's coalesced layout gives lane i the words of lane i (16 contiguous bytes)
-# and warps the row groups, which is where the Hopper wgmma wants them: the reshape / permute at the end moves no
-# data. Each word becomes four bf16x2 registers with 11 integer operations (``_bf16x2_codes``): value * 2^-126,
+# and warps the row groups, which is where wgmma and mma.sync want them: the reshape / permute at the end moves no
+# data. Each word becomes four bf16x2 registers with 9 integer operations (``_bf16x2_codes``): value * 2^-126,
 # 0.5 a subnormal. The scale multiply then folds the 2^126 in: bf16 factor 2^(s - 64) (exact for E8M0 bytes
 # 65..191, i.e. scales 2^-62 .. 2^64), the MMA accumulates value * 2^-63 and the epilogue multiplies by 2^63.
-# DECODE selects how: DECODE_ASM one ``mul.rn.bf16x2`` per register (inline PTX), DECODE_BITS the same product in
+# DECODE selects how: DECODE_ASM one bf16x2 multiply per register (inline PTX), DECODE_BITS the same product in
 # plain Triton bf16 (ptxas pairs the scalar multiplies, with register swaps), DECODE_EMULATE in float32 (exact; the
 # interpreter, whose bf16 bitcasts and dots are wrong, and fp32 / fp16 activations, where the scale is applied
 # exactly without the fold: 2^126 * 2^(s - 127), the byte 0 reading as 0).
@@ -71,20 +71,21 @@ DECODE_BITS = tl.constexpr(1)
 DECODE_ASM = tl.constexpr(2)
 BF16_FOLD = tl.constexpr(9.223372036854775808e18)  # 2^63: what the bf16 decode leaves out of every weight
 _MASK = tl.constexpr(-2118090304)  # 0x81C081C0
-_SIGN = tl.constexpr(-2147450880)  # 0x80008000
 
 
 @triton.jit
-def kernel_tile_ptrs(w_ptr, s_ptr, first_row_group, num_row_groups, atoms, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def row_groups(first_row_group, num_row_groups, RG: tl.constexpr):
+    """Row groups ``first_row_group`` .. + RG of a matrix with ``num_row_groups`` groups, those past the matrix
+    clamped to its last one (their rows are computed and never stored)."""
+    return tl.minimum(first_row_group + tl.arange(0, RG), num_row_groups - 1)
+
+
+@triton.jit
+def kernel_tile_ptrs(w_ptr, s_ptr, rg, atoms, BLOCK_K: tl.constexpr):
     """Pointers of the first K step: words [32, RG, KA, 4] from int32 ``w_ptr`` and scales [32, RG, KA, 1] from
-    ``s_ptr`` (the scale bytes read as int32) of row groups ``first_row_group`` .. + RG of a matrix with
-    ``num_row_groups`` groups and ``atoms`` 64-K atoms per group. Row groups past the matrix are clamped to its
-    last one (their rows are computed and never stored). A K step of BLOCK_K moves the words by 2 * BLOCK_K and
-    the scales by BLOCK_K / 8."""
-    RG: tl.constexpr = BLOCK_N // 16
+    ``s_ptr`` (the scale bytes read as int32) of the row groups ``rg`` [RG] of a matrix with ``atoms`` 64-K atoms
+    per group. A K step of BLOCK_K moves the words by 2 * BLOCK_K and the scales by BLOCK_K / 8."""
     KA: tl.constexpr = BLOCK_K // 64
-    rg = tl.minimum(first_row_group + tl.arange(0, RG), num_row_groups - 1)
     atom = rg[None, :, None, None] * atoms + tl.arange(0, KA)[None, None, :, None]
     lane = tl.arange(0, 32)[:, None, None, None]
     w_ptrs = w_ptr + (atom * 32 + lane) * 4 + tl.arange(0, 4)[None, None, None, :]
@@ -93,14 +94,14 @@ def kernel_tile_ptrs(w_ptr, s_ptr, first_row_group, num_row_groups, atoms, BLOCK
 
 
 @triton.jit
-def load_kernel_tile(w_ptrs, s_ptrs, first_atom, atoms, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The words and scales at ``w_ptrs`` / ``s_ptrs``; atoms ``first_atom`` + i at or past ``atoms`` (the K
-    tail) read as 0 unless EVEN_K."""
-    if EVEN_K:
-        return tl.load(w_ptrs), tl.load(s_ptrs)
-    else:
-        ok = (first_atom + tl.arange(0, BLOCK_K // 64) < atoms)[None, None, :, None]
+def load_kernel_tile(w_ptrs, s_ptrs, first_atom, limit, MASKED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The words and scales at ``w_ptrs`` / ``s_ptrs``; with MASKED, atoms ``first_atom`` + i at or past ``limit``
+    (the K tail, or a whole step past the end of a split) read as 0."""
+    if MASKED:
+        ok = (first_atom + tl.arange(0, BLOCK_K // 64) < limit)[None, None, :, None]
         return tl.load(w_ptrs, mask=ok, other=0), tl.load(s_ptrs, mask=ok, other=0)
+    else:
+        return tl.load(w_ptrs), tl.load(s_ptrs)
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def _bf16x2_codes(x):
     r0 = x & _MASK
     r1 = (x << 3) & _MASK
     r2 = (x << 6) & _MASK
-    r3 = ((x << 1) & _SIGN) | ((x >> 3) & 0x01800180) | ((x >> 7) & 0x00400040)
+    r3 = (((x & 0x6C006C00).to(tl.int64) * 1057) >> 8).to(tl.int32) & _MASK  # mxfp4._CODE_BITS[3]
     return r0, r1, r2, r3
 
 
@@ -144,10 +145,16 @@ def decode_kernel_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
     s1 = tl.reshape(tl.join(b1, b3), (32, RG, KA, 2))  # jr 1
     s = tl.expand_dims(tl.expand_dims(tl.join(s0, s1), 4), 6)  # [.., kb, 1, jr, 1]
     if DTYPE == tl.bfloat16 and DECODE == DECODE_ASM:
-        m = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r",
-                                      [r, tl.broadcast_to(_pair_factor(s), r.shape)], dtype=tl.int32, is_pure=True,
-                                      pack=1)
-        w = _halves(m).to(tl.bfloat16, bitcast=True)  # [.., h]
+        # One instance per register: inputs $1 $2 (the word's register twice) and $3 $4 (its factor twice), output
+        # $0 the two bf16 of the pair. bf16 straight out of an asm with side effects (is_pure False) hides the
+        # int32 loads and the joins from the compiler's operand-width heuristic, so that mma.sync (Triton's MMAv2)
+        # takes the fragment as decoded (kWidth 2) instead of shuffling it across lanes; wgmma takes it as decoded
+        # either way. fma with -0 (exact: x * f + -0 = x * f, signed zeros kept) builds for sm_80 too; ptxas emits
+        # the same one HMUL2.BF16 on sm_90 as for mul.rn.bf16x2.
+        f = tl.broadcast_to(_pair_factor(s), r.shape)
+        w = tl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $3, z; }",
+                                      "=r,r,r,r,r", [tl.join(r, r), tl.join(f, f)], dtype=tl.bfloat16, is_pure=False,
+                                      pack=2)  # [.., h]
     elif DTYPE == tl.bfloat16 and DECODE == DECODE_BITS:
         f = ((s + 63) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         w = _halves(r).to(tl.bfloat16, bitcast=True) * tl.expand_dims(f, 7)

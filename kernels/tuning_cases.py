@@ -102,49 +102,73 @@ MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
     # prefill sizes (M in the thousands: compute-bound tiles)
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
     (128, 64, 64, 8, 4, 4)])
-# fused_moe_mxfp4 on the kernel layout (``fused_moe_mxfp4``): weight rows on the MMA's M (BLOCK_N: a multiple of 64
-# per warpgroup), pairs on its N (BLOCK_M), BLOCK_K a multiple of 64; SPLIT_K splits the down GEMM's K. The tuner
-# stops at its time budget, so best bets come first: decode tiles (M <= 64: many blocks of a few pairs; BLOCK_N 64
-# keeps 45 column blocks per expert at GPT-OSS's 2880 for M = 1, split-K adds more) or prefill tiles.
-_MXFP4_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
-MXFP4_DECODE_SPACE = _cfgs(_MXFP4_KEYS, [
-    (16, 64, 128, 1, 1, 4, 4), (16, 128, 64, 1, 1, 4, 4), (16, 128, 128, 1, 1, 4, 3), (16, 64, 128, 1, 2, 4, 4),
-    (16, 64, 256, 1, 1, 4, 3), (16, 128, 128, 1, 2, 4, 3), (16, 64, 64, 1, 1, 4, 6), (16, 256, 64, 1, 1, 4, 4),
-    (16, 64, 128, 1, 4, 4, 4), (16, 128, 64, 1, 2, 4, 5), (16, 256, 128, 1, 1, 4, 3), (16, 128, 256, 1, 1, 4, 2),
-    (16, 64, 128, 4, 1, 4, 4), (16, 128, 128, 4, 1, 4, 3)])
-MXFP4_BLOCK32_SPACE = _cfgs(_MXFP4_KEYS, [  # M = 32 .. 64: up to ~16 pairs per expert, sometimes more
-    (32, 128, 64, 1, 1, 4, 4), (32, 64, 128, 1, 1, 4, 4), (32, 128, 128, 1, 1, 4, 3), (32, 128, 128, 4, 1, 4, 3)])
-MXFP4_PREFILL_SPACE = _cfgs(_MXFP4_KEYS, [
-    (64, 128, 64, 4, 1, 4, 4), (128, 128, 64, 8, 1, 8, 3), (64, 128, 128, 4, 1, 4, 3), (128, 128, 64, 4, 1, 8, 4),
-    (64, 256, 64, 4, 1, 8, 3), (128, 64, 128, 8, 1, 4, 3), (64, 64, 128, 4, 1, 4, 4), (32, 128, 128, 4, 1, 4, 3),
-    (128, 128, 128, 8, 1, 8, 2), (64, 128, 64, 8, 1, 4, 5)])
-MXFP4_PREFILL_MIN_M = 256
-
-
+# fused_moe_mxfp4 on the kernel layout (``fused_moe_mxfp4``): weight rows on the MMA's M (BLOCK_N), pairs on its N
+# (BLOCK_M), BLOCK_K a multiple of 64. The MMA follows from the shape: wgmma (Triton's MMAv3) where BLOCK_M >= 16,
+# the product's rows are a multiple of 64 and num_warps of 4, else mma.sync (MMAv2; BLOCK_M 8, or 1 / 2 warps),
+# which issues about a third fewer instructions per weight at decode (no warpgroup fences, n8 tiles at BLOCK_M 8).
+# SPLIT_K / GU_SPLIT_K split the down / gate_up K (SM fill when a few experts are touched), GU_FUSED puts gate and
+# up rows in one product (one accumulator per warpgroup: fewer registers, two CTAs per SM at prefill tiles),
+# PREFETCH loads the next K step into registers instead of Triton's cp.async pipeline (num_stages 1), PDL launches
+# the op's kernels with programmatic dependent launch (a launch overlaps the previous kernel's tail; a decode step
+# of one token runs three or four). The tuner stops at its time budget, so best bets come first.
+_MXFP4_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "GU_SPLIT_K", "GU_FUSED", "PREFETCH",
+               "num_warps", "num_stages")
+MXFP4_DECODE_SPACE = _cfgs(_MXFP4_KEYS, [  # M <= 16: a few pairs per touched expert
+    (8, 64, 256, 1, 1, 1, 0, 0, 4, 3), (8, 128, 128, 1, 1, 1, 0, 0, 4, 3), (8, 64, 128, 1, 1, 1, 0, 0, 4, 4),
+    (8, 64, 128, 1, 1, 1, 0, 0, 2, 3), (8, 64, 256, 1, 1, 1, 0, 0, 2, 2), (8, 128, 256, 1, 1, 1, 0, 0, 4, 2),
+    (8, 32, 256, 1, 1, 1, 0, 0, 1, 3), (16, 64, 128, 1, 1, 1, 0, 0, 2, 3), (8, 64, 128, 1, 1, 1, 0, 1, 4, 1),
+    (16, 64, 128, 1, 1, 1, 0, 1, 4, 1), (16, 64, 64, 1, 1, 1, 0, 0, 4, 6), (16, 64, 128, 1, 1, 1, 0, 0, 4, 4),
+    (16, 128, 128, 1, 1, 1, 1, 0, 4, 3), (8, 128, 128, 1, 1, 1, 0, 0, 4, 4), (8, 64, 256, 1, 1, 1, 0, 0, 4, 4),
+    (8, 256, 128, 1, 1, 1, 0, 0, 8, 2), (8, 32, 128, 1, 1, 1, 0, 0, 1, 4), (8, 128, 128, 1, 1, 1, 0, 0, 2, 2),
+    (8, 64, 256, 1, 1, 1, 0, 0, 4, 2), (8, 128, 128, 1, 1, 1, 0, 0, 4, 2)])
+MXFP4_SPLITS = ((2, 2), (4, 4), (4, 2), (8, 4))  # (SPLIT_K, GU_SPLIT_K) tried on the first decode tiles
+MXFP4_BLOCK16_SPACE = _cfgs(_MXFP4_KEYS, [  # M = 32 .. 64: up to ~16 pairs per expert
+    (16, 64, 128, 1, 1, 1, 0, 0, 2, 3), (16, 64, 128, 1, 1, 1, 0, 0, 4, 4), (16, 128, 128, 1, 1, 1, 0, 0, 4, 3),
+    (16, 128, 128, 1, 1, 1, 1, 0, 4, 3), (16, 64, 128, 1, 1, 1, 0, 1, 4, 1), (16, 64, 64, 1, 1, 1, 0, 0, 4, 6),
+    (32, 64, 128, 1, 1, 1, 0, 0, 4, 3), (32, 128, 64, 1, 1, 1, 0, 0, 4, 4), (16, 128, 128, 1, 1, 1, 0, 0, 2, 2),
+    (16, 256, 128, 1, 1, 1, 1, 0, 8, 3)])
+MXFP4_MID_SPACE = _cfgs(_MXFP4_KEYS, [  # M = 128 .. 512: tens of pairs per expert
+    (64, 128, 64, 4, 1, 1, 0, 0, 4, 4), (64, 128, 64, 4, 1, 1, 1, 0, 8, 4), (32, 128, 128, 4, 1, 1, 0, 0, 4, 3),
+    (64, 64, 128, 4, 1, 1, 0, 0, 4, 4), (64, 256, 64, 4, 1, 1, 1, 0, 8, 3), (32, 128, 128, 4, 1, 1, 1, 0, 4, 3),
+    (128, 128, 64, 4, 1, 1, 1, 0, 8, 4)])
+MXFP4_PREFILL_SPACE = _cfgs(_MXFP4_KEYS, [  # M >= 1024: hundreds of pairs per expert, compute-bound
+    (128, 128, 64, 4, 1, 1, 1, 0, 8, 4), (128, 128, 64, 4, 1, 1, 0, 0, 8, 4), (256, 128, 64, 4, 1, 1, 1, 0, 8, 3),
+    (128, 256, 64, 4, 1, 1, 1, 0, 8, 3), (256, 64, 64, 4, 1, 1, 1, 0, 4, 3), (128, 64, 64, 8, 1, 1, 0, 0, 4, 4),
+    (128, 128, 128, 4, 1, 1, 1, 0, 8, 3), (64, 128, 64, 8, 1, 1, 1, 0, 8, 4), (128, 128, 64, 8, 1, 1, 0, 0, 8, 3)])
+MXFP4_MID_MIN_M = 128
+MXFP4_PREFILL_MIN_M = 1024
+MXFP4_SPLIT_MAX_M = 16  # split-K candidates: only while the touched experts leave SMs idle
 MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while tokens rarely share an expert
 
 
 def mxfp4_moe_space(m: int) -> list[dict]:
-    """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first (at M <= 2 the first
-    three decode tiles also with DIRECT, after the first two)."""
+    """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first: at M <= 16 the decode
+    tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first
+    three candidates up to M = 64, at M <= 2 also DIRECT."""
     if m >= MXFP4_PREFILL_MIN_M:
-        return list(MXFP4_PREFILL_SPACE) + MXFP4_BLOCK32_SPACE[:2]
-    if m >= 32:
-        return MXFP4_BLOCK32_SPACE[:2] + MXFP4_DECODE_SPACE[:4] + MXFP4_BLOCK32_SPACE[2:] + MXFP4_DECODE_SPACE[4:]
+        return list(MXFP4_PREFILL_SPACE) + MXFP4_MID_SPACE[:2]
+    if m >= MXFP4_MID_MIN_M:
+        return list(MXFP4_MID_SPACE) + MXFP4_PREFILL_SPACE[:2] + MXFP4_BLOCK16_SPACE[:2]
+    if m > MXFP4_SPLIT_MAX_M:
+        return MXFP4_BLOCK16_SPACE[:2] + [{**c, "PDL": 1} for c in MXFP4_BLOCK16_SPACE[:2]] \
+            + MXFP4_BLOCK16_SPACE[2:] + MXFP4_DECODE_SPACE[:4]
+    splits = [{**c, "SPLIT_K": s, "GU_SPLIT_K": g} for c in MXFP4_DECODE_SPACE[:3] for s, g in MXFP4_SPLITS]
+    space = splits[:4] + MXFP4_DECODE_SPACE + splits[4:] if m <= 4 else MXFP4_DECODE_SPACE[:6] + splits \
+        + MXFP4_DECODE_SPACE[6:]
+    space = space[:3] + [{**c, "PDL": 1} for c in space[:3]] + space[3:]
     if m <= MXFP4_DIRECT_MAX_M:
-        direct = [{**c, "DIRECT": 1} for c in MXFP4_DECODE_SPACE[:3]]
-        return MXFP4_DECODE_SPACE[:2] + direct + MXFP4_DECODE_SPACE[2:]
-    return list(MXFP4_DECODE_SPACE)
+        space = space[:2] + [{**c, "DIRECT": 1} for c in (space[0], space[1], MXFP4_DECODE_SPACE[0])] + space[2:]
+    return space + MXFP4_BLOCK16_SPACE[:2]
 
 
 def mxfp4_variants(cfg: dict) -> dict[str, dict]:
     """The benchmark's and GPU check's extra ``fused_moe_mxfp4`` runs next to ``cfg`` (the tuned config): the scale
-    multiply in plain Triton instead of inline PTX, split-K 2 on the down GEMM, one pair per block without moe_align
+    multiply in plain Triton instead of inline PTX, split-K 2 on both GEMMs, one pair per block without moe_align
     (DIRECT), and the checkpoint layout (``fused_moe``'s W_MXFP4 kernels at their default config)."""
     from loraplex.kernels.fused_moe import DEFAULT_CONFIG
 
     return {"decode bits": {**cfg, "DECODE": "bits"},
-            "split-K 2": {**cfg, "SPLIT_K": 2},
+            "split-K 2": {**cfg, "SPLIT_K": 2, "GU_SPLIT_K": 2},
             "direct": {**cfg, "DIRECT": 1},
             "checkpoint layout": {**DEFAULT_CONFIG, "LAYOUT": "checkpoint"}}
 SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [

@@ -1,31 +1,35 @@
 """MXFP4 expert GEMM on one GPU: every variant checked against the torch reference at GPT-OSS-20B shapes, a short
 config sweep through the tuner, timing next to the bf16 and INT8 fused MoE, one table against the copy roofline.
 
-    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_gpu.py              # H200: <= 6 minutes
+    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_gpu.py              # H200: <= 5 minutes
     PYTHONPATH=$PWD python3 benchmarks/kernels/mxfp4_gemm_gpu.py --sweep-s 0               # committed configs only
-    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/kernels/mxfp4_gemm_gpu.py --tiny  # CPU smoke run (~1 min)
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/kernels/mxfp4_gemm_gpu.py --tiny  # CPU smoke run (~2 min)
 
-Writes into $OUT (default .): ``mxfp4_gemm.json`` (every figure; rewritten after each row, so a crash or the time
-budget loses nothing), ``mxfp4_gemm.md`` (the table) and ``tuning/<device>/fused_moe_mxfp4.json`` (the sweep's
-winners, the best variant per swept M: copy it into ``tuning_configs/<device>/``).
+Writes into $OUT (default .), flat: ``mxfp4_gemm.json`` (every figure; rewritten after each row, so a crash or the
+time budget loses nothing), ``mxfp4_gemm.md`` (the table) and ``fused_moe_mxfp4.json`` (the best variant per swept
+M, in the tuning-file format: copy it to ``tuning_configs/<device>/fused_moe_mxfp4.json``). The tuner's working
+folder is a temporary directory (a copy of the committed configs, the sweep's winners on top).
 
 Phases, each wrapped (a failure is a row or a line, and the next phase runs):
 1. copy roofline: a 1 GiB device-to-device copy, 2 GiB moved / median time of 5.
 2. compile warm-up (``--compile-workers``, at most ``--warm-s``; CUDA only): worker processes launch every sweep
-   candidate once at M = 1 so that the Triton cache holds their binaries (compiling dominates this script).
+   candidate and every variant below once at M = 1 so that the Triton cache holds their binaries.
 3. sweep: ``loraplex tune``'s ``tune_case`` over ``tuning_cases.mxfp4_moe_space(m)`` at ``--sweep-m`` within
-   ``--sweep-s`` seconds; the winners are written with ``tuning.write_configs`` into $OUT/tuning (a copy of the
-   committed folder, so every other op keeps its committed configs) and read back for what follows.
+   ``--sweep-s`` seconds; the winners go into the tuner's folder and are read back for what follows.
 4. per M (``--m``, most telling first; stops at ``--budget-s``): correctness then time of each variant:
-      kernel layout             fused_moe_mxfp4 on ``mxfp4.prepare_for_kernel``'s layout, tuned config ("asm")
-      kernel layout, bits       the same, DECODE "bits" (the scale multiply in plain Triton, no inline PTX)
-      kernel layout, split-K S  the same, the down GEMM split S = 2, 4 ways
-      kernel layout, direct     the same, one routed pair per block and no moe_align launch (M <= 4)
-      checkpoint layout         fused_moe's W_MXFP4 kernels on the checkpoint's bytes (the previous path)
+      kernel layout             fused_moe_mxfp4 on ``mxfp4.prepare_for_kernel``'s layout, tuned config
+      kernel layout, <knob>     the tuned config with one knob changed (``RELATIVE_VARIANTS``: the scale multiply
+                                in plain Triton, split-K on both GEMMs, register prefetch, gate/up in one product,
+                                PDL launches, one pair per block without moe_align at M <= 4)
+      <family>                  fixed configs of each kernel family (``DECODE_FAMILIES`` at M <= 64,
+                                ``PREFILL_FAMILIES`` above), the first being the previous best ("run-1 ...")
+      checkpoint layout         fused_moe's W_MXFP4 kernels on the checkpoint's bytes
       bf16, int8                fused_moe and fused_moe_int8 at their tuned configs
       lora kernel / lora checkpoint: moe_experts_lora with --max-loras adapters of --rank on both expert targets
                                 (at ``--lora-m``), on each MXFP4 layout
-   plus one CUDA-graph replay of the kernel layout at new inputs (the engine replays decode steps).
+   plus, at ``--gemm-m``, each GEMM alone for the tuned config and each decode family ("gate_up, X" with its
+   split-K finish, "down, X" with the top-k sum, "align, BLOCK_M b" the moe_align launch), and one CUDA-graph
+   replay of the kernel layout at new inputs (the engine replays decode steps).
 5. the table and the winners' file.
 
 Correctness: rel. error ||got - want|| / ||want|| against ``reference_lora`` (bf16 activations), bound 1e-2 as
@@ -34,9 +38,10 @@ own time is subtracted). Bytes (``nbytes``, the least a call must move; % roofli
 per expert that the routing touches (distinct ids of topk_ids) the weights of w13 [2I, H] and w2 [H, I]:
 MXFP4 codes N*K/2 plus E8M0 scales N*K/32 bytes (4.25 bits a weight; the layout's padding to K = 64k not
 counted), bf16 2 bytes a weight, int8 1 byte a weight plus 4 per row; plus activations in bf16: x read and the
-output written (2 * M * H), the intermediate written and read (2 * M * A * I). The LoRA rows add A and B of each
-distinct (adapter, expert) pair routed to, R * (H + 2I) + R * (I + H) elements, and the pre-activation
-[M * A, 2I] written by gate_up, read and written by the LoRA add and read by the activation (4 * M * A * 2I).
+output written (2 * M * H), the intermediate written and read (2 * M * A * I). A GEMM alone: its own weights, its
+input read and its output written. The LoRA rows add A and B of each distinct (adapter, expert) pair routed to,
+R * (H + 2I) + R * (I + H) elements, and the pre-activation [M * A, 2I] written by gate_up, read and written by the
+LoRA add and read by the activation (4 * M * A * 2I).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -59,13 +65,54 @@ TOLERANCE = 1e-2
 MS = "16,1,64,4,256,2048,8,2,32,1024"  # most telling first: the budget may stop the run
 SWEEP_MS = "1,16,64,256,1024,2048"
 LORA_MS = "16,1,64,256"
-VARIANT_ORDER = ("kernel layout", "checkpoint layout", "bf16", "int8", "kernel layout, bits",
-                 "kernel layout, split-K 2", "kernel layout, split-K 4", "kernel layout, direct", "lora kernel layout",
-                 "lora checkpoint layout", "kernel layout, graph replay")
-TUNED_VARIANTS = {"kernel layout": {}, "kernel layout, bits": {"DECODE": "bits"},
-                  "kernel layout, split-K 2": {"SPLIT_K": 2}, "kernel layout, split-K 4": {"SPLIT_K": 4},
-                  "kernel layout, direct": {"DIRECT": 1}}
+GEMM_MS = "16,1,64"
+_F = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "GU_SPLIT_K", "GU_FUSED", "PREFETCH", "num_warps",
+      "num_stages")
+# fixed configs of each family (not relative to the tuned one), the previous best first: the A/B of every change
+DECODE_FAMILIES = {
+    "run-1 best: wgmma 16x64x64, 6 stages": dict(zip(_F, (16, 64, 64, 1, 1, 1, 0, 0, 4, 6))),
+    "mma.sync 8x64x256, 4 warps": dict(zip(_F, (8, 64, 256, 1, 1, 1, 0, 0, 4, 3))),
+    "mma.sync 8x128x128, 4 warps": dict(zip(_F, (8, 128, 128, 1, 1, 1, 0, 0, 4, 3))),
+    "mma.sync 16x64x128, 2 warps": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 0, 2, 3))),
+    "wgmma 16x64x128, 4 stages": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 0, 4, 4))),
+    "wgmma 16x64x128, register prefetch": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 1, 4, 1))),
+}
+PREFILL_FAMILIES = {
+    "run-1 best: wgmma 128x128x64, 8 warps": dict(zip(_F, (128, 128, 64, 4, 1, 1, 0, 0, 8, 4))),
+    "wgmma fused gate/up 128x128x64": dict(zip(_F, (128, 128, 64, 4, 1, 1, 1, 0, 8, 4))),
+    "wgmma fused gate/up 256x128x64": dict(zip(_F, (256, 128, 64, 4, 1, 1, 1, 0, 8, 3))),
+}
+RELATIVE_VARIANTS = {  # the tuned config with one knob changed (split-K / direct only where they apply)
+    "kernel layout, bits": {"DECODE": "bits"},
+    "kernel layout, split-K 2+2": {"SPLIT_K": 2, "GU_SPLIT_K": 2},
+    "kernel layout, split-K 4+4": {"SPLIT_K": 4, "GU_SPLIT_K": 4},
+    "kernel layout, prefetch": {"PREFETCH": 1, "num_stages": 1},
+    "kernel layout, fused gate/up": {"GU_FUSED": 1},
+    "kernel layout, PDL": {"PDL": 1},
+    "kernel layout, direct": {"DIRECT": 1},
+}
+SPLIT_VARIANT_MAX_M = 64  # the split-K rows only up to this M
 DIRECT_MAX_M = 4  # the "direct" rows (one pair per block: experts shared by pairs are read again)
+VARIANT_ORDER = ("kernel layout", *DECODE_FAMILIES, *PREFILL_FAMILIES, "checkpoint layout", "bf16", "int8",
+                 *RELATIVE_VARIANTS, "lora kernel layout", "lora checkpoint layout", "kernel layout, graph replay")
+
+
+def families(m: int) -> dict[str, dict]:
+    return DECODE_FAMILIES if m <= 64 else PREFILL_FAMILIES
+
+
+def relative_variants(m: int, tuned: dict) -> dict[str, dict]:
+    """The knob rows that apply at M tokens to the tuned config (identical configs dropped)."""
+    out = {}
+    for name, extra in RELATIVE_VARIANTS.items():
+        if ("SPLIT_K" in extra and m > SPLIT_VARIANT_MAX_M) or ("DIRECT" in extra and m > DIRECT_MAX_M):
+            continue
+        if "GU_FUSED" in extra and int(tuned["BLOCK_N"]) % 32:
+            continue
+        cfg = {**tuned, **extra}
+        if cfg != tuned:
+            out[name] = cfg
+    return out
 
 
 # ------------------------------------------------------------------------------------------- byte model
@@ -236,39 +283,62 @@ def lora_inputs(s: Shapes, m: int, ids: torch.Tensor, max_loras: int, rank: int,
 # ------------------------------------------------------------------------------------------- phases
 
 
-def warm_compiles(s: Shapes, ms: list[int], workers: int, run: Run, timeout_s: float) -> None:
-    """Launch every sweep candidate (gate_up and down; at decode M also their bits / split-K variants) once at M = 1
-    in ``workers`` processes, filling the Triton cache the main process reads (at most ``timeout_s``)."""
-    import multiprocessing as mp
+def winner_variants(winners: dict[int, dict], ms: list[int]) -> list[dict]:
+    """The configs the rows will run that the first warm-up did not compile: the tuned config at each M of the run
+    (the nearest swept M's) with each knob of ``relative_variants`` changed, and the tuned configs themselves."""
+    from loraplex.kernels.fused_moe_mxfp4 import DEFAULT_CONFIG
 
+    out: list[dict] = []
+    for m in ms:
+        if not winners:
+            break
+        near = min(winners, key=lambda w: (abs(w - m), w))
+        tuned = {**DEFAULT_CONFIG, **winners[near]}
+        for cfg in [tuned, *relative_variants(m, tuned).values()]:
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def warm_configs(ms: list[int]) -> list[dict]:
+    """Every sweep candidate at ``ms`` and every family config, each once."""
     from loraplex.kernels.tuning_cases import mxfp4_moe_space
 
-    cfgs = []
-    for m in ms:
-        for cfg in mxfp4_moe_space(m):
-            extra = [{}] + ([v for v in TUNED_VARIANTS.values() if v and "DIRECT" not in v] if m <= 64 else [])
-            for e in extra:
-                c = {**cfg, **e}
-                if c not in cfgs:
-                    cfgs.append(c)
-    jobs = [(s.__dict__, cfg) for cfg in cfgs]
+    cfgs: list[dict] = []
+    for cfg in [c for m in ms for c in mxfp4_moe_space(m)] + list(DECODE_FAMILIES.values()) \
+            + list(PREFILL_FAMILIES.values()):
+        if cfg not in cfgs:
+            cfgs.append(cfg)
+    return cfgs
+
+
+def warm_compiles(s: Shapes, cfgs: list[dict], workers: int, run: Run, timeout_s: float, what: str,
+                  lora: list[dict] = ()) -> None:
+    """Launch gate_up and down of every config in ``cfgs`` once at M = 1 in ``workers`` processes (those in
+    ``lora`` also as moe_experts_lora calls them), filling the Triton cache the main process reads (at most
+    ``timeout_s``)."""
+    import multiprocessing as mp
+
+    if not cfgs:
+        return
+    jobs = [(s.__dict__, cfg, cfg in lora) for cfg in cfgs]
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")
     pool = ctx.Pool(workers)
     try:
         done = pool.map_async(_warm_one, jobs, chunksize=1).get(timeout=timeout_s)
-        run.note(f"compile warm-up: {sum(done)}/{len(jobs)} configs in {time.monotonic() - t0:.0f} s "
+        run.note(f"compile warm-up ({what}): {sum(done)}/{len(jobs)} configs in {time.monotonic() - t0:.0f} s "
                  f"({workers} workers)")
     except mp.TimeoutError:
-        run.note(f"compile warm-up stopped after {timeout_s:.0f} s ({len(jobs)} configs, {workers} workers); the "
-                 f"rest compiles when first run")
+        run.note(f"compile warm-up ({what}) stopped after {timeout_s:.0f} s ({len(jobs)} configs, {workers} "
+                 f"workers); the rest compiles when first run")
     finally:
         pool.terminate()
         pool.join()
 
 
 def _warm_one(job) -> bool:
-    shapes, cfg = job
+    shapes, cfg, lora = job
     try:
         from loraplex.kernels import fused_moe_mxfp4 as fm
 
@@ -288,7 +358,10 @@ def _warm_one(job) -> bool:
         full = {**fm.DEFAULT_CONFIG, **cfg}
         align = fm.route_tables(ids, e, full)
         hmid = fm.gate_up(x, w13, s13, align, full, top_k=s.top_k, activation="swiglu_clamp", b13=b13)
-        fm.down(hmid, w2, s2, weights, align, full, b2=b2)
+        fm.sum_pairs(fm.down(hmid, w2, s2, weights, align, full, b2=b2), 1, s.top_k, x.dtype)
+        if lora:  # moe_experts_lora's calls: the pre-activation, no down split
+            fm.gate_up(x, w13, s13, align, full, top_k=s.top_k, activation=None, b13=b13)
+            fm.down(hmid, w2, s2, weights, align, full, b2=b2, split_k=1)
         torch.cuda.synchronize()
         return True
     except Exception:  # noqa: BLE001  (the main process compiles it again and reports)
@@ -354,7 +427,8 @@ def time_rows(s: Shapes, m: int, args, run: Run, timer, copy_tbs: float) -> list
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
     kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
     want = ref.fused_moe_mxfp4(x, *inp["plain"], wts, ids, **kw)
-    tuned = tuning.get_config("fused_moe_mxfp4", shape_of(x, inp["kernel"][0], ids), m, DEFAULT_CONFIG)
+    tuned = {**DEFAULT_CONFIG, **tuning.get_config("fused_moe_mxfp4", shape_of(x, inp["kernel"][0], ids), m,
+                                                   DEFAULT_CONFIG)}
     elem = x.element_size()
     mx_bytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4", elem)
     rows = []
@@ -384,28 +458,65 @@ def time_rows(s: Shapes, m: int, args, run: Run, timer, copy_tbs: float) -> list
         run.add(r)
         rows.append(r)
 
-    for variant, extra in TUNED_VARIANTS.items():
-        if variant != "kernel layout" and (m > args.variant_max_m or ("DIRECT" in extra and m > DIRECT_MAX_M)):
-            continue
-        cfg = {**tuned, **extra}
-        row(variant, lambda cfg=cfg: fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw), mx_bytes,
-            lambda cfg=cfg: rel_error(fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw), want), cfg)
-        if variant == "kernel layout":
-            cp = dict(CHECKPOINT_DEFAULT)
-            row("checkpoint layout", lambda: fused_moe_mxfp4(x, *inp["plain"], wts, ids, config=cp, **kw), mx_bytes,
-                lambda: rel_error(fused_moe_mxfp4(x, *inp["plain"], wts, ids, config=cp, **kw), want), cp)
-            w13, w2 = inp["w13"], inp["w2"]
-            row("bf16", lambda: fused_moe(x, w13, w2, wts, ids, **kw),
-                moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "bf16", elem))
-            q13, sc13, q2, sc2 = inp["int8"]
-            row("int8", lambda: fused_moe_int8(x, q13, sc13, q2, sc2, wts, ids, **kw),
-                moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "int8", elem))
+    def mx_row(variant: str, cfg: dict) -> None:
+        row(variant, lambda: fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw), mx_bytes,
+            lambda: rel_error(fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw), want), cfg)
+
+    mx_row("kernel layout", tuned)
+    cp = dict(CHECKPOINT_DEFAULT)
+    row("checkpoint layout", lambda: fused_moe_mxfp4(x, *inp["plain"], wts, ids, config=cp, **kw), mx_bytes,
+        lambda: rel_error(fused_moe_mxfp4(x, *inp["plain"], wts, ids, config=cp, **kw), want), cp)
+    w13, w2 = inp["w13"], inp["w2"]
+    row("bf16", lambda: fused_moe(x, w13, w2, wts, ids, **kw),
+        moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "bf16", elem))
+    q13, sc13, q2, sc2 = inp["int8"]
+    row("int8", lambda: fused_moe_int8(x, q13, sc13, q2, sc2, wts, ids, **kw),
+        moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "int8", elem))
+    for variant, cfg in families(m).items():
+        mx_row(variant, {**DEFAULT_CONFIG, **cfg})
+    if m <= args.variant_max_m:
+        for variant, cfg in relative_variants(m, tuned).items():
+            mx_row(variant, cfg)
+    if m in args.gemm_m:
+        gemm_rows(s, m, inp, row, elem, {"kernel layout": tuned,
+                                         **{k: {**DEFAULT_CONFIG, **v} for k, v in DECODE_FAMILIES.items()}})
     if m in args.lora_m:
         lora_rows(s, m, inp, args, row, mx_bytes)
     if m == args.graph_m and dev == "cuda":
         graph_row(s, m, inp, kw, row, mx_bytes, tuned)
     del inp
     return rows
+
+
+def gemm_bytes(m: int, active: int, hidden: int, inter: int, top_k: int, which: str, elem: int = 2) -> int:
+    """One GEMM alone: the touched experts' MXFP4 weights of it, its input read and its output written."""
+    if which == "gate_up":
+        return active * (2 * inter * hidden * 17 // 32) + elem * (m * hidden + m * top_k * inter)
+    return active * (hidden * inter * 17 // 32) + elem * (m * top_k * inter + m * hidden)
+
+
+def gemm_rows(s: Shapes, m: int, inp: dict, row, elem: int, cfgs: dict[str, dict]) -> None:
+    """Each GEMM of ``cfgs`` alone (the alignment tables made outside the timed call), and the alignment launch of
+    each BLOCK_M; time only (the whole op's rows check the same kernels)."""
+    from loraplex.kernels import fused_moe_mxfp4 as fm
+
+    x, ids, wts = inp["x"], inp["ids"], inp["weights"]
+    w13, s13, w2, s2 = inp["kernel"]
+    num_experts = s.num_experts
+    aligned = set()
+    for name, cfg in cfgs.items():
+        align = fm.route_tables(ids, num_experts, cfg)
+        key = ("direct" if int(cfg.get("DIRECT", 0)) else int(cfg["BLOCK_M"]))
+        if key not in aligned and key != "direct":
+            aligned.add(key)
+            row(f"align, BLOCK_M {key}", lambda cfg=cfg: fm.route_tables(ids, num_experts, cfg), 0)
+        hmid = fm.gate_up(x, w13, s13, align, cfg, top_k=s.top_k, activation="swiglu_clamp", b13=inp["b13"])
+        row(f"gate_up, {name}", lambda cfg=cfg, align=align: fm.gate_up(
+            x, w13, s13, align, cfg, top_k=s.top_k, activation="swiglu_clamp", b13=inp["b13"]),
+            gemm_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "gate_up", elem), config=cfg)
+        row(f"down, {name}", lambda cfg=cfg, align=align, hmid=hmid: fm.sum_pairs(
+            fm.down(hmid, w2, s2, wts, align, cfg, b2=inp["b2"]), m, s.top_k, x.dtype),
+            gemm_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "down", elem), config=cfg)
 
 
 def lora_rows(s: Shapes, m: int, inp: dict, args, row, mx_bytes: int) -> None:
@@ -454,12 +565,15 @@ def graph_row(s: Shapes, m: int, inp: dict, kw: dict, row, mx_bytes: int, tuned:
     row("kernel layout, graph replay", None, mx_bytes, capture_and_check, tuned)  # correctness only
 
 
+WHOLE_OP_VARIANTS = ("kernel layout", *DECODE_FAMILIES, *PREFILL_FAMILIES, *RELATIVE_VARIANTS)
+
+
 def final_winners(rows: list[dict], sweep_ms: list[int], base: dict[int, dict]) -> dict[int, dict]:
-    """Per swept M, the fastest correct kernel-layout variant's config (the sweep's winner unless a variant beat it
-    by more than 1%)."""
+    """Per swept M, the fastest correct whole-op kernel-layout variant's config (the sweep's winner unless a variant
+    beat it by more than 1%)."""
     out = {}
     for m in sweep_ms:
-        cands = [r for r in rows if r["m"] == m and r["variant"] in TUNED_VARIANTS and r.get("ok") and r.get("us")]
+        cands = [r for r in rows if r["m"] == m and r["variant"] in WHOLE_OP_VARIANTS and r.get("ok") and r.get("us")]
         if not cands:
             if m in base:
                 out[m] = base[m]
@@ -484,21 +598,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--m", default=MS, help="token counts, in the order they run")
     p.add_argument("--sweep-m", default=SWEEP_MS)
-    p.add_argument("--sweep-s", type=float, default=90.0, help="sweep time budget (0: no sweep)")
+    p.add_argument("--sweep-s", type=float, default=75.0, help="sweep time budget (0: no sweep)")
     p.add_argument("--sweep-candidates", type=int, default=None, help="at most this many candidates per M")
     p.add_argument("--lora-m", default=LORA_MS)
-    p.add_argument("--variant-max-m", type=int, default=256, help="bits / split-K rows only up to this M")
+    p.add_argument("--variant-max-m", type=int, default=2048, help="knob rows (RELATIVE_VARIANTS) only up to this M")
+    p.add_argument("--gemm-m", default=GEMM_MS, help="token counts with each GEMM timed alone")
     p.add_argument("--graph-m", type=int, default=16)
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--budget-s", type=float, default=315.0, help="stop adding rows after this many seconds")
+    p.add_argument("--budget-s", type=float, default=250.0, help="stop adding rows after this many seconds")
     p.add_argument("--compile-workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                    help="processes for the compile warm-up (0: none)")
-    p.add_argument("--warm-s", type=float, default=60.0, help="compile warm-up time limit")
+    p.add_argument("--warm-s", type=float, default=50.0, help="compile warm-up time limit (sweep candidates)")
+    p.add_argument("--warm-variants-s", type=float, default=25.0,
+                   help="compile warm-up time limit (the winners' variants and LoRA calls)")
     p.add_argument("--rep-ms", type=int, default=10, help="graph length per timing (bench_time_ms rep_ms)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes; with TRITON_INTERPRET=1 on the CPU")
     args = p.parse_args(argv)
     args.lora_m = set(parse_ms(args.lora_m))
+    args.gemm_m = set(parse_ms(args.gemm_m))
     from loraplex.kernels import tuning, tuning_cases
 
     cuda = torch.cuda.is_available() and not args.tiny
@@ -506,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = torch.float32 if args.tiny else torch.bfloat16  # the interpreter's bf16 dots are wrong
     if args.tiny:
         args.m, args.sweep_m, args.graph_m = "1,3", "1,3", -1
-        args.lora_m, args.max_loras, args.rank = {3}, 2, 8
+        args.lora_m, args.max_loras, args.rank, args.gemm_m = {3}, 2, 8, {3}
         args.sweep_candidates = 2 if args.sweep_candidates is None else args.sweep_candidates
         tuning_cases.bench_time_ms = cpu_time_ms  # the tuner's timer, off CUDA (the flow, not the figures)
     if not cuda and not args.tiny:
@@ -520,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__, "tolerance": TOLERANCE, "byte_model": __doc__.split("Bytes")[1].strip()})
     timer = (lambda fn: tuning_cases.bench_time_ms(fn, args.rep_ms)) if cuda else cpu_time_ms
-    tuning_root = os.path.join(args.out, "tuning")
+    tuning_root = tempfile.mkdtemp(prefix="mxfp4_tuning_")  # the tuner's folder; the winners go to $OUT, flat
     rows: list[dict] = []
     winners: dict[int, dict] = {}
     try:
@@ -543,15 +661,26 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[tuning.TUNING_DIR_ENV] = tuning_root
         tuning.clear_cache()
         sweep_ms = parse_ms(args.sweep_m)
+        run_ms = parse_ms(args.m)
+        warm = cuda and args.compile_workers > 0
         if args.sweep_s > 0:
-            if cuda and args.compile_workers > 0:
+            if warm:
                 try:
-                    warm_compiles(s, sweep_ms, args.compile_workers, run, args.warm_s)
+                    warm_compiles(s, warm_configs(sweep_ms), args.compile_workers, run, args.warm_s, "candidates")
                 except Exception as e:  # noqa: BLE001
                     run.note(f"compile warm-up FAILED: {type(e).__name__}: {e}")
             winners = sweep(s, sweep_ms, args.sweep_s, tuning_root, device_name, run, args.sweep_candidates,
                             args.dtype)
-        for m in parse_ms(args.m):
+        if warm:
+            try:
+                from loraplex.kernels.fused_moe_mxfp4 import DEFAULT_CONFIG
+
+                lora = [{**DEFAULT_CONFIG, **w} for w in winners.values()]
+                warm_compiles(s, winner_variants(winners, run_ms), args.compile_workers, run, args.warm_variants_s,
+                              "the winners' variants", lora=lora)
+            except Exception as e:  # noqa: BLE001
+                run.note(f"compile warm-up FAILED: {type(e).__name__}: {e}")
+        for m in run_ms:
             if run.left_s() < 0:
                 run.note(f"time budget spent: M={m} and later skipped")
                 break
@@ -566,8 +695,10 @@ def main(argv: list[str] | None = None) -> int:
             final = final_winners(rows, sweep_ms, winners)
             key = tuning.shape_key({"E": s.num_experts, "A": s.top_k, "H": s.hidden, "I": s.inter})
             path = write_winners(key, final, tuning_root, device_name)
+            flat = os.path.join(args.out, "fused_moe_mxfp4.json")
+            shutil.copy(path, flat)
             run.data["winners"] = {str(k): v for k, v in final.items()}
-            run.note(f"tuned configs (best variant per swept M): {path}")
+            run.note(f"tuned configs (best variant per swept M): {flat}")
     finally:
         text = table(run.data["rows"])
         bad = [r for r in run.data["rows"] if r.get("error") or r.get("ok") is False]
@@ -579,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text + "\n\n" + summary + "\n")
         run.data["summary"] = summary
         run.save()
+        shutil.rmtree(tuning_root, ignore_errors=True)
     return 1 if any(r.get("ok") is False for r in run.data["rows"]) else 0
 
 

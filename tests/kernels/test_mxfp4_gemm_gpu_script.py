@@ -62,17 +62,46 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch):
     rows = data["rows"]
     assert rc == 0 and data["copy_tbs"] > 0
     variants = {(r["m"], r["variant"]) for r in rows}
+    whole = ("kernel layout", "checkpoint layout", "bf16", "int8", "kernel layout, bits", *mod.DECODE_FAMILIES)
     for m in (1, 3):
-        for v in ("kernel layout", "checkpoint layout", "bf16", "int8", "kernel layout, bits",
-                  "kernel layout, split-K 2", "kernel layout, split-K 4"):
+        for v in whole:
             assert (m, v) in variants
+        tuned = next(r["config"] for r in rows if r["m"] == m and r["variant"] == "kernel layout")
+        knobs = mod.relative_variants(m, tuned)  # the knob rows that differ from the tuned config
+        assert len(knobs) >= 4 and all((m, v) in variants for v in knobs)
+    assert (1, "kernel layout, direct") in variants
     assert (3, "lora kernel layout") in variants and (3, "lora checkpoint layout") in variants
+    for name in ("kernel layout", *mod.DECODE_FAMILIES):  # each GEMM alone at --gemm-m
+        assert (3, f"gate_up, {name}") in variants and (3, f"down, {name}") in variants
+    assert (3, "align, BLOCK_M 8") in variants and (3, "align, BLOCK_M 16") in variants
     checked = [r for r in rows if "rel_err" in r]
-    assert len(checked) == 14 and all(r["ok"] and r["rel_err"] < 1e-4 for r in checked)
-    assert all(r["us"] > 0 and r["nbytes"] > 0 and "error" not in r for r in rows)
+    assert len(checked) >= 2 * len(whole) + 2 and all(r["ok"] and r["rel_err"] < 1e-4 for r in checked)
+    assert all(r["us"] > 0 and "error" not in r for r in rows)
+    assert all(r["nbytes"] > 0 for r in rows if not r["variant"].startswith("align"))
     assert any(n.startswith("sweep M=1: default") for n in data["notes"])
     table = (tmp_path / "mxfp4_gemm.md").read_text()
-    assert table.startswith("| M | variant |") and table.count("\n| 3 |") >= 10
-    tuned = json.loads((tmp_path / "tuning" / "cpu" / "fused_moe_mxfp4.json").read_text())
+    assert table.startswith("| M | variant |") and table.count("\n| 3 |") >= 20
+    tuned = json.loads((tmp_path / "fused_moe_mxfp4.json").read_text())  # flat in $OUT
     assert set(tuned) == {"E=4,A=2,H=96,I=64"} and set(tuned["E=4,A=2,H=96,I=64"]) == {"1", "3"}
     assert all(c["BLOCK_K"] % 64 == 0 and c["DECODE"] in ("asm", "bits") for c in tuned["E=4,A=2,H=96,I=64"].values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused_moe_mxfp4.json", "mxfp4_gemm.json", "mxfp4_gemm.md"]
+
+
+def test_warm_up_lists_cover_the_rows():
+    """The first warm-up compiles every sweep candidate and family config; the second every config the rows run
+    from the winners (the nearest swept M's winner at each M and its knob variants), each once."""
+    mod = _script()
+    from loraplex.kernels.fused_moe_mxfp4 import DEFAULT_CONFIG
+    from loraplex.kernels.tuning_cases import mxfp4_moe_space
+
+    first = mod.warm_configs([1, 16, 2048])
+    assert all(c in first for m in (1, 16, 2048) for c in mxfp4_moe_space(m))
+    assert all(c in first for c in (*mod.DECODE_FAMILIES.values(), *mod.PREFILL_FAMILIES.values()))
+    assert len(first) == len({tuple(sorted(c.items())) for c in first}) <= 150
+    winners = {1: mxfp4_moe_space(1)[0], 16: mxfp4_moe_space(16)[0], 2048: mxfp4_moe_space(2048)[0]}
+    second = mod.winner_variants(winners, [16, 1, 4, 2048])
+    for m, near in ((16, 16), (1, 1), (4, 1), (2048, 2048)):
+        tuned = {**DEFAULT_CONFIG, **winners[near]}
+        assert tuned in second and all(c in second for c in mod.relative_variants(m, tuned).values())
+    assert len(second) == len({tuple(sorted(c.items())) for c in second})
+    assert mod.winner_variants({}, [1]) == []

@@ -16,10 +16,11 @@ from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
 from loraplex.kernels.mxfp4 import (dequantize_mxfp4, is_kernel_layout, kernel_k, prepare_for_kernel,
                                     quantize_mxfp4, restore_from_kernel)
-from loraplex.kernels.mxfp4_dequant import BF16_FOLD, decode_kernel_tile, kernel_tile_ptrs, load_kernel_tile
+from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, decode_kernel_tile, kernel_tile_ptrs, load_kernel_tile,
+                                            row_groups)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))  # (sign, e1, e0, m), docstring's table
+CODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (13, 11, 10, 14))  # (sign, e1, e0, m), docstring's table
 
 
 def _random_format(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +92,13 @@ def test_bad_layout_input_is_refused():
 def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                    DTYPE: tl.constexpr):
     atoms = (K + 63) // 64
-    w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr, s_ptr.to(tl.pointer_type(tl.int32)), tl.program_id(0) * (BLOCK_N // 16),
-                                      N // 16, atoms, BLOCK_N, BLOCK_K)
+    w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr, s_ptr.to(tl.pointer_type(tl.int32)),
+                                      row_groups(tl.program_id(0) * (BLOCK_N // 16), N // 16, BLOCK_N // 16), atoms,
+                                      BLOCK_K)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        words, scales = load_kernel_tile(w_ptrs, s_ptrs, k0 // 64, atoms, EVEN_K, BLOCK_K)
+        words, scales = load_kernel_tile(w_ptrs, s_ptrs, k0 // 64, atoms, not EVEN_K, BLOCK_K)
         tile = decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, DTYPE, 0).to(tl.float32)
         tl.store(out_ptr + rows[:, None] * K + (k0 + k)[None, :], tile,
                  mask=(rows < N)[:, None] & (k0 + k < K)[None, :])
@@ -132,6 +134,16 @@ CONFIGS = {
                              "DECODE": "bits", "num_warps": 4, "num_stages": 1},
     "direct 16x64x128": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 2, "SPLIT_K": 2, "DIRECT": 1,
                          "num_warps": 4, "num_stages": 1},
+    "8x64x64 gate_up split3": {"BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 2,
+                               "GU_SPLIT_K": 3, "PDL": 1, "num_warps": 4, "num_stages": 3},
+    "fused 16x64x64 prefetch": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "GU_FUSED": 1,
+                                "PREFETCH": 1, "num_warps": 4, "num_stages": 1},
+    "fused 8x32x128 split2 bits": {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "GU_FUSED": 1,
+                                   "GU_SPLIT_K": 2, "SPLIT_K": 2, "DECODE": "bits", "num_warps": 2,
+                                   "num_stages": 2},
+    "direct prefetch 8x128x64 split3": {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "DIRECT": 1,
+                                        "PREFETCH": 1, "GU_SPLIT_K": 3, "SPLIT_K": 3, "num_warps": 1,
+                                        "num_stages": 1},
 }
 
 
@@ -155,6 +167,10 @@ def _moe(num_tokens: int, top_k: int, with_bias: bool, dtype=torch.float32):
     (33, 4, "swiglu_clamp", True, "16x128x128 split2"),
     (7, 4, "silu", True, "32x32x64 split3 bits"),
     (2, 4, "swiglu_clamp", True, "direct 16x64x128"),
+    (33, 4, "swiglu_clamp", True, "8x64x64 gate_up split3"),
+    (9, 2, "silu", True, "fused 16x64x64 prefetch"),
+    (33, 4, "swiglu_clamp", False, "fused 8x32x128 split2 bits"),
+    (1, 4, "swiglu_clamp", True, "direct prefetch 8x128x64 split3"),
 ])
 def test_fused_moe_mxfp4_kernel_layout_matches_reference(num_tokens, top_k, activation, with_bias, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, with_bias)
@@ -195,8 +211,8 @@ LORA_CFG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2, "GROUP_M"
             "num_stages": 1}
 
 
-@pytest.mark.parametrize("num_tokens", [1, 33])
-def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens):
+@pytest.mark.parametrize("num_tokens,config", [(1, "16x128x128 split2"), (33, "fused 8x32x128 split2 bits")])
+def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config):
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, 4, True)
@@ -207,7 +223,7 @@ def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens):
     kw = dict(w13_lora=lora[0], w2_lora=lora[1], activation="swiglu_clamp", b13=b13, b2=b2)
     w13, s13, w2, s2 = kernel
     got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13, w2_scale=s2,
-                           config=CONFIGS["16x128x128 split2"], lora_config_override=LORA_CFG, **kw)
+                           config=CONFIGS[config], lora_config_override=LORA_CFG, **kw)
     want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, scaling, w13_scale=plain[1],
                                 w2_scale=plain[3], **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -225,34 +241,45 @@ TYPES = {"w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": 
          "num_post_ptr": "*i32"}
 DIV16 = ("stride_xt", "stride_ht", "stride_we", "stride_se", "stride_be", "stride_ot", "stride_os", "N", "K")
 
-def build(kernel, consts, warps):
+def build(kernel, consts, warps, stages):
+    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
     sig = {n: "constexpr" if n in consts else TYPES.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n in ("alpha", "limit") else "i32" for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.arg_names
              if n not in consts and (n.endswith("_ptr") or n in DIV16)}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
                     attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3)).asm["ptx"]
-    return {"wgmma": "wgmma.mma_async" in ptx, "mul_bf16x2": "mul.rn.bf16x2" in ptx}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
+    return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "shfl": "shfl.sync" in ptx,
+            "asm": "fma.rn.bf16x2" in ptx, "pdl": "griddepcontrol.wait" in ptx}
 
 out = []
-for decode, even_k, split, direct in ((2, True, 1, False), (1, False, 2, True)):
-    common = dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=45, EVEN_K=even_k,
-                  DECODE=decode, DIRECT=direct)
-    out.append(build(fm._gate_up_kernel, {**common, "TOP_K": 4, "ACT": 1 if split == 1 else 2}, 4))
-    out.append(build(fm._down_kernel, {**common, "SPLIT_K": split}, 4))
+# (BLOCK_M, DECODE, EVEN_K, SPLIT_K, DIRECT, FUSED, PREFETCH, warps, stages)
+for bm, decode, even_k, split, direct, fused, prefetch, warps, stages in (
+        (16, 2, True, 1, False, False, 0, 4, 3), (16, 1, False, 2, True, False, 0, 4, 3),
+        (8, 2, True, 2, False, False, 0, 2, 3), (16, 2, False, 1, False, True, 1, 4, 1)):
+    common = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=45, EVEN_K=even_k,
+                  DECODE=decode, DIRECT=direct, SPLIT_K=split, FUSED=fused, PREFETCH=prefetch, USE_PDL=bm == 8)
+    out.append(build(fm._gate_up_kernel, {**common, "TOP_K": 4, "ACT": 1 if split == 1 else 2}, warps, stages))
+    out.append(build(fm._down_kernel, common, warps, stages))
 print("RESULT " + json.dumps(out))
 '''
 
 
-def test_kernel_layout_gemms_build_for_sm90_with_register_operand_wgmma():
+def test_kernel_layout_gemms_build_for_sm90():
     """The kernel-layout GEMMs compile for sm_90 (both decodes, K tail, split-K, both gate_up epilogues, with and
-    without the alignment tables) to Hopper wgmma, with the inline-PTX bf16x2 multiply where DECODE is "asm" (2)."""
+    without the alignment tables, gate/up in one product, register prefetch, PDL): to register-operand wgmma at 4
+    warps and to mma.sync at 2, both times with the decoded fragment taken as it is (no lane shuffles), with the
+    inline-PTX bf16x2 scale multiply where DECODE is "asm" (2) and the grid-dependency wait where PDL is on."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     got = json.loads(lines[0][len("RESULT "):])
-    assert [b["wgmma"] for b in got] == [True] * 4
-    assert [b["mul_bf16x2"] for b in got] == [True, True, False, False]
+    assert [b["wgmma"] for b in got] == [True] * 4 + [False] * 2 + [True] * 2
+    assert [b["mma_sync"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
+    assert [b["asm"] for b in got] == [True, True, False, False, True, True, True, True]
+    assert not any(b["shfl"] for b in got)
+    assert [b["pdl"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
