@@ -40,15 +40,9 @@ def register(subparsers) -> None:
             from loraplex.commands.db import run
 
             run("upgrade", "head")
-        from loraplex.engine.server.keep_alive import keep_alive_seconds
-
-        try:
-            keep_alive_s = keep_alive_seconds()   # above the load balancer's idle timeout (docs/deploy.md)
-        except ValueError as e:
-            print(f"loraplex serve: error: {e}", file=sys.stderr)
-            return 2
+        # LORAPLEX_KEEP_ALIVE_S: above the idle timeout of the load balancer in front (docs/deploy.md)
         uvicorn.run("loraplex.platform.main:create_app", factory=True, host=args.host, port=args.port,
-                    log_level="info", log_config=log_config(), timeout_keep_alive=keep_alive_s)
+                    log_level="info", log_config=log_config(), timeout_keep_alive=get_settings().keep_alive_s)
         return 0
 
     p.set_defaults(func=_main)

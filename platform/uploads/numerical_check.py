@@ -33,7 +33,8 @@ import torch
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.lora.format import AdapterSpec, SafetensorsHeader
 from loraplex.platform.uploads.errors import UploadError
-from loraplex.platform.uploads.peft_reference import PeftModule, gate_up_columns, peft_delta, peft_modules
+from loraplex.platform.uploads.peft_reference import (PeftModule, gate_up_columns, peft_delta, peft_modules,
+                                                       read_tensor)
 
 logger = logging.getLogger(__name__)
 RTOL = 1e-3             # float32 conversion vs a float64 reference: errors are ~1e-6; any layout bug is ~1
@@ -55,8 +56,6 @@ def check_conversion(weights_path: str, config: dict[str, Any], header: Safetens
                      model: ModelConfig, *, seed: int | None = None) -> CheckReport:
     """Compares the engine's converted weights of every module with PEFT's; ``seed`` for the random inputs
     (default: from the file's header, so a given adapter always gets the same inputs)."""
-    from safetensors import safe_open
-
     from loraplex.engine.lora.weights import converted_modules
 
     start = time.perf_counter()
@@ -70,12 +69,16 @@ def check_conversion(weights_path: str, config: dict[str, Any], header: Safetens
         seed = int.from_bytes(hashlib.blake2b(repr(sorted(header.tensors)).encode(), digest_size=4).digest(), "big")
     gen = torch.Generator().manual_seed(seed)
     worst, comparisons, served = 0.0, 0, set()
-    with safe_open(weights_path, framework="pt", device="cpu") as f:
+    def read(name: str) -> torch.Tensor:
+        t = header.tensors[name]
+        return read_tensor(f, t.dtype, t.shape, t.begin, t.end)
+
+    with open(weights_path, "rb") as f:
         for mod, tensors in converted_modules(weights_path, spec, model, dtype=torch.float32):
             where = (mod.layer, mod.target)
             served.add(where)
             ref = reference.get(where)
-            raw = (f.get_tensor(ref.lora_a), f.get_tensor(ref.lora_b)) if ref is not None else None
+            raw = (read(ref.lora_a), read(ref.lora_b)) if ref is not None else None
             for expert, engine_out, peft_out in _deltas(mod.target, mod.in_features, tensors, spec.rank, ref, raw,
                                                          model, gen):
                 worst = max(worst, _compare(where, expert, engine_out, peft_out, ref))
@@ -83,7 +86,7 @@ def check_conversion(weights_path: str, config: dict[str, Any], header: Safetens
         for where, ref in sorted(reference.items()):
             if where in served or not ref.applied:
                 continue
-            a, b = f.get_tensor(ref.lora_a), f.get_tensor(ref.lora_b)
+            a, b = read(ref.lora_a), read(ref.lora_b)
             experts = range(ref.num_experts) if ref.num_experts else (None,)
             for expert in experts:
                 x = torch.randn(TOKENS_PER_EXPERT, a.shape[-1], generator=gen)

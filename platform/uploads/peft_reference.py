@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -188,6 +188,21 @@ def _expert_pair(cfg, model, module_key, layer, ab, a_shape, b_shape) -> PeftMod
                          f"(r={r} x {e} experts)")
     return PeftModule(key=key, layer=layer, target=target, lora_a=ab["A"], lora_b=ab["B"], rank=r,
                       scaling=cfg.scaling(r, alpha), num_experts=e, applied=not why, why=why)
+
+
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_tensor(f: BinaryIO, dtype: str, shape: tuple[int, ...], begin: int, end: int) -> torch.Tensor:
+    """One tensor read from an open safetensors file by its absolute byte range (no memory map: only these bytes
+    are ever resident)."""
+    f.seek(begin)
+    data = bytearray(f.read(end - begin))
+    if len(data) != end - begin:
+        raise ValueError(f"the file ends inside a tensor (bytes {begin}-{end})")
+    if not data:
+        return torch.zeros(shape, dtype=_TORCH_DTYPES[dtype])
+    return torch.frombuffer(data, dtype=_TORCH_DTYPES[dtype]).reshape(shape)
 
 
 def peft_delta(module: PeftModule, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor,
