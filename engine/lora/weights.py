@@ -129,5 +129,4 @@ def _convert(mod: LoraModule, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig
     return LoraTensors(lora_a=a.to(dtype).contiguous(), lora_b=b.to(dtype).contiguous())
 
 
-__all__ = ["AdapterWeights", "LoraTensors", "load_adapter_weights", "converted_modules", "CONFIG_FILE",
-           "WEIGHTS_FILE"]
+__all__ = ["AdapterWeights", "LoraTensors", "load_adapter_weights", "CONFIG_FILE", "WEIGHTS_FILE"]

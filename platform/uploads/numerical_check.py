@@ -39,7 +39,7 @@ from loraplex.platform.uploads.peft_reference import (PeftModule, gate_up_column
 logger = logging.getLogger(__name__)
 RTOL = 1e-3             # float32 conversion vs a float64 reference: errors are ~1e-6; any layout bug is ~1
 TOKENS_PER_MODULE = 4   # random inputs per plain module
-TOKENS_PER_EXPERT = 2   # random inputs per expert of a fused-expert target
+TOKENS_PER_EXPERT = 1   # random inputs per expert of a fused-expert target (one random vector probes the whole map)
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,10 @@ def check_conversion(weights_path: str, config: dict[str, Any], header: Safetens
             if where in served or not ref.applied:
                 continue
             a, b = read(ref.lora_a), read(ref.lora_b)
-            experts = range(ref.num_experts) if ref.num_experts else (None,)
-            for expert in experts:
-                x = torch.randn(TOKENS_PER_EXPERT, a.shape[-1], generator=gen)
-                peft_out = peft_delta(ref, a, b, x, expert)
-                _compare(where, expert, torch.zeros_like(peft_out), peft_out, ref)
+            shape = (ref.num_experts, TOKENS_PER_EXPERT) if ref.num_experts else (TOKENS_PER_MODULE,)
+            peft_out = peft_delta(ref, a, b, torch.randn(*shape, a.shape[-1], generator=gen))
+            for expert, rows in (enumerate(peft_out) if ref.num_experts else ((None, peft_out),)):
+                _compare(where, expert, torch.zeros_like(rows), rows, ref)
                 comparisons += 1
     report = CheckReport(modules=len(served | set(reference)), comparisons=comparisons, worst_relative_error=worst,
                          seconds=time.perf_counter() - start)
@@ -107,35 +106,35 @@ def _deltas(target: str, fan_in: int, tensors, max_rank: int, ref: PeftModule | 
 
     a, b = tensors.lora_a, tensors.lora_b
     pad = max_rank - a.shape[-2]
-    if a.dim() == 2:                                                  # plain: [r, K] / [N, r]
+    if pad:   # zero-padded to the adapter's largest rank, as a slot of the stacked layout holds it
+        a, b = torch.nn.functional.pad(a, (0, 0, 0, pad)), torch.nn.functional.pad(b, (0, pad))
+    if a.dim() == 2:                                                  # plain: [R, K] / [N, R]
         x = torch.randn(TOKENS_PER_MODULE, fan_in, generator=gen)
-        lora_a = torch.nn.functional.pad(a, (0, 0, 0, pad))[None, None]    # [S=1, L=1, R, K]
-        lora_b = torch.nn.functional.pad(b, (0, pad))[None]               # [L=1, N, R]
         y = torch.zeros(x.shape[0], b.shape[0])
-        lora_shrink_expand(y, x, lora_a, lora_b, torch.zeros(x.shape[0], dtype=torch.int32), torch.ones(1),
-                           (b.shape[0],))
-        yield None, y, _peft_rows(ref, raw, x, None, target, b.shape[0], model)
+        lora_shrink_expand(y, x, a[None, None], b[None], torch.zeros(x.shape[0], dtype=torch.int32),
+                           torch.ones(1), (b.shape[0],))                # lora_a [S=1, L=1, R, K], lora_b [L=1, N, R]
+        yield None, y, _peft_rows(ref, raw, x, target, b.shape[0], model)
         return
-    num_experts = a.shape[0]                                          # experts: [E, r, K] / [E, N, r]
-    x = torch.randn(num_experts * TOKENS_PER_EXPERT, fan_in, generator=gen)
+    num_experts = a.shape[0]                                          # experts: [E, R, K] / [E, N, R]
+    x = torch.randn(num_experts, TOKENS_PER_EXPERT, fan_in, generator=gen)
+    flat = x.reshape(-1, fan_in)
     topk_ids = torch.arange(num_experts).repeat_interleave(TOKENS_PER_EXPERT)[:, None]    # [T, A=1]
-    lora_a = torch.nn.functional.pad(a, (0, 0, 0, pad))[None]         # [L=1, E, R, K]
-    lora_b = torch.nn.functional.pad(b, (0, pad))[None]               # [L=1, E, N, R]
-    y = torch.zeros(x.shape[0], b.shape[1])
-    fused_moe_lora(y, x, lora_a, lora_b, topk_ids, torch.zeros(x.shape[0], dtype=torch.int32), torch.ones(1))
+    y = torch.zeros(flat.shape[0], b.shape[1])
+    fused_moe_lora(y, flat, a[None], b[None], topk_ids, torch.zeros(flat.shape[0], dtype=torch.int32),
+                   torch.ones(1))                                     # lora_a [L=1, E, R, K], lora_b [L=1, E, N, R]
+    peft_out = _peft_rows(ref, raw, x, target, b.shape[1], model)     # [E, T, N]
     for e in range(num_experts):
-        rows = slice(e * TOKENS_PER_EXPERT, (e + 1) * TOKENS_PER_EXPERT)
-        yield e, y[rows], _peft_rows(ref, raw, x[rows], e, target, b.shape[1], model)
+        yield e, y[e * TOKENS_PER_EXPERT:(e + 1) * TOKENS_PER_EXPERT], peft_out[e]
 
 
-def _peft_rows(ref: PeftModule | None, raw, x: torch.Tensor, expert: int | None, target: str, width: int,
+def _peft_rows(ref: PeftModule | None, raw, x: torch.Tensor, target: str, width: int,
                model: ModelConfig) -> torch.Tensor:
     if ref is None:   # the engine serves a module PEFT has no tensors for: PEFT adds nothing there
-        return torch.zeros(x.shape[0], width, dtype=torch.float64)
-    out = peft_delta(ref, raw[0], raw[1], x, expert)
+        return torch.zeros(*x.shape[:-1], width, dtype=torch.float64)
+    out = peft_delta(ref, raw[0], raw[1], x)
     if target == "mlp.experts.gate_up_proj" and ref.applied:
-        gate, up = gate_up_columns(model.family, out.shape[1])
-        out = out[:, torch.cat((gate, up))]     # the engine's [gate; up] rows
+        gate, up = gate_up_columns(model.family, out.shape[-1])
+        out = out[..., torch.cat((gate, up))]     # the engine's [gate; up] rows
     return out
 
 

@@ -10,6 +10,7 @@ PEFT's rules, reads the tensors as stored and computes each module's delta the w
     fused experts (``lora.ParamWrapper`` of ``target_parameters``), expert e:
                   delta_e(x) = scaling * B_e (A_e x),  A_e = A[e*r:(e+1)*r]       A [r*E, in] (expert-major rows)
                                                        B_e = B[:, e::E]           B [out, r*E] (rank-major columns)
+                  (PEFT's ``get_delta_weight``: einsum "o r e, e r i" over A.reshape(E, r, in), B.reshape(out, r, E))
     scaling = alpha / r, or alpha / sqrt(r) with use_rslora; r and alpha after rank_pattern / alpha_pattern:
     the first pattern (file order) matching the module key ``model.layers.3.self_attn.q_proj`` (or the parameter
     key ``model.layers.3.mlp.experts.gate_up_proj``) as ``(.*\\.)?(pattern)`` wins -- PEFT's ``get_pattern_key``.
@@ -205,18 +206,20 @@ def read_tensor(f: BinaryIO, dtype: str, shape: tuple[int, ...], begin: int, end
     return torch.frombuffer(data, dtype=_TORCH_DTYPES[dtype]).reshape(shape)
 
 
-def peft_delta(module: PeftModule, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor,
-               expert: int | None = None) -> torch.Tensor:
-    """What PEFT adds to the module's output for inputs ``x`` [T, in] (float64, [T, out], Hugging Face order);
-    ``expert``: that expert's delta of a fused-expert parameter. A pair PEFT does not apply adds zero."""
+def peft_delta(module: PeftModule, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What PEFT adds to the module's output (float64, Hugging Face column order): a plain module's for inputs
+    ``x`` [T, in] -> [T, out]; a fused-expert parameter's for ``x`` [E, T, in] (inputs per expert) -> [E, T, out].
+    A pair PEFT does not apply adds zero."""
     x = x.double()
     if not module.applied:
-        return torch.zeros(x.shape[0], b.shape[0], dtype=torch.float64)
+        return torch.zeros(*x.shape[:-1], b.shape[0], dtype=torch.float64)
     a, b = a.double(), b.double()
-    if module.num_experts:
-        r, e = module.rank, module.num_experts
-        a, b = a[expert * r:(expert + 1) * r], b[:, expert::e]
-    return module.scaling * ((x @ a.T) @ b.T)
+    if not module.num_experts:
+        return module.scaling * ((x @ a.T) @ b.T)
+    r, e = module.rank, module.num_experts
+    a_e = a.reshape(e, r, a.shape[-1])                                   # A rows e*r + j: expert-major
+    b_e = b.reshape(b.shape[0], r, e).permute(2, 1, 0).contiguous()      # B columns j*E + e: rank-major -> [E, r, out]
+    return module.scaling * torch.bmm(torch.bmm(x, a_e.transpose(1, 2)), b_e)
 
 
 def gate_up_columns(family: str, width: int) -> tuple[torch.Tensor, torch.Tensor]:

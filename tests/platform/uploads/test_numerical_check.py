@@ -123,9 +123,13 @@ def test_reference_equals_peft_layers(family, kw, bases, adapters):
     assert set(expected) == {m.key for m in modules if m.applied}
     assert all(m.applied for m in modules)
     for m in modules:
+        if m.num_experts:
+            x = torch.stack([inputs[m.key, e] for e in range(m.num_experts)])
+            got = dict(enumerate(peft_delta(m, tensors[m.lora_a], tensors[m.lora_b], x)))
+        else:
+            got = {None: peft_delta(m, tensors[m.lora_a], tensors[m.lora_b], inputs[m.key, None])}
         for e, want in expected[m.key].items():
-            got = peft_delta(m, tensors[m.lora_a], tensors[m.lora_b], inputs[m.key, e], e)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"{m.key} expert {e}")
+            torch.testing.assert_close(got[e], want, rtol=1e-4, atol=1e-6, msg=f"{m.key} expert {e}")
             assert want.abs().max() > 0
 
 
