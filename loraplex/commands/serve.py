@@ -40,7 +40,6 @@ def register(subparsers) -> None:
             from loraplex.commands.db import run
 
             run("upgrade", "head")
-        # LORAPLEX_KEEP_ALIVE_S: above the idle timeout of the load balancer in front (docs/deploy.md)
         uvicorn.run("loraplex.platform.main:create_app", factory=True, host=args.host, port=args.port,
                     log_level="info", log_config=log_config(), timeout_keep_alive=get_settings().keep_alive_s)
         return 0
