@@ -5,8 +5,8 @@
 After validation (``validate.py``), every module of the adapter goes through the engine's loader conversion
 (``loraplex.engine.lora.weights.converted_modules``: what ``load_adapter_weights`` gives an engine, scaling folded
 into B, experts un-flattened to [E, r, K] / [E, N, r], GPT-OSS gate/up de-interleaved), is zero-padded to the
-adapter's largest rank in a one-slot stacked layout (lora_a [1, 1, R, K] / [1, E, R, K], lora_b [1, N, R] /
-[1, E, N, R]), and applied by the engine's LoRA ops -- the torch references of ``kernels/reference_lora.py`` that
+adapter's largest rank (rounded up to a multiple of 4) in a one-slot stacked layout (lora_a [1, 1, R, K] /
+[1, E, R, K], lora_b [1, N, R] / [1, E, N, R]), and applied by the engine's LoRA ops -- the torch references of ``kernels/reference_lora.py`` that
 the engine's CPU path runs (``lora_shrink_expand``, ``fused_moe_lora``) -- to a few random inputs per module
 (every expert of an expert target gets its own). The result is compared with PEFT's delta of the same module
 computed from the raw files by ``peft_reference.py`` (a separate implementation of PEFT's rules, float64):
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 RTOL = 1e-3             # float32 conversion vs a float64 reference: errors are ~1e-6; any layout bug is ~1
 TOKENS_PER_MODULE = 4   # random inputs per plain module
 TOKENS_PER_EXPERT = 1   # random inputs per expert of a fused-expert target (one random vector probes the whole map)
+SLOT_RANK_MULTIPLE = 4  # slots' rank padded to a multiple of 4 float32s: the LoRA ops want 16-byte-aligned slots
 
 
 @dataclass(frozen=True)
@@ -105,23 +106,27 @@ def _deltas(target: str, fan_in: int, tensors, max_rank: int, ref: PeftModule | 
     from loraplex.kernels.reference_lora import fused_moe_lora, lora_shrink_expand
 
     a, b = tensors.lora_a, tensors.lora_b
-    pad = max_rank - a.shape[-2]
-    if pad:   # zero-padded to the adapter's largest rank, as a slot of the stacked layout holds it
-        a, b = torch.nn.functional.pad(a, (0, 0, 0, pad)), torch.nn.functional.pad(b, (0, pad))
-    if a.dim() == 2:                                                  # plain: [R, K] / [N, R]
+    r = a.shape[-2]
+    rank = -(-max_rank // SLOT_RANK_MULTIPLE) * SLOT_RANK_MULTIPLE   # zero-padded, as a slot of the stacked layout
+    if a.dim() == 2:                                                  # plain: [r, K] / [N, r]
+        lora_a = torch.zeros(1, 1, rank, fan_in)                      # [S=1, L=1, R, K]
+        lora_b = torch.zeros(1, b.shape[0], rank)                     # [L=1, N, R]
+        lora_a[0, 0, :r], lora_b[0, :, :r] = a, b
         x = torch.randn(TOKENS_PER_MODULE, fan_in, generator=gen)
         y = torch.zeros(x.shape[0], b.shape[0])
-        lora_shrink_expand(y, x, a[None, None], b[None], torch.zeros(x.shape[0], dtype=torch.int32),
-                           torch.ones(1), (b.shape[0],))                # lora_a [S=1, L=1, R, K], lora_b [L=1, N, R]
+        lora_shrink_expand(y, x, lora_a, lora_b, torch.zeros(x.shape[0], dtype=torch.int32), torch.ones(1),
+                           (b.shape[0],))
         yield None, y, _peft_rows(ref, raw, x, target, b.shape[0], model)
         return
-    num_experts = a.shape[0]                                          # experts: [E, R, K] / [E, N, R]
+    num_experts = a.shape[0]                                          # experts: [E, r, K] / [E, N, r]
+    lora_a = torch.zeros(1, num_experts, rank, fan_in)                # [L=1, E, R, K]
+    lora_b = torch.zeros(1, num_experts, b.shape[1], rank)            # [L=1, E, N, R]
+    lora_a[0, :, :r], lora_b[0, :, :, :r] = a, b
     x = torch.randn(num_experts, TOKENS_PER_EXPERT, fan_in, generator=gen)
     flat = x.reshape(-1, fan_in)
     topk_ids = torch.arange(num_experts).repeat_interleave(TOKENS_PER_EXPERT)[:, None]    # [T, A=1]
     y = torch.zeros(flat.shape[0], b.shape[1])
-    fused_moe_lora(y, flat, a[None], b[None], topk_ids, torch.zeros(flat.shape[0], dtype=torch.int32),
-                   torch.ones(1))                                     # lora_a [L=1, E, R, K], lora_b [L=1, E, N, R]
+    fused_moe_lora(y, flat, lora_a, lora_b, topk_ids, torch.zeros(flat.shape[0], dtype=torch.int32), torch.ones(1))
     peft_out = _peft_rows(ref, raw, x, target, b.shape[1], model)     # [E, T, N]
     for e in range(num_experts):
         yield e, y[e * TOKENS_PER_EXPERT:(e + 1) * TOKENS_PER_EXPERT], peft_out[e]
