@@ -90,6 +90,15 @@ def test_workload_identity_annotations_and_azure_pod_label():
         assert "azure.workload.identity/use" not in workload["spec"]["template"]["metadata"]["labels"]
 
 
+def test_production_values_give_the_pods_an_irsa_identity(rendered):
+    r = rendered["production"]
+    (sa,) = r.of_kind("ServiceAccount")
+    assert sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].startswith("arn:aws:iam::")
+    assert {spec["serviceAccountName"] for _, spec in pod_templates(r)} == {sa["metadata"]["name"]}
+    env = env_of(r.one("Deployment", "-platform"))
+    assert "LORAPLEX_S3_ACCESS_KEY_ID" not in env                     # ambient (IRSA) credentials
+
+
 def test_an_existing_service_account_is_used_not_created():
     named = render({"serviceAccount": {"create": False, "name": "team-sa"}})
     assert not named.of_kind("ServiceAccount")
