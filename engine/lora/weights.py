@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -150,13 +151,20 @@ def load_adapter_weights(folder: str | os.PathLike, model_config: ModelConfig, *
         config = parse_adapter_config(f.read(), max_rank=max_rank)
     header = read_safetensors_header(st_path)
     spec = check_adapter(config, header, model_config, max_rank=max_rank, base_model_name=base_model_name)
-    modules: dict[tuple[int, str], LoraTensors] = {}
-    for mod in spec.modules:
-        a, b = _read_pair(st_path, mod)
-        modules[(mod.layer, mod.target)] = _convert(mod, a, b, model_config, dtype)
+    modules = {(mod.layer, mod.target): t for mod, t in converted_modules(st_path, spec, model_config, dtype=dtype)}
     nbytes = sum(t.lora_a.nbytes + t.lora_b.nbytes for t in modules.values())
     return AdapterWeights(adapter_id=adapter_id or os.path.basename(folder.rstrip("/")), rank=spec.rank,
                           nbytes=nbytes, spec=spec, modules=modules).pack()
+
+
+def converted_modules(weights_path: str | os.PathLike, spec: AdapterSpec, model_config: ModelConfig, *,
+                      dtype: torch.dtype) -> Iterator[tuple[LoraModule, LoraTensors]]:
+    """The conversion ``load_adapter_weights`` makes, one module of ``spec`` at a time (memory bounded by the
+    largest module): the platform's upload-time numerical check runs exactly this on each upload."""
+    path = os.fspath(weights_path)
+    for mod in spec.modules:
+        a, b = _read_pair(path, mod)
+        yield mod, _convert(mod, a, b, model_config, dtype)
 
 
 def _read_pair(path: str, mod: LoraModule) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,13 +21,28 @@ gauges (the same numbers, polled by the platform and labelled ``replica``): a Pr
     loraplex_engine_server_tenant_weight{tenant}            the tenant's scheduling weight ("vtc")
     loraplex_engine_server_tenant_counter_lead{tenant}      its virtual token counter minus the smallest active one
 
+With ``LORAPLEX_ENGINE_VLLM_METRICS=1`` the scrape also carries the names the Kubernetes Gateway API Inference
+Extension's endpoint picker reads from vLLM (its model-server protocol), labelled ``model_name``:
+
+    vllm:num_requests_waiting      requests held, not running (queue_length)
+    vllm:num_requests_running      requests running
+    vllm:kv_cache_usage_perc       fraction of KV blocks in use, 0-1 (also as vllm:gpu_cache_usage_perc, the older name)
+    vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}   the scrape's Unix time
+                                   (adapter ids in GPU slots / being loaded, comma-separated; LoRA engines only)
+
+Off by default: the adapter lists are label values, so every change of residency starts a new series.
+
 Tenant labels are bounded: the ``TENANT_STATS_LIMIT`` tenants holding the most sequences keep their id, the rest
 are summed under ``tenant="_other"``; a request without a tenant counts under ``tenant="_none"``. Idle tenants
 leave the exposition, so the label values of one scrape are at most ``TENANT_STATS_LIMIT + 1``.
 """
 from __future__ import annotations
 
+import os
+import time
+
 PREFIX = "loraplex_engine_server"
+VLLM_METRICS_ENV = "LORAPLEX_ENGINE_VLLM_METRICS"
 TIERS = ("gpu", "cpu", "disk")
 TENANT_STATES = ("running", "waiting", "swapped")
 OTHER_TENANTS, NO_TENANT = "_other", "_none"  # tenant ids start with [A-Za-z0-9]: never one of these
@@ -60,8 +75,8 @@ class _StatsCollector:
     """A custom collector over one stats snapshot (values are read as they are: the engine's counters are already
     cumulative since it started)."""
 
-    def __init__(self, stats: dict, model: str) -> None:
-        self.stats, self.model = stats, model
+    def __init__(self, stats: dict, model: str, vllm_names: bool = False) -> None:
+        self.stats, self.model, self.vllm_names = stats, model, vllm_names
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -93,6 +108,29 @@ class _StatsCollector:
                 events.add_metric([event], float(value))
         yield events
         yield from self._tenants(s)
+        if self.vllm_names:
+            yield from self._vllm(s)
+
+    def _vllm(self, s: dict):
+        """The vLLM-compatible names of the Inference Extension's model-server protocol (module docstring)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        for name, value, doc in (
+                ("vllm:num_requests_waiting", s.get("queue_length", 0), "Requests held by the engine, not running"),
+                ("vllm:num_requests_running", s.get("requests_running", 0), "Requests running"),
+                ("vllm:kv_cache_usage_perc", s.get("kv_usage", 0.0), "Fraction of KV cache blocks in use (0-1)"),
+                ("vllm:gpu_cache_usage_perc", s.get("kv_usage", 0.0), "Fraction of KV cache blocks in use (0-1)")):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], float(value or 0.0))
+            yield family
+        if s.get("lora_enabled"):
+            adapters = s.get("adapters", {})
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Adapters in GPU slots and being loaded; the value is "
+                                     "the scrape's Unix time", labels=["max_lora", "running_lora_adapters",
+                                                                       "waiting_lora_adapters"])
+            info.add_metric([str(adapters.get("max_loras") or 0), ",".join(adapters.get("gpu", [])),
+                             ",".join(adapters.get("loading", []))], time.time())
+            yield info
 
     def _tenants(self, s: dict):
         from prometheus_client.core import GaugeMetricFamily
@@ -120,12 +158,15 @@ class _StatsCollector:
         yield lead
 
 
-def render_metrics(stats: dict, *, model: str) -> bytes:
-    """Prometheus text (0.0.4) of one ``engine_stats`` dict; ``model`` goes to the ``_info`` metric."""
+def render_metrics(stats: dict, *, model: str, vllm_names: bool | None = None) -> bytes:
+    """Prometheus text (0.0.4) of one ``engine_stats`` dict; ``model`` goes to the ``_info`` metric.
+    ``vllm_names``: add the Inference Extension's vLLM names (default: ``LORAPLEX_ENGINE_VLLM_METRICS`` is 1/true)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
+    if vllm_names is None:
+        vllm_names = os.environ.get(VLLM_METRICS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(stats, model))
+    registry.register(_StatsCollector(stats, model, vllm_names))
     return generate_latest(registry)
 
 

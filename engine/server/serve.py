@@ -8,6 +8,7 @@ import threading
 from typing import Any, Callable
 
 from loraplex.engine.server.app import ServiceHolder, create_app
+from loraplex.engine.server.keep_alive import keep_alive_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,21 @@ def start_loading(holder: ServiceHolder, make_service: Callable[[], Any]) -> thr
 
 
 def serve(make_service: Callable[[], Any], *, host: str = "127.0.0.1", port: int = 8100,
-          log_level: str = "info") -> None:
-    """Serve until interrupted. ``make_service`` runs on a background thread after the port is open."""
+          log_level: str = "info", keep_alive_s: float | None = None) -> None:
+    """Serve until interrupted. ``make_service`` runs on a background thread after the port is open.
+    ``keep_alive_s``: seconds an idle keep-alive connection stays open (default ``LORAPLEX_KEEP_ALIVE_S``, 75:
+    ``keep_alive.py``)."""
     import uvicorn
 
+    if keep_alive_s is None:
+        try:
+            keep_alive_s = keep_alive_seconds()
+        except ValueError as e:   # one line, no traceback, before the port opens
+            raise SystemExit(f"loraplex engine serve: error: {e}") from None
     holder = ServiceHolder()
     app = create_app(holder)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_keep_alive=keep_alive_s)
     server = uvicorn.Server(config)
     start_loading(holder, make_service)
     server.run()

@@ -59,7 +59,7 @@ def register(subparsers) -> None:
             print(f"loraplex serve: error: {problem}", file=sys.stderr)
             return 2
         uvicorn.run("loraplex.platform.main:create_app", factory=True, host=args.host, port=args.port,
-                    log_level="info", log_config=log_config())
+                    log_level="info", log_config=log_config(), timeout_keep_alive=get_settings().keep_alive_s)
         return 0
 
     p.set_defaults(func=_main)

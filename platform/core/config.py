@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     residency_poll_s: float = Field(default=2.0, gt=0)  # how often replicas' resident adapters are polled
     engine_limits_poll_s: float = Field(default=30.0, gt=0)  # how often engines' serving limits are re-read
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)  # inference request body cap (413 above)
+    # seconds an idle HTTP keep-alive connection stays open; above the load balancer's / client pool's idle timeout
+    keep_alive_s: float = Field(default=75.0, gt=0, le=3600)
     auth_cache_s: float = Field(default=1.0, ge=0)  # API key / adapter lookups are cached this long (0: off)
     adapter_dir: str | None = None  # local blob store: PEFT folders materialised for engines (<DATA_DIR>/peft)
 

@@ -14,6 +14,7 @@ from loraplex.platform.engines.limits import EngineLimits, unservable
 from loraplex.platform.uploads.archive import WANTED, extract_peft_files, is_archive
 from loraplex.platform.uploads.errors import UploadError
 from loraplex.platform.uploads.intake import SpooledForm
+from loraplex.platform.uploads.numerical_check import check_conversion
 from loraplex.platform.uploads.scan import hash_and_scan
 
 CONFIG, WEIGHTS = WANTED
@@ -62,8 +63,9 @@ def peft_files(form: SpooledForm, work_dir: str, settings: Settings) -> tuple[st
 def validate_adapter(config_path: str, weights_path: str, *, settings: Settings, model: ModelConfig,
                      limits: EngineLimits | None = None) -> ValidatedAdapter:
     """Config, header against the base model and the engines' serving ``limits`` (the deployment's, learnt from
-    the engines; None: the settings' alone), then a full NaN/Inf scan and sha256 of the weights. CPU-bound:
-    the route runs it in a worker thread."""
+    the engines; None: the settings' alone), a full NaN/Inf scan and sha256 of the weights, then the numerical
+    check of the engine's conversion against PEFT (``numerical_check.py``). CPU-bound: the route runs it in a
+    worker thread."""
     max_rank = settings.max_rank if limits is None else max(1, min(settings.max_rank, limits.max_lora_rank))
     try:
         if os.path.getsize(config_path) > MAX_CONFIG_BYTES:
@@ -82,7 +84,9 @@ def validate_adapter(config_path: str, weights_path: str, *, settings: Settings,
             raise UploadError(413 if code == "too_large" else 422, f"no engine of this deployment can serve this "
                               f"adapter: {reason}", code=code)
         sha256 = hash_and_scan(weights_path, header)
+        parsed = json.loads(raw)
+        check_conversion(weights_path, parsed, header, spec, model)
     except AdapterFormatError as e:
         raise UploadError(422, str(e), code=e.code) from None
-    return ValidatedAdapter(weights_path=weights_path, config=json.loads(raw), spec=spec, sha256=sha256,
+    return ValidatedAdapter(weights_path=weights_path, config=parsed, spec=spec, sha256=sha256,
                             size_bytes=header.file_size)

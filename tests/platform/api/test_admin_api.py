@@ -82,5 +82,5 @@ def test_disabled_tenant_is_refused(platform):
 
 def test_health(platform):
     assert platform.client.get("/healthz").json() == {"status": "ok"}
-    assert platform.client.get("/readyz").json() == {"status": "ready"}
+    # /readyz needs a running gateway with a ready engine: tests/platform/api/test_readyz.py
     assert ADMIN_KEY not in platform.client.get("/openapi.json").text

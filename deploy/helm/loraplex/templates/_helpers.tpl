@@ -40,6 +40,23 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* The ServiceAccount every pod runs as. */}}
+{{- define "loraplex.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}{{ default (include "loraplex.fullname" .) .Values.serviceAccount.name }}{{ else }}{{ default "default" .Values.serviceAccount.name }}{{ end }}
+{{- end }}
+
+{{/* Pod labels beyond the selector labels (workload identity). */}}
+{{- define "loraplex.podIdentityLabels" -}}
+{{- if .Values.serviceAccount.azureWorkloadIdentity }}
+azure.workload.identity/use: "true"
+{{- end }}
+{{- end }}
+
+{{/* How many engine URLs the platform gets: every replica the StatefulSet can have. */}}
+{{- define "loraplex.engine.maxReplicas" -}}
+{{- if .Values.engine.autoscaling.enabled }}{{ .Values.engine.autoscaling.maxReplicas }}{{ else }}{{ .Values.engine.replicas }}{{ end }}
+{{- end }}
+
 {{- define "loraplex.platform.fullname" -}}{{ include "loraplex.fullname" . }}-platform{{- end }}
 {{- define "loraplex.engine.fullname" -}}{{ include "loraplex.fullname" . }}-engine{{- end }}
 {{- define "loraplex.dev.fullname" -}}{{ include "loraplex.fullname" . }}-dev{{- end }}
@@ -114,11 +131,12 @@ otherwise from the existingSecret each section names (created by the operator, s
 {{ include "loraplex.env.s3" . }}
 {{- end }}
 
-{{/* http://<release>-engine-<i>.<release>-engine.<ns>.svc.<domain>:<port> for every engine replica, as JSON. */}}
+{{/* http://<release>-engine-<i>.<release>-engine.<ns>.svc.<domain>:<port> for every engine replica the StatefulSet
+can have (engine.replicas, or engine.autoscaling.maxReplicas), as JSON. */}}
 {{- define "loraplex.engineUrls" -}}
 {{- $urls := list }}
 {{- $name := include "loraplex.engine.fullname" . }}
-{{- range $i := until (int .Values.engine.replicas) }}
+{{- range $i := until (int (include "loraplex.engine.maxReplicas" .)) }}
 {{- $urls = append $urls (printf "http://%s-%d.%s.%s.svc.%s:%d" $name $i $name $.Release.Namespace $.Values.clusterDomain (int $.Values.engine.port)) }}
 {{- end }}
 {{- toJson $urls }}
@@ -141,4 +159,36 @@ otherwise from the existingSecret each section names (created by the operator, s
 {{- end }}
 {{- define "loraplex.tuning.path" -}}
 {{- $parts := splitList "/" . }}{{ printf "%s/%s" (index $parts 2) (index $parts 3) }}
+{{- end }}
+
+{{/* HPA behavior of the engines: slow to remove a GPU replica (minutes to load), bounded growth. */}}
+{{- define "loraplex.engine.scalingBehavior" -}}
+{{- $a := .Values.engine.autoscaling -}}
+scaleUp:
+  stabilizationWindowSeconds: 0
+  policies:
+    - type: Pods
+      value: {{ $a.scaleUpReplicasPerMinute }}
+      periodSeconds: 60
+scaleDown:
+  stabilizationWindowSeconds: {{ $a.scaleDownStabilizationSeconds }}
+  policies:
+    - type: Pods
+      value: 1
+      periodSeconds: 300
+{{- end }}
+
+{{/* A PodDisruptionBudget's spec body: call with (dict "pdb" .Values.x.pdb "ctx" $ "component" "x"). */}}
+{{- define "loraplex.pdbSpec" -}}
+{{- if not (kindIs "invalid" .pdb.minAvailable) }}
+minAvailable: {{ .pdb.minAvailable }}
+{{- else }}
+maxUnavailable: {{ .pdb.maxUnavailable }}
+{{- end }}
+{{- with .pdb.unhealthyPodEvictionPolicy }}
+unhealthyPodEvictionPolicy: {{ . }}
+{{- end }}
+selector:
+  matchLabels:
+    {{- include "loraplex.selectorLabels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
 {{- end }}
