@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from loraplex.engine.fairness import check_cost_weight
+from loraplex.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -60,6 +61,8 @@ class EngineConfig:
     # are read. None: on when decode steps replay CUDA graphs; True: also on the eager padded path (any device);
     # False: off
     async_scheduling: bool | None = None
+    # speculative decoding (docs/engine.md, "Speculative decoding"): None = off; a SpeculativeConfig or its dict
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -109,6 +112,10 @@ class EngineConfig:
         if self.async_scheduling and tp > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (tensor-parallel steps run eagerly, "
                              "rank by rank); leave it unset or False")
+        self.speculative = SpeculativeConfig.from_value(self.speculative)
+        if self.speculative is not None and tp > 1:
+            raise ValueError("speculative decoding needs tensor_parallel_size 1 (the verify step is not shipped to "
+                             "tensor-parallel workers yet); leave speculative unset")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
                              "adapter in a GPU slot passes through the CPU tier; raise max_cpu_loras")
