@@ -163,6 +163,8 @@ class SpecDecoder:
         if self.proposer.needs_hidden_states:
             keep = {s.seq.seq_id for s in out.scheduled if self._may_speculate(s.seq, request_of)}
         result, outcomes, hidden = self.executor.execute(out, sampling, lora_slots, self._proposals, structured, keep)
+        # a sequence aborted during the step (e.g. from a logits hook) appends nothing
+        outcomes = [o for o in outcomes if self._drafted[o.seq_id].status is SequenceStatus.RUNNING]
         if outcomes:
             self.stats.verify_steps += 1
             self.stats.verify_s += time.perf_counter() - t0
