@@ -582,6 +582,9 @@ class LLMEngine:
         self._requests.pop(request_id, None)
         if self.structured is not None:
             self.structured.remove(request_id)
+        if self.spec is not None:
+            for seq in state.group.seqs:
+                self.spec.release(seq.seq_id)
         out = self._make_output(state, True, time.monotonic())
         out.finish_reason, out.error, out.error_retryable, out.error_type = "error", error, retryable, error_type
         for c in out.outputs:

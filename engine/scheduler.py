@@ -50,6 +50,12 @@ A request with ``num_sequences > 1`` enters as one sequence. At its first sample
 
 Chunked prefill is nothing but scheduling fewer tokens than ``num_tokens - num_computed_tokens``.
 
+Speculative decoding (engine/spec_decode/): a decode whose sequence carries drafts (``spec_token_ids``) is scheduled
+with 1 + k tokens, k cut to the budget and dropped altogether when the pool lacks their blocks (speculation never
+preempts). ``update`` appends the accepted drafts and the target's token with the stop checks after each, counts
+their K/V as computed (accepted tokens only, so only they reach the prefix cache) and releases the trailing blocks
+that held rejected drafts (``KVCacheManager.trim``); each appended token is charged to the tenant once.
+
 Overlapped decode steps (engine/step_pipeline.py): ``update_launched`` gives each sequence of a launched step a
 pending token (counted, value on the device), so ``schedule()`` plans the next step before the values arrive;
 a sequence whose pending token reaches ``max_tokens`` / ``max_model_len`` is not scheduled again (it finishes

@@ -31,7 +31,14 @@ def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: 
                 max_loras=max(1, cfg.num_adapters), max_lora_rank=cfg.rank, max_cpu_loras=max(16, cfg.num_adapters),
                 adapter_cache_dir=os.path.join(work_dir, "adapter-cache"),
                 tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
-                async_scheduling=cfg.async_scheduling, quantization=quantization)
+                async_scheduling=cfg.async_scheduling, quantization=quantization,
+                speculative=_speculative(cfg))
+
+
+def _speculative(cfg) -> dict | None:
+    from loraplex.bench.speculative import speculative_config
+
+    return speculative_config(cfg)
 
 
 def engine_info(engine) -> dict:

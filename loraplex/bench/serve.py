@@ -67,6 +67,12 @@ class ServeBenchConfig:
     warmup: bool = True
     stagger_s: float = 0.0                # client k starts k * stagger_s seconds in (0: all at once)
     profile_steps: int = 0                # > 0: profile this many decode steps per scenario kind (first phase)
+    # speculative decoding (loraplex/bench/speculative.py): ngram | draft | replay (recorded outputs at a set rate)
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    speculative_draft_model: str | None = None
+    speculative_acceptance_length: float | None = None  # replay: mean tokens per verification (sets the rate)
+    speculative_verify_cuda_graphs: bool = False
     scenario_time_s: float | None = None  # no new request starts after this many seconds of a scenario
     total_time_s: float | None = None     # hard stop for the whole run (running requests aborted)
     out_dir: str | None = None
@@ -101,6 +107,9 @@ class ServeBenchConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        from loraplex.bench.speculative import speculative_config
+
+        speculative_config(self)  # bad speculative flags: ValueError now
 
 
 def environment(device: torch.device) -> dict:
@@ -251,6 +260,13 @@ class _Run:
         self._sync()
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        from loraplex.bench import speculative
+
+        replayed = (speculative.record_for_replay(self, name, plan, cfg.concurrency, cfg.output_len, deadline)
+                    if cfg.speculative_method == "replay" else None)
+        if replayed is not None:
+            name += " [replayed proposals]"
+        spec0 = speculative.snapshot(self.engine)
         graphs = self.engine.runner.decode_graphs
         graph_steps0 = graphs.num_steps if graphs is not None else None
         counters: dict = {}
@@ -281,7 +297,9 @@ class _Run:
                                 "engine_steps": counters.get("steps", 0),
                                 # decode steps served by the padded static-buffer path (graph replays on CUDA)
                                 "graph_steps": (graphs.num_steps - graph_steps0) if graph_steps0 is not None
-                                else None})
+                                else None,
+                                "speculative": speculative.delta(spec0, speculative.snapshot(self.engine)),
+                                "no_speculation": replayed})
 
 
 def _ratios(scenarios: list[dict], hf: list[dict]) -> dict:

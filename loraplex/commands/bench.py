@@ -13,6 +13,8 @@ one engine. Method, targets and current figures: docs/performance.md.
     loraplex bench serve --quantization mxfp4 --out $OUT          # MXFP4 experts only (GPT-OSS's native format)
     loraplex bench serve --hf-only --hf-output-len 32            # the HF transformers (+ PEFT) baseline only
     loraplex bench combine --out $OUT a/bench_serve.json b/bench_serve.json   # one table of several runs
+    loraplex bench serve --speculative-method replay --num-speculative-tokens 3 --speculative-acceptance-length 2.5
+                                                   # replayed proposals at a set acceptance (real propose/verify cost)
 
 Reports per-request output tokens/s, TTFT p50/p99, TPOT, total throughput and peak memory for the base model
 alone and with the adapters (same engine, same run), optionally with INT8 experts and HF transformers + PEFT.
@@ -75,6 +77,7 @@ def register(subparsers) -> None:
                         "mixed with the decodes; torch profiler + cProfile; profile_*.txt in --out)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
                    help="engine log level (start-up: KV pool, CUDA graph capture, tensor-parallel workers)")
+    _speculative_flags(s)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=None, help="folder for bench_serve.json / bench_serve.md")
     s.add_argument("--work-dir", default=None,
@@ -85,6 +88,20 @@ def register(subparsers) -> None:
     c.add_argument("reports", nargs="+", help="bench_serve.json files; LABEL=PATH names a run (default: folder)")
     c.add_argument("--out", default=None, help="folder for bench_combined.json / bench_combined.md")
     c.set_defaults(func=run_combine)
+
+
+def _speculative_flags(s) -> None:
+    g = s.add_argument_group("speculative decoding (loraplex/bench/speculative.py)")
+    g.add_argument("--speculative-method", choices=("ngram", "draft", "replay"), default=None,
+                   help="replay: each scenario first runs without speculation (recorded), then replays those outputs "
+                        "at the set acceptance: the real cost of proposing and verifying, labelled as replayed")
+    g.add_argument("--num-speculative-tokens", type=int, default=3, help="k: drafts per sequence per step")
+    g.add_argument("--speculative-draft-model", default=None, help="draft: folder with the draft's config.json "
+                                                                    "(dummy weights, as the target's)")
+    g.add_argument("--speculative-acceptance-length", type=float, default=None,
+                   help="replay: mean tokens per verification, in [1, k + 1] (default: acceptance rate 0.8)")
+    g.add_argument("--speculative-verify-cuda-graphs", action="store_true",
+                   help="verify steps as decode rows through CUDA graphs (default: eager)")
 
 
 def config_from_args(args):
@@ -104,6 +121,11 @@ def config_from_args(args):
                             scenario_time_s=args.scenario_time, stagger_s=args.stagger,
                             profile_steps=args.profile_steps, total_time_s=args.total_time, seed=args.seed,
                             out_dir=args.out, work_dir=args.work_dir,
+                            speculative_method=args.speculative_method,
+                            num_speculative_tokens=args.num_speculative_tokens,
+                            speculative_draft_model=args.speculative_draft_model,
+                            speculative_acceptance_length=args.speculative_acceptance_length,
+                            speculative_verify_cuda_graphs=args.speculative_verify_cuda_graphs,
                             command=command_line(args), **kw)
 
 
