@@ -189,3 +189,34 @@ def test_stats_and_metrics(llama):
     assert 'loraplex_engine_server_spec_proposed_tokens_total{adapter="_base"} ' + f"{float(spec['proposed'])}" in text
     assert engine_stats(make_engine(llama))["speculative"] is None
     assert "spec_proposed" not in render_metrics(engine_stats(make_engine(llama)), model="tiny").decode()
+
+
+def test_requests_that_cannot_speculate_share_verify_steps_unchanged(llama):
+    """Beam search, n > 1 and prompt logprobs ride in verify steps as plain entries: their tokens are those of the
+    non-speculative engine (same sampler, same generators), while the others speculate."""
+    prompts = [p[:3] * 5 for p in prompt_list((6, 8, 7, 9), seed=15)]
+    params = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=10, use_beam_search=True, beam_width=2,
+                                                                      temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, n=2, temperature=0.8, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=9, prompt_logprobs=2, **GREEDY)]
+    requests = [(f"r{i}", prompts[i], p, None) for i, p in enumerate(params)]
+    ref = drive(make_engine(llama), requests, arrivals={0: [0, 1, 2], 3: [3]})
+    engine = make_engine(llama, dict(method="ngram", num_speculative_tokens=3))
+    shared = set()
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        if any(s.draft_token_ids for s in out.scheduled):
+            shared.update(s.seq.request_id for s in out.scheduled if not s.draft_token_ids)
+        return out
+
+    engine.scheduler.schedule = watched
+    finals = drive(engine, requests, arrivals={0: [0, 1, 2], 3: [3]})
+    assert {"r1", "r2"} <= shared, shared
+    for rid in ref:
+        assert [c.output_token_ids for c in finals[rid].outputs] == [c.output_token_ids for c in ref[rid].outputs]
+    assert [e.token_id if e else None for e in finals["r3"].prompt_logprobs] == \
+        [e.token_id if e else None for e in ref["r3"].prompt_logprobs]
+    assert engine.spec.snapshot()["verified"] > 0
+    assert_all_free(engine)

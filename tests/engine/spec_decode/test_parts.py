@@ -145,3 +145,34 @@ def test_engine_serve_flags(monkeypatch):
                                         verify_cuda_graphs=True)
     assert cfgs[2].method == "ngram" and cfgs[2].ngram_max == 6
     assert main(["engine", "serve", "--model", "/m", "--speculative-draft-model", "/d"]) == 2  # no method
+
+
+def test_draft_model_padded_decode_path_matches_eager(tiny_checkpoint):
+    """The draft's one-token forwards through the padded decode path (CUDA graphs on a GPU) propose what the eager
+    path proposes; the draft's KV follows the target's accepted tokens and is released with the sequence."""
+    import torch
+
+    from loraplex.engine.spec_decode.draft_model import DraftModelProposer, DraftRunner
+
+    path = tiny_checkpoint("qwen3_moe")
+    seqs = [Sequence(i, f"r{i}", p) for i, p in enumerate([[5, 9, 33, 7, 81], [12, 40, 3], [77] * 9])]
+    proposals = []
+    for graphs in (False, True):
+        runner = DraftRunner(path, device=torch.device("cpu"), dtype=torch.float32, block_size=4, max_model_len=64,
+                             max_num_seqs=4, graphs=graphs)
+        prop = DraftModelProposer(runner, k=3, vocab_size=320, max_batched_tokens=64)
+        batch = [SpecSequence(s, s.request_id, None, SamplingParams(temperature=0.0), None, 3) for s in seqs]
+        first = [p.token_ids for p in prop.propose(batch)]
+        for s, d in zip(seqs, first):              # the target accepts one draft and adds a token of its own
+            s.append_token(d[0])
+            s.append_token(300)
+        second = [p.token_ids for p in prop.propose(batch)]
+        for s in seqs:
+            del s.output_token_ids[:]
+        runner.kv.check_invariants()
+        assert prop.stats()["sequences"] == 3 and (runner.graphs is not None) == graphs
+        for s in seqs:
+            prop.release(s.seq_id)
+        assert runner.kv.num_free_blocks == runner.kv.num_blocks
+        proposals.append((first, second))
+    assert proposals[0] == proposals[1] and all(len(d) == 3 for d in proposals[0][0])
