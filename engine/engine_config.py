@@ -93,6 +93,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        self.speculative = SpeculativeConfig.from_value(self.speculative)
+        if self.speculative is not None and self.tensor_parallel_size != 1:
+            raise ValueError("speculative decoding needs tensor_parallel_size 1 (the verify step is not shipped to "
+                             "tensor-parallel workers yet); leave speculative unset")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 1:
@@ -112,10 +116,6 @@ class EngineConfig:
         if self.async_scheduling and tp > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (tensor-parallel steps run eagerly, "
                              "rank by rank); leave it unset or False")
-        self.speculative = SpeculativeConfig.from_value(self.speculative)
-        if self.speculative is not None and tp > 1:
-            raise ValueError("speculative decoding needs tensor_parallel_size 1 (the verify step is not shipped to "
-                             "tensor-parallel workers yet); leave speculative unset")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
                              "adapter in a GPU slot passes through the CPU tier; raise max_cpu_loras")

@@ -21,19 +21,16 @@ from loraplex.bench.workload import PlannedRequest
 
 def closed_loop(engine, plan: list[PlannedRequest], adapter_refs: list, *, concurrency: int, output_len: int,
                 prefix: str = "r", soft_deadline: float | None = None, hard_deadline: float | None = None,
-                stagger_s: float = 0.0, counters: dict | None = None, speculative: bool = True,
-                record: dict | None = None,
+                stagger_s: float = 0.0, counters: dict | None = None,
                 clock: Callable[[], float] = time.monotonic,
                 sleep: Callable[[float], None] = time.sleep) -> tuple[list[RequestTiming], bool]:
     """Run ``plan`` at ``concurrency`` in flight; returns (timings of every started request, truncated).
-    ``counters["steps"]`` (when given) counts the engine steps taken. ``speculative=False``: every request opts out
-    of speculative decoding; ``record`` (when given) gets {prompt token ids (a tuple): output token ids} of every
-    finished request."""
+    ``counters["steps"]`` (when given) counts the engine steps taken."""
     from loraplex.engine import SamplingParams
 
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, speculative=speculative)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     timings: dict[str, RequestTiming] = {}
     queue = list(plan)
     truncated = False
@@ -73,8 +70,6 @@ def closed_loop(engine, plan: list[PlannedRequest], adapter_refs: list, *, concu
                 t.first_token = now
             if out.finished:
                 t.finish, t.output_tokens = now, len(out.output_token_ids)
-                if record is not None:
-                    record[tuple(out.prompt_token_ids)] = list(out.output_token_ids)
                 if queue and (soft_deadline is None or now < soft_deadline):
                     submit()
         if hard_deadline is not None and now >= hard_deadline and engine.has_unfinished_requests():

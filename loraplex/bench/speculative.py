@@ -13,7 +13,10 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 from loraplex.bench.driver import closed_loop
+from loraplex.engine.sampling_params import SamplingParams
 
 SPEC_KEYS = ("proposed", "accepted", "verified", "emitted", "verify_steps", "graph_steps", "propose_ms", "verify_ms")
 
@@ -57,21 +60,40 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
     return d
 
 
+class OptOutRecorder:
+    """An engine seen through a benchmark driver: every request it adds opts out of speculative decoding, and each
+    finished request's output is handed to the replay proposer (keyed by its prompt)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.proposer = engine.spec.proposer
+
+    def add_request(self, request_id, prompt, params=None, *args, **kwargs):
+        params = dataclasses.replace(params, speculative=False) if params is not None else \
+            SamplingParams(speculative=False)
+        return self.engine.add_request(request_id, prompt, params, *args, **kwargs)
+
+    def step(self):
+        outputs = self.engine.step()
+        for o in outputs:
+            if o.finished and o.finish_reason != "error":
+                self.proposer.record(list(o.prompt_token_ids), list(o.output_token_ids))
+        return outputs
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 def record_for_replay(run, name: str, plan: list, concurrency: int, output_len: int, hard_deadline) -> dict:
     """The plan with speculation off, its outputs given to the replay proposer; returns that pass's figures."""
     import time
 
     from loraplex.bench.stats import summarize
 
-    outputs: dict = {}
     start = time.monotonic()
-    timings, truncated = closed_loop(run.engine, plan, run.adapter_refs, concurrency=concurrency,
-                                     output_len=output_len, prefix=f"{name}-rec-", hard_deadline=hard_deadline,
-                                     speculative=False, record=outputs)
+    timings, truncated = closed_loop(OptOutRecorder(run.engine), plan, run.adapter_refs, concurrency=concurrency,
+                                     output_len=output_len, prefix=f"{name}-rec-", hard_deadline=hard_deadline)
     end = time.monotonic()
-    proposer = run.engine.spec.proposer
-    for prompt, tokens in outputs.items():
-        proposer.record(list(prompt), tokens)
     s = summarize(f"{name} (no speculation, recorded)", timings, concurrency=concurrency, input_len=len(plan[0].prompt),
                   output_len=output_len, start=start, end=end, peak_memory_gib=None, peak_rss_gib=None,
                   truncated=truncated, extra={})
