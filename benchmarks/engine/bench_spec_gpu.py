@@ -13,7 +13,8 @@ Stages:
      drafts with a wrong one planted and the *target deciding* (replay_forced off), verify steps eager and through
      the padded decode path (CUDA graphs on a GPU). PASS / FAIL per case.
   2. per expert format (bf16, then ``--quantization mxfp4``): one engine (GPT-OSS-20B config, dummy weights, 8
-     random PEFT adapters r32 on attention + experts, C = 16 requests at once, request i on adapter i % 8,
+     random PEFT adapters r32 on attention + experts (distinct adapters read from ``--adapter-files`` 2 files, so
+     the run writes 1.4 GB, not 5.6), C = 16 requests at once, request i on adapter i % 8,
      ``--input-len`` 1600 / ``--output-len`` 600 greedy tokens), variants:
         plain              speculation off (the requests opt out); its outputs are the recording
         replay L (graphs)  L = 2.0, 2.5, 3.0 with k = 2, 3, 3 drafts (per-draft acceptance rate r with
@@ -74,13 +75,17 @@ def check(device: str, work: str) -> list[dict]:
 
         def engine(spec=None):
             e = LLMEngine.from_pretrained(base, device=device, dtype="float32", block_size=16, max_num_seqs=8,
-                                          progress=False, enable_lora=True, max_loras=2, max_lora_rank=8,
-                                          adapter_cache_dir=os.path.join(work, f"cache-{family}"), speculative=spec)
+                                          num_kv_blocks=256, progress=False, enable_lora=True, max_loras=2,
+                                          max_lora_rank=8, adapter_cache_dir=os.path.join(work, f"cache-{family}"),
+                                          speculative=spec)
             for ref in refs:
                 e.load_adapter(ref, wait=True)
             return e
 
-        want = [o.output_token_ids for o in engine().generate(prompts, params, adapters)]
+        ref = engine()
+        want = [o.output_token_ids for o in ref.generate(prompts, params, adapters)]
+        ref.close()
+        del ref
         for graphs in (False, True):
             e = engine(dict(method="replay", num_speculative_tokens=3, replay_acceptance_rate=0.6,
                             replay_forced=False, verify_cuda_graphs=graphs))
@@ -98,6 +103,12 @@ def check(device: str, work: str) -> list[dict]:
                   f"length {snap['acceptance_length']:.2f}, {snap['graph_steps']}/{snap['verify_steps']} verify steps "
                   f"on graphs)", flush=True)
             e.close()
+            del e
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
@@ -116,10 +127,12 @@ def start_engine(args, work: str, quantization: str | None):
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     model_dir = write_model_config(os.path.join(work, "model"), config)
     t0 = time.perf_counter()
-    folders, _ = prepare_adapters(os.path.join(work, "adapters"), config, num=args.adapters, rank=args.rank,
+    files = max(1, min(args.adapter_files, args.adapters))
+    folders, _ = prepare_adapters(os.path.join(work, "adapters"), config, num=files, rank=args.rank,
                                   device=args.device, dtype=getattr(torch, dtype))
     adapters_s = time.perf_counter() - t0
-    refs = [AdapterRef(f"bench/adapter-{k}/1", file_uri(f)) for k, f in enumerate(folders)]
+    # adapter k reads file k % files: distinct adapters (own ids, own GPU copies) without writing 8 files of 700 MB
+    refs = [AdapterRef(f"bench/adapter-{k}/1", file_uri(folders[k % files])) for k in range(args.adapters)]
     bs = 16
     max_len = args.input_len + args.output_len + bs
     t0 = time.perf_counter()
@@ -200,7 +213,8 @@ def run_variant(engine, refs, prompts, args, label: str, speculative: bool, reco
                tokens_per_verify_step=d["emitted"] / d["verify_steps"] if d["verify_steps"] else None,
                propose_ms_per_step=d["propose_ms"] / d["verify_steps"] if d["verify_steps"] else None,
                verify_steps_on_graphs=d["graph_steps"], verify_steps_total=d["verify_steps"],
-               replayed=speculative, all_tokens=all(len(o.output_token_ids) == args.output_len for o in finals.values()))
+               replayed=speculative,
+               all_tokens=all(len(o.output_token_ids) == args.output_len for o in finals.values()))
     if record is not None:
         if speculative:  # forced replay reproduces the recording
             res["matches_recording"] = all(record[tuple(o.prompt_token_ids)] == o.output_token_ids
@@ -296,6 +310,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--adapter-files", type=int, default=2, help="distinct adapter files (adapter k reads k %% F)")
     ap.add_argument("--input-len", type=int, default=1600)
     ap.add_argument("--output-len", type=int, default=600)
     ap.add_argument("--quantizations", default="none,mxfp4", help="expert formats, in order: none (bf16), mxfp4")

@@ -133,6 +133,11 @@ class SpecDecoder:
             tokens = [int(t) for t in p.token_ids[:s.num_draft_tokens]]
             if any(not 0 <= t < self.vocab_size for t in tokens):
                 raise ValueError(f"proposer {self.proposer.name!r} drafted a token outside [0, {self.vocab_size})")
+            if p.probs is not None and (p.probs.dim() != 2 or p.probs.shape[0] < len(tokens)
+                                        or p.probs.shape[1] != self.vocab_size):
+                raise ValueError(f"proposer {self.proposer.name!r} gave draft probabilities of shape "
+                                 f"{tuple(p.probs.shape)} for {len(tokens)} drafts; expected [{len(tokens)}, "
+                                 f"{self.vocab_size}]")
             p.token_ids = tokens
             s.seq.spec_token_ids = tokens
             self._proposals[s.seq_id] = p

@@ -136,7 +136,7 @@ def test_greedy_rule_is_the_longest_matching_prefix():
     assert acc.tolist() == [2] and tok.tolist() == [3]              # all accepted: the bonus token
 
 
-# ---- 2. the engine ----------------------------------------------------------------------------------------------------
+# ---- 2. the engine -----------------------------------------------------------------------------------------------
 @pytest.fixture
 def one_thread():
     """Tiny tensors: one intra-op thread is several times faster on a busy host (restored after)."""

@@ -176,3 +176,28 @@ def test_draft_model_padded_decode_path_matches_eager(tiny_checkpoint):
         assert runner.kv.num_free_blocks == runner.kv.num_blocks
         proposals.append((first, second))
     assert proposals[0] == proposals[1] and all(len(d) == 3 for d in proposals[0][0])
+
+
+def test_bad_proposals_are_refused(tiny_checkpoint):
+    """A proposer that drafts ids outside the vocabulary or gives probabilities of the wrong shape is a clear error,
+    not a corrupted step."""
+    import torch
+
+    from loraplex.engine.spec_decode.proposer import Proposal, Proposer
+    from tests.engine.spec_decode.conftest import make_engine
+
+    class Bad(Proposer):
+        def __init__(self, proposal):
+            self.proposal = proposal
+
+        def propose(self, batch):
+            return [self.proposal for _ in batch]
+
+    for proposal, message in ((Proposal([5, 400]), "outside"), (Proposal([5, 6], torch.zeros(1, 320)), "shape"),
+                              (Proposal([5], torch.zeros(1, 100)), "shape")):
+        engine = make_engine(tiny_checkpoint("llama"), dict(method="ngram"))
+        engine.spec.proposer = Bad(proposal)
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0))
+        with pytest.raises(ValueError, match=message):
+            for _ in range(4):
+                engine.step()
