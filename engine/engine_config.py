@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from loraplex.engine.fairness import check_cost_weight
+from loraplex.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -72,6 +73,8 @@ class EngineConfig:
     # are read. None: on when decode steps replay CUDA graphs; True: also on the eager padded path (any device);
     # False: off
     async_scheduling: bool | None = None
+    # speculative decoding (docs/engine.md, "Speculative decoding"): None = off; a SpeculativeConfig or its dict
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -109,6 +112,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        self.speculative = SpeculativeConfig.from_value(self.speculative)
+        if self.speculative is not None and self.tensor_parallel_size != 1:
+            raise ValueError("speculative decoding needs tensor_parallel_size 1 (the verify step is not shipped to "
+                             "tensor-parallel workers yet); leave speculative unset")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 1:

@@ -22,6 +22,10 @@ sequence whose grammar is complete finishes ("stop"). Overlapped steps launch th
 resolve step n's tokens (stop checks, matchers), fill the masks and launch the sampling of n+1, and only then build
 step n's outputs (detokenizer, stop strings), so the device waits on the host's mask work at most.
 
+With ``speculative`` set (engine/spec_decode/), each step first asks the proposer for drafts of the running
+decodes, the scheduler gives a speculating decode 1 + k tokens, one forward verifies them all and the accepted
+tokens are appended (several per step); such steps run synchronously.
+
 With ``async_scheduling`` on, plain decode steps overlap: ``step()`` launches the next step before it reads the
 tokens of the one in flight, and returns that one's outputs (step_pipeline.py). One step may then be in flight
 between two calls; ``has_unfinished_requests`` stays True until it is resolved.
@@ -69,6 +73,7 @@ class _SeqState:
     closed: bool = False     # finished and its text final
     logprobs: list = field(default_factory=list)
     stop_reason: str | None = None
+    num_detokenized: int = 0  # output tokens fed to the detokenizer
 
 
 @dataclass
@@ -170,6 +175,18 @@ class LLMEngine:
         self.structured: StructuredDecoding | None = None  # made on the first constrained request
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
+        self.spec = self._init_speculative()  # after the decode graphs: verify graphs go above their buckets
+
+    def _init_speculative(self):
+        """The SpecDecoder of ``EngineConfig.speculative`` (None: off)."""
+        if self.config.speculative is None:
+            return None
+        from loraplex.engine.spec_decode.decoder import SpecDecoder
+
+        return SpecDecoder(self.config.speculative, self.runner, max_model_len=self.max_model_len,
+                           max_num_seqs=self.config.max_num_seqs,
+                           max_num_batched_tokens=self.config.max_num_batched_tokens,
+                           vocab_size=self.model_config.vocab_size)
 
     def _init_async_scheduling(self) -> bool:
         """Resolve ``EngineConfig.async_scheduling``: None = on when decode steps replay CUDA graphs; True = on,
@@ -261,6 +278,9 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         if self.structured is not None:
             self.structured.remove(request_id)
+        if self.spec is not None:
+            for seq in state.group.seqs:
+                self.spec.release(seq.seq_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -276,7 +296,11 @@ class LLMEngine:
         """Schedule and run one step; returns the outputs of the requests it advanced (with overlapped
         scheduling: of the step before it, whose tokens it read after launching this one)."""
         failed = self._fail_adapter_requests() + self._fail_grammar_requests()
+        speculating = self.spec is not None and self.spec.has_candidates(self.scheduler.running, self._spec_request)
+        if speculating:
+            failed += self._spec_propose()
         out = self.scheduler.schedule()
+        spec_step = self.spec is not None and self.spec.after_schedule(out, self._spec_request)
         now = time.monotonic()
         for request_id in out.preempted:
             if request_id in self._requests:
@@ -292,7 +316,8 @@ class LLMEngine:
             return failed
         sampling = self._sampling(out, now)
         lora_slots = self._lora_slots(out) if self.adapters is not None else None
-        if self.async_scheduling and can_overlap(out, self.runner, lambda rid: self._requests[rid].params):
+        if self.async_scheduling and not speculating and not spec_step and can_overlap(
+                out, self.runner, lambda rid: self._requests[rid].params):
             prev = self._inflight
             prev_tokens = prev.tokens if prev is not None else None
             if self._has_constrained(out):  # masks need step n's tokens: forward, resolve n, masks, sample, outputs
@@ -313,18 +338,51 @@ class LLMEngine:
             out.scheduled = [s for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
             if not out.scheduled and not moves:
                 return failed + drained
-        mask = self._bitmask(out)
-        kw = {"token_bitmask": mask} if mask is not None else {}
-        if self.adapters is None:
-            result = self.runner.execute(out, sampling, **kw)
+        if spec_step:
+            result = self.spec.execute(out, sampling, lora_slots, self.structured, self._spec_request)
         else:
-            result = self.runner.execute(out, sampling, lora_slots=lora_slots, **kw)
+            mask = self._bitmask(out)
+            kw = {"token_bitmask": mask} if mask is not None else {}
+            if self.adapters is None:
+                result = self.runner.execute(out, sampling, **kw)
+            else:
+                result = self.runner.execute(out, sampling, lora_slots=lora_slots, **kw)
         self._record_logprobs(out, result)
         finished = {g.request_id for g in self.scheduler.update(out, result.sampled, result.logprobs,
                                                                 result.beam_logprobs)}
+        if self.spec is not None:
+            self.spec.after_update()
         sampled = [s.seq.request_id for s in out.scheduled if s.sample]
         failed += self._advance_grammars(sampled, finished)
         return failed + drained + self._step_outputs(sampled, finished)
+
+    # ---- speculative decoding (engine/spec_decode/) ---------------------------------------------------------
+    def _spec_request(self, request_id: str) -> tuple:
+        """(params, adapter, generator) of a running request, for the SpecDecoder."""
+        state = self._requests[request_id]
+        return state.params, state.group.adapter, state.generators[0]
+
+    def _spec_propose(self) -> list[RequestOutput]:
+        """Drafts for the running decodes; a step in flight is resolved first (drafts follow its tokens)."""
+        outputs = self._resolve_inflight() if self._inflight is not None else []
+        self.spec.propose(self.scheduler.running, self._spec_request)
+        return outputs
+
+    def _drop_outputs_after(self, state: _RequestState, seq: Sequence, st: _SeqState, keep: int) -> None:
+        """Forget the output tokens of ``seq`` past the first ``keep``: a verify step appended tokens after the one
+        that completed a stop string, which non-speculative decoding would never have generated (their charge
+        to the tenant is taken back)."""
+        extra = seq.num_output_tokens - keep
+        if extra <= 0:
+            return
+        dropped = st.logprobs[keep:] if state.params.logprobs is not None else []
+        seq.cumulative_logprob -= sum(e.logprob for e in dropped if e is not None)
+        del seq.output_token_ids[keep:]
+        del st.logprobs[keep:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        tenant = state.group.tenant_state
+        if tenant is not None:
+            tenant.output_tokens -= extra
 
     def _resolve_inflight(self) -> list[RequestOutput]:
         """Wait for the overlapped step's tokens, write them into their sequences, stop checks, outputs."""
@@ -406,6 +464,9 @@ class LLMEngine:
             entries = result.logprobs.get(s.seq.seq_id)
             if state is None or not entries or state.params.logprobs is None:
                 continue
+            if s.draft_token_ids:  # a verify: one entry per appended token
+                self._seq_state(state, s.seq).logprobs.extend(entries)
+                continue
             self._seq_state(state, s.seq).logprobs.append(entries[0])
             if len(entries) > 1:  # fork step: the children do not exist yet
                 state.fork_logprobs = list(entries[1:])
@@ -434,11 +495,22 @@ class LLMEngine:
                 continue
             finished = seq.status.is_finished
             st.closed = finished
-            delta = st.detokenizer.update(seq.output_token_ids, final=finished)
+            n = seq.num_output_tokens
+            # one token at a time where a verify step appended several and a stop string may end inside them
+            ends = [n] if st.matcher is None or n - st.num_detokenized <= 1 else range(st.num_detokenized + 1, n + 1)
+            for end in ends:
+                ids = seq.output_token_ids if end == n else seq.output_token_ids[:end]
+                delta = st.detokenizer.update(ids, final=finished and end == n)
+                st.num_detokenized = end
+                if st.matcher is None:
+                    st.text += delta
+                    break
+                match = st.matcher.append(delta)
+                if match.stopped:
+                    self._drop_outputs_after(state, seq, st, end)
+                    break
             if st.matcher is None:
-                st.text += delta
                 continue
-            match = st.matcher.append(delta)
             if match.stopped:
                 st.stop_reason, st.closed = match.stop_str, True
                 if finished:
@@ -523,6 +595,9 @@ class LLMEngine:
         self._requests.pop(request_id, None)
         if self.structured is not None:
             self.structured.remove(request_id)
+        if self.spec is not None:
+            for seq in state.group.seqs:
+                self.spec.release(seq.seq_id)
         out = self._make_output(state, True, time.monotonic())
         out.finish_reason, out.error, out.error_retryable, out.error_type = "error", error, retryable, error_type
         for c in out.outputs:
@@ -603,6 +678,8 @@ class LLMEngine:
             self.adapters.close()
         if self.structured is not None:
             self.structured.close()
+        if self.spec is not None:
+            self.spec.close()
         shutdown = getattr(self.runner, "shutdown", None)  # tensor parallel: stop the workers
         if shutdown is not None:
             shutdown()

@@ -55,6 +55,8 @@ class SamplingParams:
     where the grammar may end, and the sequence finishes ("stop") as soon as the grammar is complete; ``max_tokens``
     can still cut it short ("length"). Not with beam search. ``logit_bias``: {token id: bias in [-100, 100]}
     (at most 1024 ids; JSON's string keys are accepted) added to that token's logit before anything else.
+    ``speculative``: False opts the request out of speculative decoding on an engine that speculates (its tokens
+    are the same either way: greedy output is identical and sampling keeps its distribution).
     """
 
     max_tokens: int = 16
@@ -81,6 +83,7 @@ class SamplingParams:
     early_stopping: bool | str = False
     structured: StructuredOutput | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    speculative: bool = True  # False: this request never speculates, even where the deployment does
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -111,6 +114,7 @@ class SamplingParams:
         self._check_outputs()
         self._check_n_and_beams()
         self._check_structured()
+        _check_bool("speculative", self.speculative)
 
     def _check_structured(self) -> None:
         if self.structured is not None:

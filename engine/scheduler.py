@@ -50,6 +50,12 @@ A request with ``num_sequences > 1`` enters as one sequence. At its first sample
 
 Chunked prefill is nothing but scheduling fewer tokens than ``num_tokens - num_computed_tokens``.
 
+Speculative decoding (engine/spec_decode/): a decode whose sequence carries drafts (``spec_token_ids``) is scheduled
+with 1 + k tokens, k cut to the budget and dropped altogether when the pool lacks their blocks (speculation never
+preempts). ``update`` appends the accepted drafts and the target's token with the stop checks after each, counts
+their K/V as computed (accepted tokens only, so only they reach the prefix cache) and releases the trailing blocks
+that held rejected drafts (``KVCacheManager.trim``); each appended token is charged to the tenant once.
+
 Overlapped decode steps (engine/step_pipeline.py): ``update_launched`` gives each sequence of a launched step a
 pending token (counted, value on the device), so ``schedule()`` plans the next step before the values arrive;
 a sequence whose pending token reaches ``max_tokens`` / ``max_model_len`` is not scheduled again (it finishes
@@ -343,7 +349,10 @@ class Scheduler:
         if hit:
             n = min(seq.num_tokens - n_hit, budget)
         refund, preempted = 0, False
-        while not self.kv.allocate_slots(seq, n, hit):
+        k = self._num_drafts(seq, n, budget)
+        if k and not self.kv.allocate_slots(seq, n + k):
+            k = 0  # speculation never preempts: without room for its drafts the decode runs alone
+        while not k and not self.kv.allocate_slots(seq, n, hit):
             victim = self._victim()
             refund += self._preempt_group(victim, out)
             preempted = True
@@ -351,8 +360,15 @@ class Scheduler:
                 return 0, refund, True
         if hit:
             self.kv.record_prefix_query(seq.num_tokens, n_hit)
-        out.scheduled.append(self._scheduled(seq, n))
-        return n, refund, preempted
+        out.scheduled.append(self._scheduled(seq, n, k))
+        return n + k, refund, preempted
+
+    @staticmethod
+    def _num_drafts(seq: Sequence, n: int, budget: int) -> int:
+        """Speculative drafts to verify with this decode: as many of ``seq.spec_token_ids`` as the budget holds."""
+        if not seq.spec_token_ids or n != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return 0
+        return max(0, min(len(seq.spec_token_ids), budget - n))
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int, fair: bool) -> int:
         """2. Swapped groups, FCFS (fair: smallest tenant counter first): all of a group's blocks come back, in
@@ -539,6 +555,9 @@ class Scheduler:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted, finished or preempted since schedule()
                 continue
+            if s.draft_token_ids:
+                self._update_verified(s, sampled[seq.seq_id], logprobs.get(seq.seq_id), now, finished)
+                continue
             seq.num_computed_tokens += s.num_new_tokens
             if fair and not seq.output_token_ids:  # prompt positions only (with outputs, the prompt is charged)
                 self._charge_prompt(seq)
@@ -572,6 +591,33 @@ class Scheduler:
         for group in beam_groups:
             self._beam_step(group, now, finished)
         return finished
+
+    def _update_verified(self, s: ScheduledSequence, tokens: list[int], entries: list | None, now: float,
+                         finished: list[SequenceGroup]) -> None:
+        """A speculative verify of ``s``: ``tokens`` are the accepted drafts then the target's own token. Its input
+        token and the accepted drafts have their K/V computed; each token is appended (and charged) with the stop
+        checks after it; the blocks past the sequence's tokens (rejected drafts' slots) are released. Full blocks
+        are cached only over accepted tokens."""
+        seq = s.seq
+        group = self._groups[seq.request_id]
+        if group.first_token_time is None:
+            group.first_token_time = now
+        entries = entries or [None] * len(tokens)
+        seq.num_computed_tokens += len(tokens)
+        status = None
+        for token, entry in zip(tokens, entries):
+            seq.append_token(token, entry.logprob if entry is not None else 0.0)
+            if self.counters is not None:
+                group.tenant_state.output_tokens += 1
+            status = self._stop_status(seq, group, token)
+            if status is not None:
+                break
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        self.kv.cache_full_blocks(seq)
+        if status is not None:
+            self._finish(seq, group, status, now, finished)
+        else:
+            self.kv.trim(seq)
 
     # ---- overlapped steps (engine/step_pipeline.py) -----------------------------------------------------
     def update_launched(self, out: SchedulerOutput) -> None:
@@ -803,16 +849,17 @@ class Scheduler:
         ids = {s.request_id for s in self.running}
         return sum(self._groups[r].sampling_params.num_sequences for r in ids)
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, n: int, num_drafts: int = 0) -> ScheduledSequence:
         group = self._groups[seq.request_id]
         params = group.sampling_params
         sample = seq.num_computed_tokens + n == seq.num_tokens
         beam = params.use_beam_search
         fork = (not beam and params.num_sequences > 1 and len(group.seqs) == 1 and seq.num_output_tokens == 0)
         covers_prompt = params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
-        return ScheduledSequence(seq=seq, num_new_tokens=n, block_ids=list(seq.block_ids), sample=sample,
+        return ScheduledSequence(seq=seq, num_new_tokens=n + num_drafts, block_ids=list(seq.block_ids), sample=sample,
                                  num_samples=params.num_sequences if fork and sample else 1, beam=beam,
-                                 prompt_logprobs=params.prompt_logprobs if covers_prompt else None)
+                                 prompt_logprobs=params.prompt_logprobs if covers_prompt else None,
+                                 draft_token_ids=list(seq.spec_token_ids[:num_drafts]))
 
     def _running_adapters(self) -> list[object]:
         """Adapters of running and swapped-out requests (a swapped group keeps its slot for its return)."""

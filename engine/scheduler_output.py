@@ -3,6 +3,8 @@
     scheduled[i]: compute seq.all_token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]
                   into the slots of block_ids; if sample, the step's last token of that sequence yields logits:
                   num_samples draws from them (n > 1 at the fork step), or, for a beam, its log-prob row
+                  with draft_token_ids (speculative decoding): num_new_tokens = 1 + len(draft_token_ids), the
+                  decode's token then the drafts, each position yielding logits for verification
     before the forward pass, in this order:  blocks_to_swap_out (GPU -> CPU), blocks_to_swap_in (CPU -> GPU),
                                              blocks_to_copy (GPU -> GPU, copy-on-write)
 """
@@ -25,10 +27,11 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
     block_ids: list[int]
-    sample: bool  # True iff num_computed_tokens + num_new_tokens == seq.num_tokens
+    sample: bool  # True iff num_computed_tokens + num_new_tokens - len(draft_token_ids) == seq.num_tokens
     num_samples: int = 1  # tokens drawn from the sampled row: n / best_of at a parallel-sampling fork step
     beam: bool = False    # the row becomes beam-search log-probs instead of a drawn token
     prompt_logprobs: int | None = None  # top-n of the prompt positions in this chunk (None: not asked)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative drafts verified after its last token
 
     @property
     def start(self) -> int:
@@ -37,7 +40,7 @@ class ScheduledSequence:
 
     @property
     def is_prefill_chunk(self) -> bool:
-        return self.num_new_tokens > 1 or not self.sample
+        return self.num_new_tokens - len(self.draft_token_ids) > 1 or not self.sample
 
 
 @dataclass

@@ -14,6 +14,9 @@ one and never computed. Its value is written in by ``resolve_pending_token`` bef
 (stop checks, detokenizer, outputs, prefix-cache hashes):
 
     all_token_ids:  [ p0 p1 p2 | o0 o1 | ? ]           ? = pending: counted (max_tokens, blocks), value unknown
+
+Speculative decoding (engine/spec_decode/) proposes draft tokens for a decode before the step is scheduled:
+``spec_token_ids``, outside the token lists (not counted anywhere) until the target accepts them.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ class Sequence:
         self.cumulative_logprob = 0.0  # sum of the chosen tokens' logprobs (best_of ranking, beam scores)
         self.parent_seq_id: int | None = None  # the sequence this one was forked from
         self.num_pending_tokens = 0  # trailing output tokens not read back from the device yet (0 or 1)
+        self.spec_token_ids: list[int] = []  # speculative drafts proposed for the next step (never computed)
 
     @property
     def finish_reason(self) -> str | None:

@@ -22,7 +22,16 @@ adapter manager's locked ``residency()``). The platform's metrics poller turns i
          "counter": 2410.0, "lead": 2380.0,          # lead: counter - the smallest active counter (vtc only)
          "input_tokens": 90, "output_tokens": 1200}, # charged since the tenant's record was created (vtc only)
         ...],
-      "tenants_other": {"tenants": 0, "requests": 0, "running": 0, "waiting": 0, "swapped": 0}  # the rest, summed
+      "tenants_other": {"tenants": 0, "requests": 0, "running": 0, "waiting": 0, "swapped": 0}, # the rest, summed
+      "speculative": {                   # None unless the engine speculates (engine/spec_decode/stats.py)
+        "method": "ngram", "num_speculative_tokens": 3, "verify_cuda_graphs": false,
+        "proposed": 900, "accepted": 540, "verified": 400, "emitted": 930,
+        "acceptance_length": 2.35, "acceptance_rate": 0.6,    # (accepted + verified) / verified; accepted / proposed
+        "verify_steps": 120, "graph_steps": 0, "propose_ms": 41.0, "verify_ms": 950.0, "replay_agreement": null,
+        "adapters": [{"adapter": "t/a/1", "proposed": .., "accepted": .., "verified": .., "emitted": ..,
+                      "acceptance_length": .., "acceptance_rate": ..}, ...],   # the 16 adapters proposing most
+        "adapters_other": {"adapters": 0, "proposed": 0, ...},               # the rest, summed
+        "proposer": {...}}               # the proposer's own counters (n-gram hits, draft forwards, ...)
     }
 
 Counters are cumulative since the engine started; the poller turns their growth into Prometheus counters.
@@ -128,6 +137,7 @@ def engine_stats(llm_engine: Any) -> dict:
         **runner_stats(getattr(llm_engine, "runner", None)),
         **adapter_stats(getattr(llm_engine, "adapters", None)),
         **tenant_stats(scheduler),
+        "speculative": spec.snapshot() if (spec := getattr(llm_engine, "spec", None)) is not None else None,
     }
 
 
@@ -136,4 +146,4 @@ def empty_stats() -> dict:
     return {"requests_running": 0, "requests_waiting": 0, "queue_length": 0, "num_preemptions": 0,
             "kv_blocks_total": 0, "kv_blocks_free": 0, "kv_blocks_used": 0, "kv_usage": 0.0, "kv_cached_blocks": 0,
             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": None, **runner_stats(None),
-            **adapter_stats(None), **_empty_tenants()}
+            **adapter_stats(None), **_empty_tenants(), "speculative": None}

@@ -29,7 +29,9 @@ A step is overlappable when the runner's padded decode path (CUDA graphs, or ``i
 serves it, it moves no blocks (swap, copy-on-write), no logits hook is set, and every scheduled sequence is a plain
 decode of a "simple" request: one sequence (no n > 1, best_of or beam search), no logprobs, no penalties or
 ``min_tokens`` (those read the token history on the host). Requests asking for logprobs run synchronously: any step
-holding one drains the pipeline.
+holding one drains the pipeline. Speculative decoding (engine/spec_decode/): a verify step has several new tokens
+per sequence and is never overlappable; while a running sequence may speculate, the engine resolves the step in
+flight before proposing (drafts follow its tokens) and runs synchronously.
 
 A sequence that finishes when step n's tokens arrive (EOS, stop token, stop string) or that is aborted while step
 n+1 is in flight already has a row in step n+1: that row is discarded (never appended, reported or counted) and

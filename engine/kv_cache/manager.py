@@ -8,6 +8,7 @@ Life of a sequence's blocks:
     allocate_slots(seq, n, hit)   take the hit's blocks (+1 ref) and enough new blocks for n more tokens
     cache_full_blocks(seq)        after a step: hash blocks that became full and computed
     free(seq)                     -1 ref on every block; cached ones stay findable until reused
+    trim(seq)                     release trailing blocks past its tokens (rejected speculative drafts' slots)
     fork(parent, child)           the child shares every block (+1 ref)
     take_blocks_to_copy()         the step's copy-on-write copies, (src, dst), for SchedulerOutput.blocks_to_copy
     swap_out(group) / swap_in(group)   move a whole group's blocks to the CPU pool and back (see swap.py)
@@ -219,6 +220,19 @@ class KVCacheManager:
         likely shared, is evicted last). Cached blocks stay findable until reused."""
         self._release_gpu(seq)
         self.swap_space.release(seq.seq_id)  # a swapped-out sequence: its CPU blocks
+
+    def trim(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Release the trailing blocks of ``seq`` past the first ``num_tokens`` (default: its tokens), tail first:
+        the slots speculative decoding allocated for drafts that were rejected. Blocks holding computed tokens
+        are never released (``num_tokens`` is raised to ``num_computed_tokens``); released blocks carry no hash
+        (only full computed blocks are cached)."""
+        keep = self.num_blocks_for(max(seq.num_tokens if num_tokens is None else num_tokens, seq.num_computed_tokens))
+        extra = seq.block_ids[keep:]
+        if not extra:
+            return
+        del seq.block_ids[keep:]
+        self.pool.release(list(reversed(extra)))
+        self._drop_copies_into(extra)
 
     def _release_gpu(self, seq: Sequence) -> None:
         self.pool.release(list(reversed(seq.block_ids)))

@@ -20,6 +20,12 @@ gauges (the same numbers, polled by the platform and labelled ``replica``): a Pr
     loraplex_engine_server_tenant_sequences{tenant,state}   running / waiting / swapped sequences per tenant
     loraplex_engine_server_tenant_weight{tenant}            the tenant's scheduling weight ("vtc")
     loraplex_engine_server_tenant_counter_lead{tenant}      its virtual token counter minus the smallest active one
+    loraplex_engine_server_spec_proposed_tokens_total{adapter}   speculative drafts verified (engines that speculate)
+    loraplex_engine_server_spec_accepted_tokens_total{adapter}   of those, accepted
+    loraplex_engine_server_spec_verifications_total{adapter}     sequence verifications (one per sequence and step)
+    loraplex_engine_server_spec_emitted_tokens_total{adapter}    tokens the verifications appended
+    loraplex_engine_server_spec_acceptance_length{adapter}       tokens per verification since start
+    loraplex_engine_server_spec_verify_steps_total               engine steps that verified drafts
 
 With ``LORAPLEX_ENGINE_VLLM_METRICS=1`` the scrape also carries the names the Kubernetes Gateway API Inference
 Extension's endpoint picker reads from vLLM (its model-server protocol), labelled ``model_name``:
@@ -34,7 +40,9 @@ Off by default: the adapter lists are label values, so every change of residency
 
 Tenant labels are bounded: the ``TENANT_STATS_LIMIT`` tenants holding the most sequences keep their id, the rest
 are summed under ``tenant="_other"``; a request without a tenant counts under ``tenant="_none"``. Idle tenants
-leave the exposition, so the label values of one scrape are at most ``TENANT_STATS_LIMIT + 1``.
+leave the exposition, so the label values of one scrape are at most ``TENANT_STATS_LIMIT + 1``. Speculative
+decoding's ``adapter`` label is bounded the same way: the 16 adapters proposing the most keep their id, the rest are
+summed under ``adapter="_other"``, base-model requests count under ``adapter="_base"``.
 """
 from __future__ import annotations
 
@@ -46,6 +54,11 @@ VLLM_METRICS_ENV = "LORAPLEX_ENGINE_VLLM_METRICS"
 TIERS = ("gpu", "cpu", "disk")
 TENANT_STATES = ("running", "waiting", "swapped")
 OTHER_TENANTS, NO_TENANT = "_other", "_none"  # tenant ids start with [A-Za-z0-9]: never one of these
+OTHER_ADAPTERS, BASE_MODEL = "_other", "_base"
+SPEC_COUNTERS = (("proposed", "spec_proposed_tokens", "Speculative draft tokens verified"),
+                 ("accepted", "spec_accepted_tokens", "Speculative draft tokens accepted"),
+                 ("verified", "spec_verifications", "Speculative verifications (one per sequence and step)"),
+                 ("emitted", "spec_emitted_tokens", "Tokens appended by speculative verifications"))
 GAUGES = (  # (stats key, metric suffix, help)
     ("requests_running", "requests_running", "Requests running (scheduled this step)"),
     ("requests_waiting", "requests_waiting", "Requests waiting for admission"),
@@ -110,6 +123,8 @@ class _StatsCollector:
         yield from self._tenants(s)
         if self.vllm_names:
             yield from self._vllm(s)
+        if s.get("speculative"):
+            yield from self._speculative(s["speculative"])
 
     def _vllm(self, s: dict):
         """The vLLM-compatible names of the Inference Extension's model-server protocol (module docstring)."""
@@ -131,6 +146,28 @@ class _StatsCollector:
             info.add_metric([str(adapters.get("max_loras") or 0), ",".join(adapters.get("gpu", [])),
                              ",".join(adapters.get("loading", []))], time.time())
             yield info
+
+
+    def _speculative(self, spec: dict):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        rows = [(BASE_MODEL if r.get("adapter") is None else str(r["adapter"]), r) for r in spec.get("adapters", [])]
+        other = spec.get("adapters_other") or {}
+        if other.get("adapters") or other.get("verified"):
+            rows.append((OTHER_ADAPTERS, other))
+        for key, name, doc in SPEC_COUNTERS:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["adapter"])
+            for label, row in rows:
+                family.add_metric([label], float(row.get(key, 0)))
+            yield family
+        length = GaugeMetricFamily(f"{PREFIX}_spec_acceptance_length", "Tokens per speculative verification since "
+                                   "start (accepted drafts + 1)", labels=["adapter"])
+        for label, row in rows:
+            if row.get("acceptance_length") is not None:
+                length.add_metric([label], float(row["acceptance_length"]))
+        yield length
+        yield CounterMetricFamily(f"{PREFIX}_spec_verify_steps", "Engine steps that verified speculative drafts",
+                                  value=float(spec.get("verify_steps", 0)))
 
     def _tenants(self, s: dict):
         from prometheus_client.core import GaugeMetricFamily

@@ -11,6 +11,7 @@
       "structured": {"json_schema": {...}, "strict": true} | {"json_object": true} | {"regex": "..."} |
                     {"grammar": "<Lark or GBNF>"} | {"choice": ["a", "b"]}       (engine/structured/spec.py)
       "logit_bias": {"<token id>": bias in [-100, 100], ...}                       (JSON object keys are strings)
+      "speculative": false       opt out of speculative decoding on an engine that speculates (absent = true)
 
 A grammar that does not compile (unsupported keyword, syntax error) is a 400 ``invalid_request`` naming the
 problem, sent before any token, like every other invalid sampling field.

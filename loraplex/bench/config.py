@@ -74,6 +74,12 @@ class ServeBenchConfig:
     ramp: float | str | None = None       # first requests spread over this many seconds ("auto": the previous
     #                                       level's e2e estimate); default: stagger_s for one level, "auto" in a sweep
     profile_steps: int = 0                # > 0: profile this many decode steps per scenario kind (first phase)
+    # speculative decoding (loraplex/bench/speculative.py): ngram | draft | replay (recorded outputs at a set rate)
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    speculative_draft_model: str | None = None
+    speculative_acceptance_length: float | None = None  # replay: mean tokens per verification (sets the rate)
+    speculative_verify_cuda_graphs: bool = False
     scenario_time_s: float | None = None  # no new request starts after this many seconds of a scenario (level)
     total_time_s: float | None = None     # hard stop for the whole run (running requests aborted)
     # adapters and their memory
@@ -149,6 +155,9 @@ class ServeBenchConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        from loraplex.bench.speculative import speculative_config
+
+        speculative_config(self)  # bad speculative flags: ValueError now
         if self.kv_sizing is None:
             self.kv_sizing = "workload" if self.scale == "tiny" else "engine"
         if self.kv_sizing not in KV_SIZINGS:

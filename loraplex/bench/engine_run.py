@@ -18,9 +18,11 @@ import gc
 import json
 import os
 import time
+from dataclasses import replace
 
 import torch
 
+from loraplex.bench import speculative
 from loraplex.bench.driver import drive
 from loraplex.bench.engine_knobs import adapter_nbytes
 from loraplex.bench.engine_setup import engine_info, engine_kwargs, timed_model_load, use_in_place_fetcher
@@ -181,6 +183,10 @@ class EngineRun:
         self._sync()
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        replayed = self._record_for_replay(m, deadline) if cfg.speculative_method == "replay" else None
+        if replayed is not None:
+            m = replace(m, name=m.name + " [replayed proposals]")
+        spec0 = speculative.snapshot(self.engine)
         probe = EngineProbe(self.engine)
         start = time.monotonic()
         soft = hard = None
@@ -204,7 +210,15 @@ class EngineRun:
         return summarize_run(m, res, peak_memory_gib=peak, engine_figures=figures,
                              extra={"tensor_parallel_size": info.get("tensor_parallel_size"),
                                     "cuda_graphs": info.get("cuda_graphs"),
-                                    "quantization": info.get("quantization")}).to_dict()
+                                    "quantization": info.get("quantization"),
+                                    "speculative": speculative.delta(spec0, speculative.snapshot(self.engine)),
+                                    "no_speculation": replayed}).to_dict()
+
+    def _record_for_replay(self, m: Measurement, deadline: float | None) -> dict:
+        """``m``'s primary load once with speculation off, its outputs recorded for the replay proposer."""
+        group = next(g for g in m.groups if g.name == m.primary)
+        return speculative.record_for_replay(self, m.name, group.plan, group.concurrency or self.cfg.concurrency,
+                                             group.output_len, deadline)
 
     def profile(self, label: str, adapters: bool) -> str:
         from loraplex.bench.profile import profile_decode

@@ -46,8 +46,17 @@ def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: 
         kw.update(max_num_seqs=seqs, num_kv_blocks=per_seq * seqs + 64)
     if cfg.cuda_graph_max_batch_size is not None:
         kw["cuda_graph_max_batch_size"] = cfg.cuda_graph_max_batch_size
+    speculative = _speculative(cfg)
+    if speculative is not None:
+        kw["speculative"] = speculative
     kw.update(extra or {})
     return kw
+
+
+def _speculative(cfg) -> dict | None:
+    from loraplex.bench.speculative import speculative_config
+
+    return speculative_config(cfg)
 
 
 def engine_info(engine) -> dict:

@@ -20,6 +20,8 @@ one engine. Method, targets and current figures: docs/performance.md; scenarios 
     loraplex bench serve --url http://host:8000/v1 --keys-file keys.json --concurrency 1,16,64   # end to end
     loraplex bench plot benchmarks/results/sweep-*.json --out docs/envelope.png
     loraplex bench combine --out $OUT a/bench_serve.json b/bench_serve.json   # one table of several runs
+    loraplex bench serve --speculative-method replay --num-speculative-tokens 3 --speculative-acceptance-length 2.5
+                                                   # replayed proposals at a set acceptance (real propose/verify cost)
 
 Reports per-request output tokens/s, TTFT p50/p99, TPOT, total and steady throughput, peak memory, and per run
 what the engine did (CUDA-graph steps, KV usage peak, resident adapters, adapter load latency, admission waits).
@@ -90,6 +92,7 @@ def register(subparsers) -> None:
                         "mixed with the decodes; torch profiler + cProfile; profile_*.txt in --out)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
                    help="engine log level (start-up: KV pool, CUDA graph capture, tensor-parallel workers)")
+    _speculative_flags(s)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=None, help="folder for bench_serve.json / bench_serve.md")
     s.add_argument("--results-dir", default=None,
@@ -191,6 +194,20 @@ def _ramp(value: str | None):
         raise ValueError(f"ramp must be 'auto' or seconds, got {value!r}") from None
 
 
+def _speculative_flags(s) -> None:
+    g = s.add_argument_group("speculative decoding (loraplex/bench/speculative.py)")
+    g.add_argument("--speculative-method", choices=("ngram", "draft", "replay"), default=None,
+                   help="replay: each scenario first runs without speculation (recorded), then replays those outputs "
+                        "at the set acceptance: the real cost of proposing and verifying, labelled as replayed")
+    g.add_argument("--num-speculative-tokens", type=int, default=3, help="k: drafts per sequence per step")
+    g.add_argument("--speculative-draft-model", default=None, help="draft: folder with the draft's config.json "
+                                                                    "(dummy weights, as the target's)")
+    g.add_argument("--speculative-acceptance-length", type=float, default=None,
+                   help="replay: mean tokens per verification, in [1, k + 1] (default: acceptance rate 0.8)")
+    g.add_argument("--speculative-verify-cuda-graphs", action="store_true",
+                   help="verify steps as decode rows through CUDA graphs (default: eager)")
+
+
 def config_from_args(args):
     from loraplex.bench.serve import ServeBenchConfig
 
@@ -226,7 +243,12 @@ def config_from_args(args):
                             light_weight=args.light_weight, heavy_weight=args.heavy_weight, url=args.url,
                             api_key=args.api_key, keys_file=args.keys_file, adapter_names=adapter_names,
                             base_model=args.base_model, vocab_size=args.vocab_size, results_dir=args.results_dir,
-                            label=args.label, command=command_line(args), **kw)
+                            label=args.label, speculative_method=args.speculative_method,
+                            num_speculative_tokens=args.num_speculative_tokens,
+                            speculative_draft_model=args.speculative_draft_model,
+                            speculative_acceptance_length=args.speculative_acceptance_length,
+                            speculative_verify_cuda_graphs=args.speculative_verify_cuda_graphs,
+                            command=command_line(args), **kw)
 
 
 def command_line(args) -> str:

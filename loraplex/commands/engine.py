@@ -2,6 +2,8 @@
 
     loraplex engine serve --model /models/Qwen3-30B-A3B --port 8101 --enable-lora
     loraplex engine serve --null --port 8101          # no model: streams fixed tokens (gateway benchmarks)
+    loraplex engine serve --model DIR --speculative-method ngram --num-speculative-tokens 3
+    loraplex engine serve --model DIR --speculative-method draft --speculative-draft-model SMALL_DIR
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def register(subparsers) -> None:
                         "replay CUDA graphs)")
     s.add_argument("--scheduling-policy", choices=("vtc", "fcfs"), default="vtc",
                    help="vtc: tenant-fair (virtual token counters, each request's tenant_weight); fcfs: arrival order")
+    _speculative_flags(s)
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
     s.add_argument("--max-loras", type=int, default=None,
                    help="optional cap on adapters resident on the GPU (default: none, the adapter memory decides)")
@@ -67,6 +70,34 @@ def register(subparsers) -> None:
     s.add_argument("--null-delay-ms", type=float, default=0.0, help="--null: delay between tokens")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=run)
+
+
+def _speculative_flags(s) -> None:
+    g = s.add_argument_group("speculative decoding (docs/engine.md, \"Speculative decoding\"); lossless, off by "
+                             "default; a request opts out with sampling \"speculative\": false")
+    g.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
+                   help="ngram: prompt lookup (no model); draft: a small causal LM sharing the tokenizer")
+    g.add_argument("--num-speculative-tokens", type=int, default=3, help="k: drafts verified per sequence per step")
+    g.add_argument("--speculative-draft-model", default=None, help="draft: HF folder of the draft model")
+    g.add_argument("--speculative-draft-num-kv-blocks", type=int, default=None,
+                   help="draft: KV blocks of the draft's own cache (default: max-num-seqs full sequences, on CUDA at "
+                        "most half the memory left after the target)")
+    g.add_argument("--speculative-ngram-min", type=int, default=1, help="ngram: shortest suffix matched")
+    g.add_argument("--speculative-ngram-max", type=int, default=4, help="ngram: longest suffix matched")
+    g.add_argument("--speculative-verify-cuda-graphs", action="store_true",
+                   help="verify steps as decode rows through CUDA graphs (default: eager verify steps)")
+
+
+def speculative_config(args) -> dict | None:
+    """``EngineConfig.speculative`` from the flags (None without --speculative-method)."""
+    if args.speculative_method is None:
+        if args.speculative_draft_model:
+            raise ValueError("--speculative-draft-model needs --speculative-method draft")
+        return None
+    return dict(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                draft_model=args.speculative_draft_model, draft_num_kv_blocks=args.speculative_draft_num_kv_blocks,
+                ngram_min=args.speculative_ngram_min, ngram_max=args.speculative_ngram_max,
+                verify_cuda_graphs=args.speculative_verify_cuda_graphs)
 
 
 def _quantization(choice: str) -> str | None:
@@ -113,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                           adapter_memory_fraction=args.adapter_memory_fraction)
 
         try:   # settings the model cannot honour: one line and exit, before the port opens or weights load
+            kwargs["speculative"] = speculative_config(args)
             _check_settings(args.model, kwargs)
         except ValueError as e:
             print(f"loraplex engine serve: error: {e}", file=sys.stderr)

@@ -1,0 +1,106 @@
+"""Speculative decoding settings of one engine (``EngineConfig.speculative``), validated on construction.
+
+    SpeculativeConfig(method="ngram", num_speculative_tokens=3)                     # prompt lookup, no model
+    SpeculativeConfig(method="draft", draft_model="/models/small", num_speculative_tokens=4)
+    SpeculativeConfig(method="replay", replay_acceptance_rate=acceptance_rate_for(2.5, 3), num_speculative_tokens=3)
+
+``replay`` is for benchmarks only: it proposes the tokens of a recorded non-speculative run (given to the
+proposer by the benchmark) and, with ``replay_forced``, accepts them at the set rate whatever the target says, so
+that the cost of proposing and verifying can be measured at a chosen acceptance length on dummy weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft", "replay")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """``method``: "ngram" (prompt lookup), "draft" (a small causal LM sharing the tokenizer, ``draft_model``) or
+    "replay" (benchmarks). ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
+
+    ``verify_cuda_graphs``: verify steps as flattened decode rows through CUDA graphs (row j of a sequence's k + 1
+    tokens is a one-token decode at its position; docs/engine.md, "Speculative decoding"); False (the default)
+    runs every verify step eagerly. ``verify_graph_max_rows``: the largest verify step (sequences x (k + 1)) with
+    a graph; larger ones run eagerly."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # ngram: the longest suffix of ngram_max .. ngram_min tokens that occurred before proposes what followed it
+    ngram_min: int = 1
+    ngram_max: int = 4
+    # draft: an HF folder of one of the engine's families with the target's vocabulary
+    draft_model: str | None = None
+    draft_num_kv_blocks: int | None = None      # the draft's KV pool (default: max_num_seqs full sequences)
+    draft_max_batched_tokens: int | None = None  # draft catch-up tokens per step (default: max_num_batched_tokens)
+    draft_load_format: str = "auto"              # auto | safetensors | dummy (benchmarks)
+    # replay (benchmarks): P(a replayed draft is accepted), independently per position
+    replay_acceptance_rate: float = 0.8
+    replay_forced: bool = True                   # the plan decides acceptance; False: the target decides
+    replay_seed: int = 0
+    verify_cuda_graphs: bool = False
+    verify_graph_max_rows: int = 256
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {', '.join(METHODS)}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("ngram_min", self.ngram_min, 1, 64)
+        _check_int("ngram_max", self.ngram_max, self.ngram_min, 64)
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model: the folder of a small causal LM that "
+                             "shares the target's tokenizer")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError(f"draft_model is set but the speculative method is {self.method!r}; use method='draft'")
+        for name in ("draft_num_kv_blocks", "draft_max_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 1, 1 << 40)
+        if self.draft_load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"draft_load_format {self.draft_load_format!r}: expected auto, safetensors or dummy")
+        rate = self.replay_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"replay_acceptance_rate must be in [0, 1], got {rate!r}")
+        self.replay_acceptance_rate = float(rate)
+        for name in ("replay_forced", "verify_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("replay_seed", self.replay_seed, 0, 2**63 - 1)
+        _check_int("verify_graph_max_rows", self.verify_graph_max_rows, 1, 1 << 16)
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, or its dict form (an EngineConfig read from JSON)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"unknown speculative setting(s) {', '.join(unknown)}; valid: "
+                                 f"{', '.join(cls.__dataclass_fields__)}")
+            return cls(**value)
+        raise ValueError(f"speculative must be None, a SpeculativeConfig or a dict, got {type(value).__name__}")
+
+
+def expected_acceptance_length(rate: float, k: int) -> float:
+    """Mean tokens per verify step when each of k drafts is accepted independently with probability ``rate``
+    (until the first rejection) plus the target's own token: 1 + rate + rate^2 + ... + rate^k."""
+    return 1.0 + sum(rate ** i for i in range(1, k + 1))
+
+
+def acceptance_rate_for(length: float, k: int) -> float:
+    """The per-draft acceptance rate giving mean acceptance length ``length`` (in [1, k + 1]) with k drafts."""
+    if not 1.0 <= length <= k + 1:
+        raise ValueError(f"acceptance length {length} is outside [1, {k + 1}] for k={k} drafts; raise k")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_acceptance_length(mid, k) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

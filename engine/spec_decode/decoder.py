@@ -1,0 +1,231 @@
+"""The engine's speculative decoding: which sequences speculate, their proposals, the verify step, the counters.
+
+    LLMEngine.step() with a SpecDecoder:
+      1. has_candidates(running)?   a step in flight is resolved first (drafts need its tokens)
+      2. propose(running)           candidates -> proposer.propose -> seq.spec_token_ids (k_i drafts each)
+      3. Scheduler.schedule()       a decode with drafts gets 1 + k_i tokens (fewer if the budget or the KV pool is
+                                    short: speculation never preempts); after_schedule clears spec_token_ids
+      4. execute(out)               verifier.py: one target forward, acceptance, tokens per sequence
+      5. Scheduler.update()         accepted tokens appended with stop checks, num_computed_tokens over accepted
+                                    tokens only, rejected drafts' trailing blocks released
+         (counters per adapter, proposer.observe)
+      6. after_update()             proposer state of sequences that left the running set is dropped
+
+A candidate: a running sequence with one token left to compute and no pending token, of a request with
+``SamplingParams.speculative`` on, one sequence (no n > 1, best_of, beam search), and room for a draft
+(k_i = min(k, max_tokens - outputs - 1, max_model_len - tokens) >= 1). Steps holding a sequence that may speculate
+run synchronously (overlapped scheduling resumes once none is left).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.spec_decode.config import SpeculativeConfig
+from loraplex.engine.spec_decode.proposer import (PROPOSERS, Proposal, Proposer, ProposerContext, SpecSequence,
+                                                  Verified, register_proposer)
+from loraplex.engine.spec_decode.stats import SpecDecodeStats
+from loraplex.engine.spec_decode.verifier import VerifyExecutor
+
+logger = logging.getLogger(__name__)
+
+# request_of(request_id) -> (SamplingParams, adapter or None, generator or None)
+RequestLookup = Callable[[str], tuple[Any, Any, Any]]
+
+
+def _ngram(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    from loraplex.engine.spec_decode.ngram import NgramProposer
+
+    return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+
+
+def _replay(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    from loraplex.engine.spec_decode.replay import ReplayProposer
+
+    return ReplayProposer(config.num_speculative_tokens, config.replay_acceptance_rate, vocab_size=ctx.vocab_size,
+                          forced=config.replay_forced, seed=config.replay_seed)
+
+
+def _draft(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    from loraplex.engine.spec_decode.draft_model import DraftModelProposer, DraftRunner
+
+    r = ctx.runner
+    runner = DraftRunner(config.draft_model, device=r.device, dtype=r.dtype, block_size=ctx.block_size,
+                         max_model_len=ctx.max_model_len, max_num_seqs=ctx.max_num_seqs,
+                         num_blocks=config.draft_num_kv_blocks, target_kv_tokens=r.num_blocks * r.block_size,
+                         load_format=config.draft_load_format, graphs=r.graphs_enabled())
+    return DraftModelProposer(runner, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size,
+                              max_batched_tokens=config.draft_max_batched_tokens or ctx.max_num_batched_tokens)
+
+
+for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft)):
+    register_proposer(_name, _factory)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, runner, *, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, vocab_size: int) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens  # k; benchmarks may lower it between runs
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        ctx = ProposerContext(runner=runner, vocab_size=vocab_size, max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              block_size=runner.block_size)
+        self.proposer: Proposer = PROPOSERS[config.method](config, ctx)
+        verify_graphs = decode_graphs = None
+        if config.verify_cuda_graphs:
+            from loraplex.engine.spec_decode.verify_graphs import make_verify_graphs
+
+            rows = min(config.verify_graph_max_rows, max_num_seqs * (config.num_speculative_tokens + 1))
+            verify_graphs, decode_graphs = make_verify_graphs(runner, rows, max_model_len)
+        self.executor = VerifyExecutor(runner, max_model_len=max_model_len, verify_graphs=verify_graphs,
+                                       decode_graphs=decode_graphs)
+        self.stats = SpecDecodeStats()
+        self._proposals: dict[int, Proposal] = {}
+        self._drafted: dict[int, Sequence] = {}      # sequences given drafts for the coming step
+        self._tracked: dict[int, Sequence] = {}      # sequences the proposer may hold state for
+        self._hidden: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        logger.info("speculative decoding: %s, k=%d, verify steps %s", config.method, config.num_speculative_tokens,
+                    "through the padded decode path (CUDA graphs on CUDA)" if config.verify_cuda_graphs else "eager")
+
+    # ---- candidates ---------------------------------------------------------------------------------------
+    def _room(self, seq: Sequence, params) -> int:
+        """Drafts the sequence may verify this step, 0 when it may not speculate (module docstring)."""
+        if (not params.speculative or params.num_sequences != 1 or params.use_beam_search
+                or seq.status is not SequenceStatus.RUNNING or seq.num_tokens - seq.num_computed_tokens != 1):
+            return 0
+        return max(0, min(self.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens))
+
+    def has_candidates(self, running: list[Sequence], request_of: RequestLookup) -> bool:
+        """Whether a running sequence may speculate this step (its pending token, if any, aside)."""
+        return any(self._room(seq, request_of(seq.request_id)[0]) for seq in running)
+
+    def propose(self, running: list[Sequence], request_of: RequestLookup) -> int:
+        """Ask the proposer for the candidates' drafts; returns how many sequences got some."""
+        t0 = time.perf_counter()
+        batch = []
+        for seq in running:
+            params, adapter, gen = request_of(seq.request_id)
+            k = self._room(seq, params)
+            if k and not seq.num_pending_tokens:
+                batch.append(SpecSequence(seq, seq.request_id, adapter, params, gen, k))
+        self._proposals, self._drafted = {}, {}
+        if not batch:
+            return 0
+        if self.proposer.needs_hidden_states:
+            for s in batch:
+                s.hidden_start, s.hidden_states = self._take_hidden(s.seq_id)
+        proposals = self.proposer.propose(batch)
+        if len(proposals) != len(batch):
+            raise RuntimeError(f"proposer {self.proposer.name!r} returned {len(proposals)} proposals for "
+                               f"{len(batch)} sequences")
+        for s, p in zip(batch, proposals):
+            self._tracked[s.seq_id] = s.seq
+            if p is None or not p.token_ids:
+                continue
+            tokens = [int(t) for t in p.token_ids[:s.num_draft_tokens]]
+            if any(not 0 <= t < self.vocab_size for t in tokens):
+                raise ValueError(f"proposer {self.proposer.name!r} drafted a token outside [0, {self.vocab_size})")
+            if p.probs is not None and (p.probs.dim() != 2 or p.probs.shape[0] < len(tokens)
+                                        or p.probs.shape[1] != self.vocab_size):
+                raise ValueError(f"proposer {self.proposer.name!r} gave draft probabilities of shape "
+                                 f"{tuple(p.probs.shape)} for {len(tokens)} drafts; expected [{len(tokens)}, "
+                                 f"{self.vocab_size}]")
+            p.token_ids = tokens
+            s.seq.spec_token_ids = tokens
+            self._proposals[s.seq_id] = p
+            self._drafted[s.seq_id] = s.seq
+        self.stats.propose_s += time.perf_counter() - t0
+        return len(self._drafted)
+
+    def after_schedule(self, out: SchedulerOutput, request_of: RequestLookup) -> bool:
+        """Clear the drafts off the sequences (what was scheduled is in ``out``); True when this step must run
+        through ``execute``: it verifies drafts, or the proposer needs the target's hidden states of a
+        sequence in it."""
+        for seq in self._drafted.values():
+            seq.spec_token_ids = []
+        if any(s.draft_token_ids for s in out.scheduled):
+            return True
+        return self.proposer.needs_hidden_states and any(self._may_speculate(s.seq, request_of)
+                                                         for s in out.scheduled)
+
+    def _may_speculate(self, seq: Sequence, request_of: RequestLookup) -> bool:
+        params = request_of(seq.request_id)[0]
+        return params.speculative and params.num_sequences == 1 and not params.use_beam_search
+
+    # ---- the step -----------------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput, sampling: dict, lora_slots: dict[int, int] | None, structured,
+                request_of: RequestLookup) -> ModelStepOutput:
+        t0 = time.perf_counter()
+        keep = None
+        if self.proposer.needs_hidden_states:
+            keep = {s.seq.seq_id for s in out.scheduled if self._may_speculate(s.seq, request_of)}
+        result, outcomes, hidden = self.executor.execute(out, sampling, lora_slots, self._proposals, structured, keep)
+        # a sequence aborted during the step (e.g. from a logits hook) appends nothing
+        outcomes = [o for o in outcomes if self._drafted[o.seq_id].status is SequenceStatus.RUNNING]
+        if outcomes:
+            self.stats.verify_steps += 1
+            self.stats.verify_s += time.perf_counter() - t0
+            self.stats.graph_steps = self.executor.num_graph_steps
+            self._observe(outcomes, request_of)
+        accepted = {o.seq_id: o.num_accepted for o in outcomes}
+        for seq_id, (start, rows) in hidden.items():
+            if seq_id in accepted:
+                rows = rows[:accepted[seq_id] + 1]  # rejected drafts' rows are not the sequence's
+            self._add_hidden(seq_id, start, rows)
+        return result
+
+    def _observe(self, outcomes: list, request_of: RequestLookup) -> None:
+        """Counters per adapter and ``proposer.observe`` for the step's verifications."""
+        verified = []
+        for o in outcomes:
+            seq = self._drafted[o.seq_id]
+            adapter = request_of(seq.request_id)[1]
+            self.stats.record(getattr(adapter, "adapter_id", None), len(o.draft_token_ids), o.num_accepted,
+                              len(o.token_ids))
+            if o.agreed is not None:
+                self.stats.replay_checked += 1
+                self.stats.replay_agreed += int(o.agreed)
+            verified.append(Verified(o.seq_id, adapter, o.draft_token_ids, o.num_accepted, o.token_ids))
+        self.proposer.observe(verified)
+
+    def after_update(self) -> None:
+        """End of a step: drop proposer state of sequences that are no longer running (finished, aborted,
+        preempted)."""
+        self._proposals, self._drafted = {}, {}
+        for seq_id, seq in list(self._tracked.items()):
+            if seq.status is not SequenceStatus.RUNNING:
+                self.release(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        self._tracked.pop(seq_id, None)
+        self._hidden.pop(seq_id, None)
+        self.proposer.release(seq_id)
+
+    # ---- hidden states ------------------------------------------------------------------------------------
+    def _add_hidden(self, seq_id: int, start: int, rows: torch.Tensor) -> None:
+        pieces = [(s, r[:max(0, start - s)]) for s, r in self._hidden.get(seq_id, []) if s < start]
+        self._hidden[seq_id] = [(s, r) for s, r in pieces if r.shape[0]] + [(start, rows)]
+
+    def _take_hidden(self, seq_id: int) -> tuple[int, torch.Tensor | None]:
+        pieces = self._hidden.pop(seq_id, None)
+        if not pieces:
+            return 0, None
+        return pieces[0][0], torch.cat([r for _, r in pieces])
+
+    # ---- reporting ----------------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        return {"method": self.config.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "verify_cuda_graphs": self.config.verify_cuda_graphs, **self.stats.snapshot(),
+                "proposer": self.proposer.stats()}
+
+    def close(self) -> None:
+        self.proposer.close()
+

@@ -1,0 +1,74 @@
+"""Replay proposer (benchmarks only): proposes the tokens a recorded non-speculative run produced for the same
+prompt, at a set acceptance rate, to measure the real cost of proposing and verifying at a chosen acceptance
+length where acceptance itself means nothing (dummy weights).
+
+    recording: prompt token ids -> the output token ids of a non-speculative run (``ReplayProposer.record``)
+    a sequence at output position j with k drafts:
+        L = leading successes of k Bernoulli(rate) draws (the planned number of accepted drafts)
+        drafts = rec[j : j + L] + [a wrong token] + rec[j + L + 1 : j + k]     (always k tokens: the verify costs
+                                                                               what it would with real drafts)
+    with ``replay_forced`` the verifier accepts exactly L drafts and appends rec[j + L] as the target's token,
+    whatever the target's logits say (they are still computed, sampled and compared: ``agreement``), so the run
+    reproduces the recording token for token at mean acceptance length 1 + rate + ... + rate^k; without it the
+    target decides (lossless; on exact float32 numerics it agrees with the plan).
+
+A sequence whose prompt is not in the recording, or that has left its recording, gets no proposal.
+"""
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.spec_decode.proposer import Proposal, Proposer, SpecSequence, Verified
+
+
+class ReplayProposer(Proposer):
+    name = "replay"
+
+    def __init__(self, k: int, rate: float, *, vocab_size: int, forced: bool = True, seed: int = 0) -> None:
+        self.k, self.rate, self.forced, self.vocab_size = k, rate, forced, vocab_size
+        self._recording: dict[tuple[int, ...], list[int]] = {}
+        self._gen = torch.Generator().manual_seed(seed)
+        self.num_planned_accepted = 0
+        self.num_proposed = 0
+        self.num_missing = 0
+
+    def record(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        """Keep a non-speculative run's output for ``prompt_token_ids`` (the last one recorded wins)."""
+        self._recording[tuple(prompt_token_ids)] = list(output_token_ids)
+
+    @property
+    def num_recorded(self) -> int:
+        return len(self._recording)
+
+    def propose(self, batch: list[SpecSequence]) -> list[Proposal | None]:
+        out: list[Proposal | None] = []
+        for s in batch:
+            seq = s.seq
+            rec = self._recording.get(tuple(seq.prompt_token_ids))
+            j = seq.num_output_tokens
+            if rec is None or len(rec) <= j or rec[:j] != seq.output_token_ids:
+                self.num_missing += 1
+                out.append(None)
+                continue
+            k = min(self.k, s.num_draft_tokens, len(rec) - j - 1)
+            if k < 1:
+                out.append(None)
+                continue
+            hits = (torch.rand(k, generator=self._gen) < self.rate).tolist()
+            planned = hits.index(False) if False in hits else k
+            drafts = list(rec[j:j + k])
+            if planned < k:
+                drafts[planned] = (drafts[planned] + 1) % self.vocab_size  # a token the recording did not produce
+            self.num_proposed += k
+            self.num_planned_accepted += planned
+            out.append(Proposal(drafts, planned_num_accepted=planned if self.forced else None,
+                                planned_tokens=list(rec[j:j + planned + 1]) if self.forced else None))
+        return out
+
+    def observe(self, verified: list[Verified]) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"recorded": len(self._recording), "proposed": self.num_proposed,
+                "planned_accepted": self.num_planned_accepted, "no_recording": self.num_missing,
+                "rate": self.rate, "forced": self.forced}

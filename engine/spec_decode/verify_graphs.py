@@ -1,0 +1,44 @@
+"""Verify steps through the decode path's static buffers and CUDA graphs (``SpeculativeConfig.verify_cuda_graphs``).
+
+A verify step of B sequences with k drafts each computes B x (k + 1) tokens. Row j of sequence s (position
+start_s + j) needs keys 0 .. start_s + j: a one-token decode at that position over the same block table. So the
+step is a decode step of B x (k + 1) rows, and ``DecodeGraphs`` (cuda_graphs.py) serves it unchanged:
+
+    seq s: [ x  d1  d2  d3 ]  at positions p .. p+3   ->   rows (s, p, x), (s, p+1, d1), (s, p+2, d2), (s, p+3, d3)
+    every row's K/V is written (reshape_and_cache, all rows) before any row's attention reads, in every layer
+
+``VerifyGraphs`` is a second ``DecodeGraphs`` of the same runner whose buckets go past the decode graphs' largest
+(up to ``verify_graph_max_rows``): a step of at most that many rows replays the decode graph (when it fits) or
+one of these. Graphs are captured on CUDA with tensor_parallel_size 1 and enforce_eager off; elsewhere the same
+padded path runs eagerly (how the CPU tests prove it token-identical to the eager multi-token forward).
+"""
+from __future__ import annotations
+
+import logging
+
+from loraplex.engine.cuda_graphs import DecodeGraphs, batch_buckets
+
+logger = logging.getLogger(__name__)
+
+
+class VerifyGraphs(DecodeGraphs):
+    """Buckets of ``batch_buckets(max_rows)`` above ``skip_up_to`` (those the decode graphs already cover)."""
+
+    def __init__(self, runner, max_rows: int, max_model_len: int, *, capture: bool, skip_up_to: int = 0) -> None:
+        super().__init__(runner, max_rows, max_model_len, capture=capture)
+        self.buckets = [b for b in batch_buckets(max_rows) if b > skip_up_to] or [max_rows]
+
+
+def make_verify_graphs(runner, max_rows: int, max_model_len: int) -> tuple[VerifyGraphs | None, DecodeGraphs | None]:
+    """(the verify graphs, the decode graphs to use for steps that fit them). On CUDA with graphs enabled the
+    buckets above the decode graphs' are captured; a failed capture leaves verify steps eager (None)."""
+    decode = runner.decode_graphs
+    capture = runner.graphs_enabled() and decode is not None and decode.capture
+    skip = decode.max_batch_size if capture and decode.num_graphs else 0
+    if capture and skip >= max_rows:
+        return None, decode  # the decode graphs already serve every verify step that fits a graph
+    graphs = VerifyGraphs(runner, max_rows, max_model_len, capture=capture, skip_up_to=skip)
+    if capture and not graphs.capture_all():
+        logger.warning("verify CUDA graphs could not be captured: verify steps run eagerly")
+        return None, decode
+    return graphs, decode if capture else None

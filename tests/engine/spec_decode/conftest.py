@@ -1,0 +1,132 @@
+"""Fixtures and drivers of the speculative-decoding tests: PEFT adapters (attention + experts on MoE families),
+draft checkpoints (a perturbed copy of the target: drafts often right; an unrelated random model: drafts almost
+always wrong), and a step loop that checks the KV cache after every step."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from loraplex.engine import LLMEngine
+from loraplex.engine.lora.ref import AdapterRef
+
+MOE_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral")
+BASE = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=64, progress=False)
+
+
+@pytest.fixture(scope="session")
+def peft_folders(tmp_path_factory):
+    """``peft_folders(base) -> {"a": folder (r=4), "b": folder (r=8)}``: random non-zero PEFT LoRA on attention and
+    the MLP (the fused experts, ``target_parameters``, on MoE families)."""
+    cache: dict = {}
+
+    def make(base: str) -> dict[str, str]:
+        if base not in cache:
+            from peft import LoraConfig, get_peft_model
+            from transformers import AutoModelForCausalLM
+
+            folders = {}
+            for name, r, seed in (("a", 4, 1), ("b", 8, 2)):
+                model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+                moe = model.config.model_type in MOE_FAMILIES
+                torch.manual_seed(seed)
+                cfg = LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+                                 + ([] if moe else ["gate_proj", "up_proj", "down_proj"]),
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if moe
+                                 else None)
+                folders[name] = str(tmp_path_factory.mktemp(f"spec-lora-{name}"))
+                get_peft_model(model, cfg).save_pretrained(folders[name])
+            cache[base] = folders
+        return cache[base]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def perturbed_checkpoint(tmp_path_factory):
+    """``perturbed_checkpoint(base, scale) -> folder``: the base's weights plus Gaussian noise of ``scale`` times each
+    tensor's std (same family, config and tokenizer): a draft that is often, not always, right."""
+    cache: dict = {}
+
+    def make(base: str, scale: float = 0.3) -> str:
+        key = (base, scale)
+        if key not in cache:
+            import shutil
+
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            g = torch.Generator().manual_seed(123)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() > 1:
+                        p.add_(torch.randn(p.shape, generator=g) * p.std() * scale)
+            out = str(tmp_path_factory.mktemp("spec-draft"))
+            model.save_pretrained(out)
+            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+                try:
+                    shutil.copy(f"{base}/{f}", f"{out}/{f}")
+                except FileNotFoundError:
+                    pass
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+def adapter_refs(folders: dict[str, str]) -> dict[str, AdapterRef]:
+    return {name: AdapterRef(f"t/{name}/1", f"file://{folder}") for name, folder in folders.items()}
+
+
+def make_engine(path: str, spec: dict | None = None, **kw) -> LLMEngine:
+    return LLMEngine.from_pretrained(path, speculative=spec, **{**BASE, **kw})
+
+
+def prompt_list(lens, seed: int, vocab: int = 320) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def drive(engine: LLMEngine, requests: list[tuple], arrivals: dict[int, list[int]] | None = None,
+          before_step=None, max_steps: int = 2000) -> dict:
+    """Run ``requests`` [(id, prompt, params, adapter)] (``arrivals[k]``: indices added before step k; default all
+    at step 0) to completion, checking the KV cache's invariants after every step and that outputs only grow.
+    Returns {request id: final output}."""
+    arrivals = arrivals or {0: list(range(len(requests)))}
+    finals, tokens = {}, defaultdict(list)
+    k = 0
+    while k <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(k, []):
+            engine.add_request(*requests[i])
+        if before_step is not None:
+            before_step(k, engine)
+        for o in engine.step():
+            assert o.request_id not in finals, f"{o.request_id}: output after its final output"
+            assert o.output_token_ids == tokens[o.request_id] + o.new_token_ids
+            tokens[o.request_id] = list(o.output_token_ids)
+            if o.finished:
+                finals[o.request_id] = o
+        engine.kv_cache.check_invariants()
+        draft = getattr(getattr(engine.spec, "proposer", None), "runner", None)
+        if draft is not None:
+            draft.kv.check_invariants()
+        k += 1
+        assert k < max_steps, "requests did not finish"
+    return finals
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    """Nothing left: every target KV block (GPU and CPU pools) and every draft KV block free, no proposer state."""
+    kv = engine.kv_cache
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.swap_space.num_free_blocks == (kv.swap_space.num_blocks if kv.swap_space.pool is not None else 0)
+    assert not engine.scheduler.has_unfinished()
+    if engine.spec is not None:
+        assert not engine.spec._tracked and not engine.spec._hidden
+        draft = getattr(engine.spec.proposer, "runner", None)
+        if draft is not None:
+            draft.kv.check_invariants()
+            assert draft.kv.num_free_blocks == draft.kv.num_blocks and not engine.spec.proposer.num_sequences

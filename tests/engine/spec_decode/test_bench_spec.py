@@ -1,0 +1,69 @@
+"""Speculative decoding in the benchmarks, at tiny scale on the CPU: ``loraplex bench serve --speculative-method``
+(replay: a recorded pass without speculation, then replayed proposals at the set acceptance length; ngram) and a
+smoke run of ``benchmarks/engine/bench_spec_gpu.py``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loraplex.bench.serve import ServeBenchConfig, run_serve_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+TINY = dict(scale="tiny", num_adapters=2, rank=4, concurrency=2, num_requests=4, input_len=16, output_len=24,
+            max_num_batched_tokens=64, block_size=4, base_only=False)
+
+
+def test_bench_serve_replay_and_ngram(tmp_path):
+    report = run_serve_bench(ServeBenchConfig(**TINY, speculative_method="replay", num_speculative_tokens=3,
+                                              speculative_acceptance_length=2.5, work_dir=str(tmp_path)))
+    (s,) = report["scenarios"]
+    assert s["name"] == "float32 2 adapters r4 [replayed proposals]"
+    spec, plain = s["extra"]["speculative"], s["extra"]["no_speculation"]
+    assert spec["method"] == "replay" and "replayed proposals" in spec["label"]
+    assert plain["num_requests"] == 4 and plain["name"].endswith("(no speculation, recorded)")
+    assert 1.5 < spec["acceptance_length"] <= 4.0 and spec["verified"] > 10
+    assert spec["replay_agreement"] == 1.0  # float32 on CPU: the target agrees with the recording
+    assert s["total_output_tokens"] == 4 * 24
+    report = run_serve_bench(ServeBenchConfig(**TINY, speculative_method="ngram", work_dir=str(tmp_path)))
+    spec = report["scenarios"][0]["extra"]["speculative"]
+    assert spec["method"] == "ngram" and report["scenarios"][0]["extra"]["no_speculation"] is None
+    with pytest.raises(ValueError, match="acceptance length"):
+        ServeBenchConfig(**TINY, speculative_method="replay", num_speculative_tokens=2,
+                         speculative_acceptance_length=3.5)
+
+
+def test_bench_serve_flags():
+    import argparse
+
+    from loraplex.commands.bench import config_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "serve", "--scale", "tiny", "--speculative-method", "replay",
+                              "--num-speculative-tokens", "4", "--speculative-acceptance-length", "3",
+                              "--speculative-verify-cuda-graphs"])
+    cfg = config_from_args(args)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_acceptance_length,
+            cfg.speculative_verify_cuda_graphs) == ("replay", 4, 3.0, True)
+    assert "--speculative-method replay" in cfg.command
+
+
+def test_gpu_script_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "engine", "bench_spec_gpu.py"), "--scale", "tiny",
+           "--device", "cpu", "--skip-check", "--quantizations", "none", "--concurrency", "2", "--adapters", "1",
+           "--rank", "4", "--input-len", "12", "--output-len", "16"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "bench_spec_gpu.json").read_text())
+    names = [v["variant"] for v in report["variants"]]
+    assert names == ["float32 plain", "float32 replay L=2.0 k=2 graphs", "float32 replay L=2.5 k=3 graphs",
+                     "float32 replay L=3.0 k=3 graphs", "float32 replay L=3.0 k=3 eager"]
+    for v in report["variants"][1:]:
+        assert v["matches_recording"] and v["all_tokens"] and v["acceptance_length"] > 1.0
+        assert (v["verify_steps_on_graphs"] > 0) == (v["verify"] == "graphs")
+    assert "| float32 replay L=3.0 k=3 eager (replayed) |" in done.stdout
