@@ -44,7 +44,13 @@ class RequestIdMiddleware:
             return
         rid = new_request_id()
         scope.setdefault("state", {})["request_id"] = rid
-        started, seen = time.perf_counter(), {"status": 500, "id": rid}
+        started, seen = time.perf_counter(), {"status": 500, "id": rid, "logged": False}
+
+        def log_once() -> None:
+            if not seen["logged"]:
+                seen["logged"] = True
+                access_logger.info("%s %s %s %d %.1fms", seen["id"], scope.get("method", "-"),
+                                   scope.get("path", "-"), seen["status"], (time.perf_counter() - started) * 1000)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -54,10 +60,11 @@ class RequestIdMiddleware:
                 else:
                     headers[HEADER] = rid
                 seen["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                log_once()              # before the last bytes leave: a client that has the answer finds the line
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            access_logger.info("%s %s %s %d %.1fms", seen["id"], scope.get("method", "-"), scope.get("path", "-"),
-                               seen["status"], (time.perf_counter() - started) * 1000)
+            log_once()                  # an answer that never finished (client gone, error) is logged too

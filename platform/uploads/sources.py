@@ -19,7 +19,8 @@ rules of OWASP's API top 10 (API7):
                     workload role) only for buckets IMPORT_S3_OPERATOR_BUCKETS names
 
 Errors are ``UploadError`` with a code: ``bad_source`` (400), ``source_not_allowed`` / ``source_access_denied``
-(403), ``source_not_found`` (422), ``too_large`` (413), ``source_unavailable`` (503, retry).
+(403), ``source_not_found`` (422: nothing at the source, or a host name that does not exist), ``too_large`` (413),
+``source_unavailable`` (503, retry).
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ FILES = ("adapter_config.json", "adapter_model.safetensors")
 MAX_CONFIG_BYTES = 1024 * 1024
 CHUNK = 1 << 20
 REDIRECTS = (301, 302, 303, 307, 308)
+# The resolver's "this name does not exist" answers (the tenant's mistake, 422); anything else, e.g. a resolver
+# timeout (EAI_AGAIN), is transient (503, retry).
+_NO_SUCH_HOST = {socket.EAI_NONAME} | ({socket.EAI_NODATA} if hasattr(socket, "EAI_NODATA") else set())
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,13 @@ def resolve_checked(host: str, port: int, *, private_ok: bool) -> str:
     ``private_ok``)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
+    except socket.gaierror as e:
+        if e.errno in _NO_SUCH_HOST:
+            raise UploadError(422, f"the source host {host!r} does not exist (no DNS name); check the source URI",
+                              code="source_not_found") from None
         raise _unavailable(f"the source host {host!r} does not resolve ({e})") from None
+    except UnicodeError:
+        raise _bad(f"the source host {host!r} is not a valid host name") from None
     addresses = list(dict.fromkeys(info[4][0] for info in infos))
     if not addresses:
         raise _unavailable(f"the source host {host!r} has no address")

@@ -95,7 +95,8 @@ def stack(tmp_path_factory) -> Stack:
                             s3_bucket=bucket, s3_access_key_id="testing", s3_secret_access_key="testing",
                             s3_part_size=64 * 1024, s3_max_attempts=2, redis_url=REDIS_URL, quota_key_prefix=prefix,
                             quota_timeout_s=5.0, max_rank=UPLOAD_MAX_RANK, engine_max_lora_rank=ENGINE_MAX_RANK,
-                            max_upload_bytes=MAX_UPLOAD_BYTES, max_request_bytes=256 * 1024)
+                            max_upload_bytes=MAX_UPLOAD_BYTES, max_request_bytes=256 * 1024,
+                            import_allowed_hosts=["imports.invalid"])  # generated imports stay off the network
     server = LiveServer(create_app(settings))
     try:
         owner_id, owner_key = server.new_tenant()
