@@ -37,6 +37,8 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_CONFIG_DEPTH = 32            # PEFT's configs nest 3 deep (loftq_config, eva_config)
 MAX_RANK_ABSOLUTE = 4096         # whatever the deployment allows: r, rank_pattern values
+# PEFT's LoraConfig defaults: a config that leaves out r or lora_alpha means these (never alpha = r).
+PEFT_DEFAULT_R, PEFT_DEFAULT_ALPHA = 8, 8
 MAX_LORA_SCALING = 1024.0        # |alpha / r| (alpha / sqrt(r) for rsLoRA); see docs/adapters.md, "Limits"
 MAX_TARGETS = 64                 # entries of target_modules / target_parameters
 MAX_TENSORS = 65536              # tensors in one safetensors header (a 128-layer model with 9 targets has 2,304)
@@ -139,7 +141,8 @@ def parse_adapter_config(data: bytes | str | dict, *, max_rank: int | None = Non
     Bounded before parsing work grows: at most ``MAX_CONFIG_BYTES``, nesting ``MAX_CONFIG_DEPTH``; duplicate keys,
     NaN / Infinity and lone surrogates are refused; ``r`` and ``rank_pattern`` values are integers in
     [1, ``MAX_RANK_ABSOLUTE``] (and ``max_rank``), ``lora_alpha`` and ``alpha_pattern`` values finite and positive
-    with a scaling of at most ``MAX_LORA_SCALING``; patterns are matched in linear time (``patterns.py``)."""
+    with a scaling of at most ``MAX_LORA_SCALING``; a missing ``r`` / ``lora_alpha`` takes PEFT's default (8 / 8);
+    patterns are matched in linear time (``patterns.py``)."""
     if isinstance(data, dict):
         d = data
         _check_json_tree(d, "adapter_config.json")
@@ -166,8 +169,8 @@ def parse_adapter_config(data: bytes | str | dict, *, max_rank: int | None = Non
     if use_rslora is not None and not isinstance(use_rslora, bool):
         raise AdapterFormatError(f"use_rslora must be true or false, got {_short(use_rslora)}", code="config_invalid")
     use_rslora = bool(use_rslora)
-    r = _rank(d.get("r"), "r", max_rank)
-    alpha = _alpha(d.get("lora_alpha", r), "lora_alpha", r, use_rslora)
+    r = _rank(d.get("r", PEFT_DEFAULT_R), "r", max_rank)
+    alpha = _alpha(d.get("lora_alpha", PEFT_DEFAULT_ALPHA), "lora_alpha", r, use_rslora)
     rank_pattern = _pattern_map(d.get("rank_pattern"), "rank_pattern",
                                 lambda v, key: _rank(v, f"rank_pattern[{key!r}]", max_rank))
     alpha_pattern = _pattern_map(d.get("alpha_pattern"), "alpha_pattern",

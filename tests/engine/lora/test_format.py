@@ -355,6 +355,47 @@ def test_scaling_matches_peft_modules(family, kw, bases, tmp_path):
         assert ours[k][0] == r and ours[k][1] == pytest.approx(s), k
 
 
+@pytest.mark.parametrize("family,kw", [
+    ("llama", dict(r=4, alpha=16)),
+    ("gpt_oss", dict(r=2, alpha=4, use_rslora=True)),
+])
+def test_missing_lora_alpha_takes_peft_default(family, kw, bases, tmp_path):
+    """A config without lora_alpha scales as PEFT's LoraConfig default (lora_alpha=8), never alpha = r."""
+    import re
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    from tests.utils.tiny_models import tiny_model
+
+    folder = make_peft_adapter(family, str(tmp_path), **kw)
+    path = os.path.join(folder, "adapter_config.json")
+    d = json.load(open(path))
+    del d["lora_alpha"]
+    json.dump(d, open(path, "w"))
+    spec = load(folder, bases(family))
+    assert spec.alpha == PeftLoraConfig().lora_alpha == 8
+    peft = {}
+    for name, mod in PeftModel.from_pretrained(tiny_model(family), folder).named_modules():
+        if isinstance(mod, LoraLayer):
+            m = re.search(r"layers\.(\d+)\.(.+)$", name)
+            target = m[2].replace(".base_layer", "")
+            if getattr(mod, "parameter_name", None):
+                target = f"{target}.{mod.parameter_name}"
+            peft[(int(m[1]), target)] = mod.scaling["default"]
+    ours = {(m.layer, m.target): m.scaling for m in spec.modules}
+    assert ours.keys() == peft.keys()
+    expected = 8 / math.sqrt(kw["r"]) if kw.get("use_rslora") else 8 / kw["r"]
+    for k, s in peft.items():
+        assert s == pytest.approx(expected) and ours[k] == pytest.approx(s), k
+
+
+def test_missing_r_takes_peft_default():
+    cfg = parse_adapter_config({k: v for k, v in BASE_CFG.items() if k not in ("r", "lora_alpha")})
+    assert (cfg.r, cfg.alpha) == (8, 8.0)
+
+
 def test_header_length_with_low_byte_0x80_is_not_mistaken_for_pickle(tmp_path):
     """0x80 is a legal low byte of the 8-byte header length; only a file that fails to parse is called a pickle."""
     import json as _json

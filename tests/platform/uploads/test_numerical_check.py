@@ -171,6 +171,17 @@ def test_adapters_of_the_adapter_tests_pass(family, kw, bases, adapters, caplog)
     assert validated.spec.modules
 
 
+def test_adapter_without_lora_alpha_passes_at_peft_default(bases, tmp_path):
+    """Without lora_alpha both the engine's conversion and the PEFT reference scale by 8 / r (PEFT's default)."""
+    folder = make_peft_adapter("llama", str(tmp_path), r=4, alpha=16)
+    path = os.path.join(folder, CONFIG)
+    config = json.load(open(path))
+    del config["lora_alpha"]
+    json.dump(config, open(path, "w"))
+    validated = check(folder, bases("llama"))
+    assert validated.spec.alpha == 8 and validated.spec.scaling == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_tiny_checkpoint_adapters_pass(family, tiny_checkpoint, tmp_path):
     """The adapters of tests/engine/lora (PEFT on the engine's tiny checkpoints: other sizes, attention bias, tied
