@@ -1,5 +1,7 @@
-"""ResidencyPoller: every ``interval_s`` asks each replica what it holds and tells the router (affinity), and
-probes replicas the router marked down so they come back without waiting for a request.
+"""ResidencyPoller: every ``interval_s`` asks each replica what it holds and tells the router (affinity); it is
+also the router's health probe: a replica marked down (by a failed request or a failed poll) comes back into the
+rotation only when a poll that began after its last failure succeeds (the gateway's router runs with
+``RouterConfig(probe_interval_s=interval_s)``), so requests are never the ones to test a dead replica.
 
 A replica that refuses the connection or errors is marked down at once. One that is merely slow to answer (a
 busy CPU engine, a long step) is marked down only after ``slow_polls_down`` consecutive timed-out polls: marking
@@ -29,6 +31,7 @@ class ResidencyPoller:
     async def poll_once(self) -> None:
         """One round over every replica (concurrently); a failing replica is marked down."""
         async def one(replica) -> None:
+            failures_seen = replica.failures
             try:
                 residency = await asyncio.wait_for(replica.client.residency(), timeout=self.interval_s)
             except (EngineError, ConnectionError, asyncio.TimeoutError, OSError) as e:
@@ -43,8 +46,8 @@ class ResidencyPoller:
                 return
             self._slow.pop(replica.replica_id, None)
             self.router.update_residency(replica.replica_id, residency.resident_ids)
-            if replica.consecutive_failures:
-                self.router.mark_up(replica.replica_id)
+            if replica.consecutive_failures or replica.awaiting_probe:
+                self.router.mark_up(replica.replica_id, failures_seen=failures_seen)
 
         await asyncio.gather(*(one(r) for r in self.router.replicas.values()))
         self.polls += 1

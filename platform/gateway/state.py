@@ -89,7 +89,7 @@ class Gateway:
                                               key_prefix=settings.quota_key_prefix,
                                               reap_interval_s=settings.quota_lease_reap_s,
                                               instance_ttl_s=settings.quota_instance_ttl_s),
-            router=Router(replicas, RouterConfig()) if replicas else None,
+            router=Router(replicas, RouterConfig(probe_interval_s=settings.residency_poll_s)) if replicas else None,
             auth=TenantAuth(sessions, secret=settings.secret_key.get_secret_value(), ttl_s=settings.auth_cache_s),
             references=AdapterReferences(settings.adapter_path),
             usage=UsageWriter(sessions, max_rows=settings.usage_flush_rows, interval_s=settings.usage_flush_s),

@@ -6,9 +6,12 @@
             else the first replica in ``order`` under cap
     base-model requests (no adapter) go to the least-loaded replica up
 
-A connection error marks the replica down for ``cooldown_s`` (doubling per consecutive failure, up to
-``max_cooldown_s``); after the cool-down it is tried again and one success marks it up. ``stream`` and ``call``
-retry the next replica in order when the chosen one is unreachable before anything was produced.
+A connection error marks the replica down. With ``probe_interval_s`` set (the gateway: its residency poller
+probes every replica that often) it stays out of the rotation until a probe that began after the failure
+succeeds (``mark_up(..., failures_seen=...)``): requests never test a dead replica. Without it, it is down for
+``cooldown_s`` (doubling per consecutive failure, up to ``max_cooldown_s``), then tried again and one success
+marks it up. ``stream`` and ``call`` retry the next replica in order when the chosen one is unreachable before
+anything was produced.
 """
 from __future__ import annotations
 
@@ -40,8 +43,11 @@ class RouterConfig:
     cooldown_s: float = 5.0           # first cool-down after a connection error
     max_cooldown_s: float = 60.0
     max_attempts: int = 3             # replicas tried per request by stream()/call()
+    probe_interval_s: float | None = None   # set: a down replica returns only when a health probe succeeds
 
     def __post_init__(self) -> None:
+        if self.probe_interval_s is not None and not self.probe_interval_s > 0:
+            raise ValueError(f"probe_interval_s must be > 0 (or None), got {self.probe_interval_s}")
         if not self.load_epsilon > 0:
             raise ValueError(f"load_epsilon must be > 0, got {self.load_epsilon}")
         if not 0 < self.cooldown_s <= self.max_cooldown_s:
@@ -73,19 +79,39 @@ class Router:
         self.replicas[replica_id].resident = frozenset(adapter_ids)
 
     def mark_down(self, replica_id: str) -> None:
+        """Takes ``replica_id`` out of the rotation: until a health probe succeeds (``probe_interval_s`` set), else
+        for its cool-down."""
         r = self.replicas[replica_id]
         r.consecutive_failures += 1
+        r.failures += 1
+        if self.config.probe_interval_s is not None:
+            if not r.awaiting_probe:
+                logger.warning("replica %s marked down until a health probe answers", replica_id)
+            r.awaiting_probe = True
+            return
         cooldown = min(self.config.cooldown_s * 2 ** (r.consecutive_failures - 1), self.config.max_cooldown_s)
         r.down_until = self._clock() + cooldown
         logger.warning("replica %s marked down for %.1f s (%d consecutive failures)", replica_id, cooldown,
                        r.consecutive_failures)
 
-    def mark_up(self, replica_id: str) -> None:
+    def mark_up(self, replica_id: str, *, failures_seen: int | None = None) -> bool:
+        """Puts ``replica_id`` back in the rotation. ``failures_seen``: its ``failures`` when the probe that proves
+        it healthy began; a failure marked since then wins (the probe's answer predates it). True if marked up."""
         r = self.replicas[replica_id]
-        if r.consecutive_failures:
+        if failures_seen is not None and r.failures != failures_seen:
+            return False
+        if r.consecutive_failures or r.awaiting_probe:
             logger.info("replica %s is up again", replica_id)
         r.consecutive_failures = 0
         r.down_until = 0.0
+        r.awaiting_probe = False
+        return True
+
+    def _succeeded(self, replica_id: str) -> None:
+        # A request's success proves health only under cool-downs; with probes, a replica marked down while this
+        # request ran (another request failed) waits for its probe.
+        if self.config.probe_interval_s is None:
+            self.mark_up(replica_id)
 
     # ---- choice ---------------------------------------------------------------------------------------------
     def candidates(self, adapter_id: str | None, exclude: Iterable[str] = ()) -> list[Replica]:
@@ -111,7 +137,8 @@ class Router:
         order = self.candidates(adapter_id, exclude)
         if not order:
             now = self._clock()
-            waits = [r.down_until - now for r in self.replicas.values() if r.replica_id not in set(exclude)]
+            waits = [self.config.probe_interval_s if r.awaiting_probe else r.down_until - now
+                     for r in self.replicas.values() if r.replica_id not in set(exclude)]
             retry = max(0.0, min(waits)) if waits else None
             raise NoReplicaAvailableError("no engine replica is available; retry shortly", retry)
         return order[0]
@@ -145,7 +172,7 @@ class Router:
                     self.mark_down(replica.replica_id)
                     last = e
                     continue
-            self.mark_up(replica.replica_id)
+            self._succeeded(replica.replica_id)
             return result
         raise NoReplicaAvailableError(f"no engine replica could take the request (tried {len(tried)})") from last
 
@@ -168,14 +195,14 @@ class Router:
                 try:
                     first = await it.__anext__()
                 except StopAsyncIteration:
-                    self.mark_up(replica.replica_id)
+                    self._succeeded(replica.replica_id)
                     return
                 except self.retry_on as e:
                     self.mark_down(replica.replica_id)
                     last = e
                     await _aclose(it)
                     continue
-                self.mark_up(replica.replica_id)
+                self._succeeded(replica.replica_id)
                 try:
                     yield first
                     async for item in it:

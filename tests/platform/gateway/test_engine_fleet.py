@@ -45,6 +45,59 @@ def test_residency_affinity_eviction_and_failover(serve, tmp_path, tiny_base, ad
     assert (held[0], adapter_id[0]) in server.gateway.notifier.evicted
 
 
+class Flaky(NullEngineClient):
+    """A replica whose generate and residency each fail while their flag is set; counts generate calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generate_down = self.residency_down = False
+        self.generates = 0
+
+    async def generate(self, request):
+        self.generates += 1
+        if self.generate_down:
+            raise EngineUnavailableError("connection refused")
+        async for chunk in super().generate(request):
+            yield chunk
+
+    async def residency(self):
+        if self.residency_down:
+            raise EngineUnavailableError("connection refused")
+        return await super().residency()
+
+
+def test_replica_marked_down_by_a_request_waits_for_a_residency_poll(serve, tmp_path, tiny_base):
+    flaky, steady = Flaky(), NullEngineClient()
+    server = serve(settings_for(tmp_path, tiny_base), replicas=[Replica("a", flaky), Replica("b", steady)])
+    _, key = server.new_tenant()
+    client = server.openai(key)
+    router = server.gateway.router
+    router.config.cooldown_s = 0.001     # a cool-down would let the next request retry it at once
+
+    def ask():
+        return client.completions.create(model="tiny-llama", prompt=[1], max_tokens=1).choices[0].text
+
+    assert ask() == " tok" and flaky.generates == 1           # base model: the least-loaded, "a" first
+    flaky.generate_down = flaky.residency_down = True
+    assert ask() == " tok" and flaky.generates == 2           # failed over to "b"; "a" is down
+    flaky.generate_down = False                               # it would answer now, but no poll has said so
+    polls = server.gateway.poller.polls
+    for _ in range(5):
+        assert ask() == " tok"
+    deadline = time.monotonic() + 10
+    while server.gateway.poller.polls < polls + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.gateway.poller.polls >= polls + 2
+    assert ask() == " tok" and flaky.generates == 2           # still out of the rotation: polls keep failing
+    assert not router.replicas["a"].is_up(time.monotonic())
+    flaky.residency_down = False
+    deadline = time.monotonic() + 10
+    while not router.replicas["a"].is_up(time.monotonic()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert router.replicas["a"].is_up(time.monotonic())       # a poll succeeded: back in the rotation
+    assert ask() == " tok" and flaky.generates == 3
+
+
 def test_engine_that_cannot_load_leaves_the_control_plane_up(serve, tmp_path):
     from tests.utils.tiny_models import tiny_config
 

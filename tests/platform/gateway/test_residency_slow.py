@@ -6,7 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from loraplex.platform.gateway.residency import ResidencyPoller
-from loraplex.platform.routing import Replica, Router
+from loraplex.platform.routing import Replica, Router, RouterConfig
 
 
 class Client:
@@ -41,5 +41,33 @@ def test_slow_replica_is_marked_down_only_after_consecutive_timeouts():
         slow.delay_s = 0.2
         await poller.poll_once()                                          # the count restarted
         assert router.replicas["slow"].is_up(router._clock())
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_a_request_marked_down_returns_only_on_a_poll_begun_after_the_failure():
+    client = Client()
+    router = Router([Replica("one", client)], RouterConfig(probe_interval_s=0.05))
+    poller = ResidencyPoller(router, interval_s=0.05)
+    replica = router.replicas["one"]
+
+    async def scenario():
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def held_residency():
+            asked.set()
+            await answer.wait()
+            return SimpleNamespace(resident_ids=["t/a/1"])
+
+        client.residency = held_residency
+        poll = asyncio.create_task(poller.poll_once())
+        await asyncio.wait_for(asked.wait(), 10)             # the poll has asked while the replica is up
+        router.mark_down("one")                              # a request to it fails meanwhile
+        answer.set()
+        await poll
+        del client.residency
+        assert not replica.is_up(router._clock()), "a poll older than the failure brought the replica back"
+        await poller.poll_once()
+        assert replica.is_up(router._clock()) and replica.resident == frozenset({"t/a/1"})
 
     asyncio.run(scenario())

@@ -104,6 +104,60 @@ def test_failover_cooldown_and_recovery():
     assert router.replicas[first].consecutive_failures == 0
 
 
+def test_with_probes_a_failed_replica_waits_for_a_probe_not_a_request():
+    clock = Clock()
+    router = make_router(3, clock=clock, cooldown_s=1.0, probe_interval_s=2.0)
+    adapter = "t/probe/1"
+    first, second, _ = hrw_rank(adapter, ["r0", "r1", "r2"])
+    calls = []
+    broken = {first}
+
+    async def fn(replica):
+        calls.append(replica.replica_id)
+        if replica.replica_id in broken:
+            raise ConnectionError("refused")
+        return replica.replica_id
+
+    assert asyncio.run(router.call(adapter, fn)) == second and calls == [first, second]
+    broken.clear()                                      # alive again, but no probe has said so
+    clock.t += 3600
+    calls.clear()
+    for _ in range(3):
+        assert asyncio.run(router.call(adapter, fn)) == second
+    assert calls == [second] * 3                        # never retried by a request, cool-down long past
+    seen = router.replicas[first].failures
+    router.mark_down(first)                             # a failure while that probe was in flight
+    assert router.mark_up(first, failures_seen=seen) is False
+    assert not router.replicas[first].is_up(clock.t)
+    assert router.mark_up(first, failures_seen=router.replicas[first].failures) is True
+    assert asyncio.run(router.call(adapter, fn)) == first and router.replicas[first].consecutive_failures == 0
+
+
+def test_with_probes_a_request_success_does_not_undo_a_concurrent_failure():
+    router = make_router(1, probe_interval_s=2.0)
+    replica = router.replicas["r0"]
+
+    async def scenario():
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_ok(r):
+            started.set()
+            await release.wait()
+            return "ok"
+
+        task = asyncio.create_task(router.call(None, slow_ok))
+        await started.wait()
+        router.mark_down("r0")                          # another request to it died meanwhile
+        release.set()
+        assert await task == "ok"
+        assert not replica.is_up(0.0)
+        with pytest.raises(NoReplicaAvailableError) as e:
+            router.choose(None)
+        assert e.value.retry_after_s == pytest.approx(2.0)   # the next probe, not a cool-down
+
+    asyncio.run(scenario())
+
+
 def test_all_down_raises_with_retry_after():
     clock = Clock()
     router = make_router(2, clock=clock, cooldown_s=3.0)
@@ -153,6 +207,8 @@ def test_stream_fails_over_before_the_first_item_only():
 def test_config_validation():
     with pytest.raises(ValueError, match="load_epsilon must be > 0"):
         RouterConfig(load_epsilon=0)
+    with pytest.raises(ValueError, match="probe_interval_s must be > 0"):
+        RouterConfig(probe_interval_s=0)
     with pytest.raises(ValueError, match="duplicate replica id 'a'"):
         Router([Replica("a"), Replica("a")])
     with pytest.raises(ValueError, match="at least one replica"):
