@@ -5,6 +5,8 @@ ScaledObject) against strict schemas of their references (crd_schemas.py), plus 
     ServiceAccount (workload identity)   engine autoscaling (HPA on Pods metrics | KEDA)   platform HPA on requests/s
     PodDisruptionBudgets                 Ingress (nginx / ALB annotations)               HTTPRoute
     keep-alive of both servers           vLLM-compatible engine metric names
+    engine batch / adapter caps and adapter memory (null: the engine derives them; the rendered args are parsed by
+    the real `loraplex engine serve`)
 """
 from __future__ import annotations
 
@@ -294,3 +296,54 @@ def test_vllm_compatible_engine_metrics_are_opt_in():
     assert "LORAPLEX_ENGINE_VLLM_METRICS" not in env_of(render({}).one("StatefulSet", "-engine"))
     on = render({"engine": {"metrics": {"vllmCompatibleNames": True}}})
     assert env_of(on.one("StatefulSet", "-engine"))["LORAPLEX_ENGINE_VLLM_METRICS"] == "1"
+
+
+def engine_config_of(rendering, monkeypatch) -> dict:
+    """The EngineConfig fields `loraplex engine serve` builds from the engine container's rendered args."""
+    import loraplex.commands.engine as engine_cmd
+    import loraplex.engine.server.serve as serve_mod
+    from loraplex.cli import main
+
+    seen: list[dict] = []
+    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)   # no model folder here
+    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
+    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
+    main(rendering.one("StatefulSet", "-engine")["spec"]["template"]["spec"]["containers"][0]["args"])
+    [kw] = seen
+    return kw
+
+
+def test_engine_batch_and_adapter_caps_default_to_what_the_engine_derives(monkeypatch):
+    from loraplex.engine.engine_config import CUDA_MAX_NUM_SEQS, EngineConfig, with_device_defaults
+
+    r = render({})
+    args = r.one("StatefulSet", "-engine")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not {"--max-num-seqs", "--max-loras", "--adapter-memory", "--adapter-memory-fraction"} & set(args)
+    kw = engine_config_of(r, monkeypatch)
+    assert (kw["max_num_seqs"], kw["max_loras"], kw["adapter_memory_bytes"]) == (None, None, None)
+    config = EngineConfig(model="/m", **{k: v for k, v in kw.items() if k != "model_name"})
+    assert config.adapter_memory_fraction == EngineConfig(model="/m").adapter_memory_fraction
+    assert with_device_defaults(config, "cuda").max_num_seqs == CUDA_MAX_NUM_SEQS == 256
+
+
+@pytest.mark.parametrize("memory,expected", [(25769803776, 24 << 30), ("24Gi", 24 << 30), ("500MB", 500_000_000)])
+def test_engine_batch_adapter_caps_and_adapter_memory_reach_the_engine(memory, expected, monkeypatch):
+    r = render({"engine": {"maxNumSeqs": 128, "lora": {"maxLoras": 8, "adapterMemory": memory,
+                                                       "adapterMemoryFraction": 0.5}}})
+    validate_all(r)
+    kw = engine_config_of(r, monkeypatch)
+    assert (kw["max_num_seqs"], kw["max_loras"], kw["adapter_memory_bytes"], kw["adapter_memory_fraction"]) == \
+        (128, 8, expected, 0.5)
+
+
+@pytest.mark.parametrize("engine,key", [
+    ({"maxNumSeqs": 0}, "maxNumSeqs"),
+    ({"lora": {"maxLoras": 0}}, "maxLoras"),
+    ({"lora": {"adapterMemory": "lots"}}, "adapterMemory"),
+    ({"lora": {"adapterMemory": 0}}, "adapterMemory"),
+    ({"lora": {"adapterMemoryFraction": 1.0}}, "adapterMemoryFraction"),
+    ({"lora": {"adapterMemoryFraction": 0}}, "adapterMemoryFraction"),
+])
+def test_engine_batch_and_adapter_knobs_are_checked(engine, key):
+    with pytest.raises(helm.HelmValuesError, match=key):
+        render({"engine": engine})
