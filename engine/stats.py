@@ -16,6 +16,11 @@ adapter manager's locked ``residency()``). The platform's metrics poller turns i
       "adapter_cold_starts": 9,          # loads that had to go to disk or the blob store (fetches + disk hits)
       "gpu_slot_hit_rate": 0.93,         # slot_hits / (slot_hits + activations); None before any admission
       "adapter_disk_bytes": 61440, "adapter_disk_max_bytes": 21474836480,  # None: no cap
+      "adapter_gpu_bytes": 9437184, "adapter_gpu_budget_bytes": 25769803776,   # the adapter pool (None: no LoRA)
+      "adapter_cpu_bytes": 18874368, "adapters_copying": 0,
+      "adapter_load_latency": {          # every load since start ({} without LoRA): fetch or disk -> CPU weights,
+        "cpu": {"buckets": [[0.001, 0], ..., [60.0, 9]], "count": 9, "sum": 3.2},   # and CPU -> GPU copies
+        "gpu": {"buckets": [[0.001, 40], ...], "count": 52, "sum": 0.06}},         # (engine/lora/latency.py)
       "scheduling_policy": "vtc", "tenants_active": 2,
       "tenants": [                       # the TENANT_STATS_LIMIT tenants holding the most sequences, most first
         {"tenant": "t1", "weight": 1.0, "requests": 2, "running": 64, "waiting": 1, "swapped": 0,
@@ -58,7 +63,9 @@ def adapter_stats(manager: Any) -> dict:
                                                     "pinned": []},
                 "adapter_tiers": {"gpu": 0, "cpu": 0, "disk": 0}, "adapter_counters": {},
                 "adapter_cold_starts": 0, "gpu_slot_hit_rate": None,
-                "adapter_disk_bytes": 0, "adapter_disk_max_bytes": None}
+                "adapter_disk_bytes": 0, "adapter_disk_max_bytes": None,
+                "adapter_gpu_bytes": None, "adapter_gpu_budget_bytes": None, "adapter_cpu_bytes": None,
+                "adapters_copying": None, "adapter_load_latency": {}}
     res = manager.residency()
     counters = dict(res.get("counters", {}))
     gpu = sorted(res.get("gpu", {}).values())
@@ -76,6 +83,11 @@ def adapter_stats(manager: Any) -> dict:
         "gpu_slot_hit_rate": _ratio(slot_hits, slot_hits + activations),
         "adapter_disk_bytes": res.get("disk", {}).get("bytes", 0),          # the disk tier's size and LRU cap
         "adapter_disk_max_bytes": res.get("disk", {}).get("max_bytes"),     # (None: unbounded)
+        "adapter_gpu_bytes": res.get("gpu_bytes", 0),                       # the adapter pool: bytes resident
+        "adapter_gpu_budget_bytes": res.get("gpu_budget_bytes", 0),         # and its budget
+        "adapter_cpu_bytes": res.get("cpu_bytes", 0),
+        "adapters_copying": len(res.get("gpu_copying", [])),
+        "adapter_load_latency": dict(res.get("load_latency", {})),          # {"cpu": histogram, "gpu": histogram}
     }
 
 

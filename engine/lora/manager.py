@@ -34,6 +34,7 @@ from loraplex.engine.config import ModelConfig
 from loraplex.engine.lora.disk_cache import DiskCache
 from loraplex.engine.lora.fetch import (ADAPTER_FILES, AdapterFetchError, AdapterFetchUnavailableError, Fetcher,
                                         default_fetchers)
+from loraplex.engine.lora.latency import LatencyHistogram
 from loraplex.engine.lora.pool import AdapterPool
 from loraplex.engine.lora.ref import AdapterRef
 
@@ -118,6 +119,7 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="loraplex-adapter-load")
         self._cpu: OrderedDict[AdapterRef, Any] = OrderedDict()   # LRU first
         self.load_seconds: deque[float] = deque(maxlen=1024)       # disk / fetch -> CPU times of completed loads
+        self.load_latency = LatencyHistogram()                     # the same, every load since start
         self._copied: set[AdapterRef] = set()  # activated, their first admission not yet made (no slot hit)
         self._loading: dict[AdapterRef, threading.Event] = {}  # set when the load is over
         self._failed: dict[AdapterRef, BaseException] = {}
@@ -173,6 +175,7 @@ class AdapterManager:
                 "gpu_bytes": pool.used_bytes, "gpu_budget_bytes": pool.budget_bytes,
                 "gpu_copying": [ref.adapter_id for ref in pool.copying()],
                 "load_seconds": {"cpu": list(self.load_seconds), "gpu": list(pool.copy_seconds)},
+                "load_latency": {"cpu": self.load_latency.snapshot(), "gpu": pool.copy_latency.snapshot()},
                 "cpu": [ref.adapter_id for ref in self._cpu],
                 "cpu_bytes": sum(int(getattr(w, "nbytes", 0)) for w in self._cpu.values()),
                 "loading": [ref.adapter_id for ref in self._loading],
@@ -235,6 +238,7 @@ class AdapterManager:
                     return
                 self._cpu[ref] = weights
                 self.load_seconds.append(time.monotonic() - t0)
+                self.load_latency.observe(self.load_seconds[-1])
                 self.counters.loads += 1
                 self._trim_cpu(keep=ref)
         finally:

@@ -28,6 +28,7 @@ from typing import Any, Hashable
 import torch
 
 from loraplex.engine.lora.device_copy import CopyHandle
+from loraplex.engine.lora.latency import LatencyHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class AdapterPool:
         self.pinned: set[Hashable] = set()
         self._pin_bytes: dict[Hashable, int] = {}
         self.copy_seconds: list[float] = []  # CPU -> GPU copy times of completed activations (bounded)
+        self.copy_latency = LatencyHistogram()  # the same, every copy since start
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def slot_of(self, ref: Hashable) -> int | None:
@@ -82,6 +84,7 @@ class AdapterPool:
             if r.handle.seconds is not None:
                 self.copy_seconds.append(r.handle.seconds)
                 del self.copy_seconds[:-1024]
+                self.copy_latency.observe(r.handle.seconds)
         return r.source is None
 
     def copying(self) -> list[Hashable]:

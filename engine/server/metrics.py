@@ -12,9 +12,14 @@ gauges (the same numbers, polled by the platform and labelled ``replica``): a Pr
     loraplex_engine_server_prefix_cache_hit_rate, _gpu_slot_hit_rate     (absent before the first lookup/admission)
     loraplex_engine_server_adapters_resident{tier}          gpu / cpu / disk
     loraplex_engine_server_adapter_disk_bytes / _max_bytes  the disk cache's size and its cap (absent: no cap)
-    loraplex_engine_server_adapters_loading / _failed / _pinned
+    loraplex_engine_server_adapters_loading / _failed / _pinned / _copying
+    loraplex_engine_server_adapter_gpu_bytes / _gpu_budget_bytes   the adapter pool's bytes resident and its budget
+    loraplex_engine_server_adapter_cpu_bytes                the CPU tier's bytes          (these three: LoRA engines)
+    loraplex_engine_server_adapter_load_seconds{stage}      histogram of loads since start: stage "cpu" (fetch or
+                                                            disk -> CPU weights), "gpu" (CPU -> GPU copy)
     loraplex_engine_server_prefix_cache_queries_total / _hits_total, _preemptions_total, _adapter_cold_starts_total
     loraplex_engine_server_adapter_events_total{event}      the adapter manager's counters (fetches, loads,
+                                                            activations = GPU loads, evictions = GPU evictions,
                                                             disk_evictions, ...)
     loraplex_engine_server_tenants_active                   tenants with an unfinished request
     loraplex_engine_server_tenant_sequences{tenant,state}   running / waiting / swapped sequences per tenant
@@ -38,6 +43,7 @@ Extension's endpoint picker reads from vLLM (its model-server protocol), labelle
 
 Off by default: the adapter lists are label values, so every change of residency starts a new series.
 
+Adapter-pool metrics are engine-wide (no adapter label: their series do not grow with the adapters served).
 Tenant labels are bounded: the ``TENANT_STATS_LIMIT`` tenants holding the most sequences keep their id, the rest
 are summed under ``tenant="_other"``; a request without a tenant counts under ``tenant="_none"``. Idle tenants
 leave the exposition, so the label values of one scrape are at most ``TENANT_STATS_LIMIT + 1``. Speculative
@@ -72,6 +78,10 @@ GAUGES = (  # (stats key, metric suffix, help)
     ("gpu_slot_hit_rate", "gpu_slot_hit_rate", "Admissions whose adapter was already in a GPU slot, since start"),
     ("adapter_disk_bytes", "adapter_disk_bytes", "Bytes of the adapter disk cache"),
     ("adapter_disk_max_bytes", "adapter_disk_max_bytes", "Size cap of the adapter disk cache (absent: none)"),
+    ("adapter_gpu_bytes", "adapter_gpu_bytes", "GPU bytes of the adapters resident in the adapter pool"),
+    ("adapter_gpu_budget_bytes", "adapter_gpu_budget_bytes", "GPU byte budget of the adapter pool"),
+    ("adapter_cpu_bytes", "adapter_cpu_bytes", "Bytes of the adapters held in CPU memory"),
+    ("adapters_copying", "adapters_copying", "Adapters whose CPU -> GPU copy is in flight"),
     ("kv_cache_tokens", "kv_cache_tokens", "Tokens the KV cache pool holds"),
     ("kv_cache_gib", "kv_cache_gib", "GiB of the KV cache pool"),
     ("num_cuda_graphs", "cuda_graphs", "Decode batch sizes captured as CUDA graphs"),
@@ -114,6 +124,8 @@ class _StatsCollector:
                                     value=float(len(value) if isinstance(value, (list, dict)) else value))
         for key, name, doc in COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
+        if s.get("adapter_load_latency"):
+            yield self._load_latency(s["adapter_load_latency"])
         events = CounterMetricFamily(f"{PREFIX}_adapter_events", "Adapter manager counters since start",
                                      labels=["event"])
         for event, value in sorted(s.get("adapter_counters", {}).items()):
@@ -125,6 +137,19 @@ class _StatsCollector:
             yield from self._vllm(s)
         if s.get("speculative"):
             yield from self._speculative(s["speculative"])
+
+    @staticmethod
+    def _load_latency(stages: dict):
+        from prometheus_client.core import HistogramMetricFamily
+
+        family = HistogramMetricFamily(f"{PREFIX}_adapter_load_seconds", "Adapter loads since start: stage cpu = "
+                                       "fetch or disk -> CPU weights, gpu = CPU -> GPU copy", labels=["stage"])
+        for stage in ("cpu", "gpu"):
+            h = stages.get(stage)
+            if h:
+                buckets = [(repr(float(le)), float(n)) for le, n in h["buckets"]] + [("+Inf", float(h["count"]))]
+                family.add_metric([stage], buckets, float(h["sum"]))
+        return family
 
     def _vllm(self, s: dict):
         """The vLLM-compatible names of the Inference Extension's model-server protocol (module docstring)."""

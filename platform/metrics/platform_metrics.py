@@ -106,6 +106,14 @@ class PlatformMetrics:
                                    [g], registry=r)
         self.slot_hit_rate = Gauge(f"{ns}_engine_gpu_slot_hit_rate", "Admissions whose adapter was already in a GPU "
                                    "slot, since start", [g], registry=r)
+        self.adapter_gpu_bytes = Gauge(f"{ns}_engine_adapter_gpu_bytes", "GPU bytes of the adapters resident in the "
+                                       "replica's adapter pool", [g], registry=r)
+        self.adapter_gpu_budget = Gauge(f"{ns}_engine_adapter_gpu_budget_bytes", "GPU byte budget of the replica's "
+                                        "adapter pool", [g], registry=r)
+        self.adapter_gpu_loads = Counter(f"{ns}_engine_adapter_gpu_loads", "Adapter copies from CPU to the GPU",
+                                         [g], registry=r)
+        self.adapter_gpu_evictions = Counter(f"{ns}_engine_adapter_gpu_evictions", "Adapters evicted from GPU "
+                                             "memory", [g], registry=r)
 
     # ---- labels -----------------------------------------------------------------------------------------------
     def labels_for(self, tenant: str, adapter: str | None, version: str | None = None) -> tuple[str, str, str]:
@@ -202,15 +210,22 @@ class PlatformMetrics:
         self.slot_hit_rate.labels(g).set(stats.get("gpu_slot_hit_rate") or 0.0)
         for tier in TIERS:
             self.residency.labels(g, tier).set(stats.get("adapter_tiers", {}).get(tier, 0))
+        self.adapter_gpu_bytes.labels(g).set(stats.get("adapter_gpu_bytes") or 0)
+        self.adapter_gpu_budget.labels(g).set(stats.get("adapter_gpu_budget_bytes") or 0)
+        adapter_counters = stats.get("adapter_counters") or {}
         with self._lock:
             prev = self._engine_prev.get(replica, {})
             current = {"prefix_cache_queries": stats.get("prefix_cache_queries", 0),
                        "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
                        "num_preemptions": stats.get("num_preemptions", 0),
-                       "adapter_cold_starts": stats.get("adapter_cold_starts", 0)}
+                       "adapter_cold_starts": stats.get("adapter_cold_starts", 0),
+                       "adapter_gpu_loads": adapter_counters.get("activations", 0),
+                       "adapter_gpu_evictions": adapter_counters.get("evictions", 0)}
             for name, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits",
                                   self.prefix_hits), ("num_preemptions", self.preemptions),
-                                  ("adapter_cold_starts", self.cold_starts)):
+                                  ("adapter_cold_starts", self.cold_starts),
+                                  ("adapter_gpu_loads", self.adapter_gpu_loads),
+                                  ("adapter_gpu_evictions", self.adapter_gpu_evictions)):
                 grown = current[name] - prev.get(name, 0)
                 counter.labels(g).inc(grown if grown >= 0 else current[name])
             self._engine_prev[replica] = current

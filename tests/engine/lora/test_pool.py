@@ -61,6 +61,8 @@ def test_an_adapter_in_use_or_still_copying_is_never_evicted(slots):
     assert pool.activate("c", c) is None                   # both copies in flight: not evictable
     copier.finish_all()
     assert pool.is_ready("a") and pool.copying() == [] and pool.copy_seconds == [0.001, 0.001]
+    latency = pool.copy_latency.snapshot()                 # every completed copy, for the engine's /metrics
+    assert latency["count"] == 2 and latency["sum"] == pytest.approx(0.002) and latency["buckets"][0] == [0.001, 2]
     assert pool.activate("c", c, in_use={"a", "b"}) is None
     assert pool.activate("c", c, in_use={"b"}) is not None and pool.slot_of("a") is None
 

@@ -70,6 +70,19 @@ def test_stats_and_metrics_follow_a_request_with_an_adapter(engine_server, llama
         assert at("adapters_resident", tier=tier) == after["adapter_tiers"][tier]
     assert at("adapter_events_total", event="activations") == after["adapter_counters"]["activations"] >= 1
     assert at("gpu_slot_hit_rate") == after["gpu_slot_hit_rate"]
+    # the adapter pool: bytes against the budget, loads, evictions, load latency (every load since start)
+    pool = llm.adapters.pool
+    assert at("adapter_gpu_bytes") == after["adapter_gpu_bytes"] == pool.used_bytes > 0
+    assert at("adapter_gpu_budget_bytes") == after["adapter_gpu_budget_bytes"] == pool.budget_bytes >= pool.used_bytes
+    assert at("adapter_cpu_bytes") == after["adapter_cpu_bytes"] > 0 and at("adapters_copying") == 0
+    assert at("adapter_events_total", event="evictions") == after["adapter_counters"]["evictions"]
+    for stage, loads in (("cpu", after["adapter_counters"]["loads"]),
+                         ("gpu", after["adapter_counters"]["activations"])):
+        assert at("adapter_load_seconds_count", stage=stage) == loads >= 1
+        assert at("adapter_load_seconds_bucket", stage=stage, le="+Inf") == loads
+        assert at("adapter_load_seconds_sum", stage=stage) >= 0
+    # engine-wide: no adapter id is a label value of any sample (label sets stay bounded whatever is served)
+    assert not [k for k in v if ref.adapter_id in dict(k[1]).values()]
 
 
 def test_stats_and_metrics_are_503_while_loading_then_null_stats():

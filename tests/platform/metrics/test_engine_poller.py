@@ -66,6 +66,27 @@ def test_gauges_and_counter_growth_per_replica():
     assert m.engines["e1"]["up"] is False and "connection refused" in m.engines["e1"]["error"]
 
 
+def test_adapter_pool_gauges_and_gpu_load_counters_per_replica():
+    m = PlatformMetrics()
+    pool = dict(adapter_gpu_bytes=3 << 20, adapter_gpu_budget_bytes=24 << 30)
+    feed = [stats(**pool, adapter_counters={"activations": 5, "evictions": 1}),
+            stats(**pool, adapter_counters={"activations": 9, "evictions": 4}),
+            stats(adapter_gpu_bytes=1 << 20, adapter_gpu_budget_bytes=24 << 30,      # restarted
+                  adapter_counters={"activations": 2, "evictions": 0})]
+    poller = EngineStatsPoller(m, {"e0": lambda: feed.pop(0), "null": lambda: stats()}, max_age_s=0.0)
+    for _ in range(3):
+        asyncio.run(poller.poll_once())
+    v = parse_scrape(m.exposition().decode())
+    assert sample(v, "loraplex_engine_adapter_gpu_bytes", replica="e0") == 1 << 20
+    assert sample(v, "loraplex_engine_adapter_gpu_budget_bytes", replica="e0") == 24 << 30
+    assert sample(v, "loraplex_engine_adapter_gpu_loads_total", replica="e0") == 9 + 2
+    assert sample(v, "loraplex_engine_adapter_gpu_evictions_total", replica="e0") == 4 + 0
+    assert sample(v, "loraplex_engine_adapter_gpu_bytes", replica="null") == 0        # no LoRA: zero, not absent
+    assert sample(v, "loraplex_engine_adapter_gpu_loads_total", replica="null") == 0
+    adapter_ids = {"t/a/1", "t/b/1"}
+    assert not [k for k in v if adapter_ids & set(dict(k[1]).values())]              # replica labels only
+
+
 def test_refresh_polls_at_most_once_per_max_age_and_a_bad_source_is_refused():
     calls = []
     m = PlatformMetrics()
