@@ -247,12 +247,7 @@ class VerifyExecutor:
         """Each sequence's grammar matcher, caught up with its tokens (None: a free request)."""
         if structured is None:
             return [None] * len(seqs)
-        found = []
-        for seq in seqs:
-            req = structured._requests.get(seq.request_id)
-            found.append(structured._matcher(req, seq) if req is not None and req.entry.compiled is not None
-                         else None)
-        return found
+        return [structured.matcher_for(seq) for seq in seqs]
 
     def _cut(self, seq, params, tokens: list[int], matcher) -> list[int]:
         """``tokens`` up to where non-speculative decoding would have stopped: max_tokens, max_model_len, EOS (unless

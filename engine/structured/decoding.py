@@ -85,6 +85,15 @@ class StructuredDecoding:
         self._requests.pop(request_id, None)
 
     # ---- the step -------------------------------------------------------------------------------------------
+    def matcher_for(self, seq) -> GrammarMatcher | None:
+        """``seq``'s grammar matcher, caught up with its output tokens (the speculative verifier walks drafts with
+        it); None for a request without a grammar or whose grammar has not compiled. GrammarStateError as
+        ``bitmask``."""
+        req = self._requests.get(seq.request_id)
+        if req is None or req.entry.compiled is None:
+            return None
+        return self._matcher(req, seq)
+
     def _matcher(self, req: _Constrained, seq) -> GrammarMatcher:
         m = req.matchers.get(seq.seq_id)
         if m is None:

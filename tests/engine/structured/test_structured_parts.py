@@ -212,3 +212,28 @@ def test_grammar_error_is_a_value_error(compiler):
     assert e.value.kind == "json_schema"
     with pytest.raises(ValueError, match="tokenizer"):
         GrammarCompiler(None, vocab_size=10, eos_token_ids=[1])
+
+
+def test_matcher_for_is_caught_up_with_the_sequence_and_none_without_a_grammar(tokenizer):
+    from types import SimpleNamespace
+
+    from loraplex.engine.structured.decoding import StructuredDecoding
+
+    sd = StructuredDecoding(tokenizer, vocab_size=VOCAB, eos_token_ids=[EOS])
+    try:
+        sd.add_request("r", StructuredOutput(choice=["yes", "no"]))
+        deadline = time.monotonic() + 30
+        while sd.state("r") == "compiling" and time.monotonic() < deadline:
+            sd.wait_for_compiles(1.0)
+        assert sd.state("r") == "ready"
+        out = tokenizer.encode("ye", add_special_tokens=False)
+        seq = SimpleNamespace(request_id="r", seq_id=0, output_token_ids=out, num_output_tokens=len(out),
+                              num_pending_tokens=0)
+        m = sd.matcher_for(seq)
+        assert m is not None and m.num_tokens == len(out) and not m.is_accepting
+        assert sd.matcher_for(seq) is m                                  # one matcher per sequence, kept
+        free = SimpleNamespace(request_id="free", seq_id=1, output_token_ids=[], num_output_tokens=0,
+                               num_pending_tokens=0)
+        assert sd.matcher_for(free) is None
+    finally:
+        sd.close()
