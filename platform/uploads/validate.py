@@ -55,8 +55,9 @@ def peft_files(form: SpooledForm, work_dir: str, settings: Settings) -> tuple[st
                           code="not_safetensors")
     for name in (CONFIG, WEIGHTS):
         if name not in found:
+            code = {CONFIG: "missing_adapter_config", WEIGHTS: "missing_adapter_model"}[name]
             raise UploadError(422, f"missing {name}; upload it beside the other PEFT file (the folder PEFT's "
-                                   "save_pretrained wrote)", code=f"missing_{name.split('.')[0]}")
+                                   "save_pretrained wrote)", code=code)
     return found[CONFIG], found[WEIGHTS]
 
 
