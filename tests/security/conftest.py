@@ -8,9 +8,7 @@ import pytest
 
 from load_tests.adapters import rank1_adapter
 from tests.platform.gateway.conftest import ADMIN_KEY, LiveServer, settings_for
-
-# Imports may only name a host that never resolves (RFC 6761 ".invalid"): generated requests stay off the network.
-NO_NETWORK_IMPORTS = ["imports.invalid"]
+from tests.security.live_stack import NO_NETWORK_IMPORTS
 
 __all__ = ["ADMIN_KEY", "NO_NETWORK_IMPORTS", "bearer", "upload_files"]      # used by the tests of this folder
 
@@ -48,8 +46,7 @@ def tenants(tmp_path_factory, tiny_llama) -> Tenants:
     from loraplex.platform.main import create_app
 
     tmp = tmp_path_factory.mktemp("security")
-    settings = settings_for(tmp, tiny_llama, max_upload_bytes=256 * 1024,
-                            import_allowed_hosts=NO_NETWORK_IMPORTS)
+    settings = settings_for(tmp, tiny_llama, max_upload_bytes=256 * 1024, **NO_NETWORK_IMPORTS)
     run("upgrade", "head", url=settings.sqlalchemy_url)
     server = LiveServer(create_app(settings))
     owner_id, owner_key = server.new_tenant()

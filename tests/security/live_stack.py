@@ -19,6 +19,10 @@ import pytest
 from tests.platform.gateway.conftest import ADMIN_KEY, LiveServer, settings_for
 from tests.utils.services import MotoServer, create_database, drop_database
 
+# Imports may only name a host that never resolves (RFC 6761 ".invalid") and no S3 bucket: generated requests stay
+# off the network (an unreachable source is an honest 503, which the generated-request checks count as a failure).
+NO_NETWORK_IMPORTS = {"import_allowed_hosts": ["imports.invalid"], "import_s3_buckets": []}
+
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ENGINE_MAX_RANK = 8            # what the (null) engine reports: uploads above it are refused
 UPLOAD_MAX_RANK = 64           # the settings' own cap, above the engine's: the engine's limit must win
@@ -96,7 +100,7 @@ def stack(tmp_path_factory) -> Stack:
                             s3_part_size=64 * 1024, s3_max_attempts=2, redis_url=REDIS_URL, quota_key_prefix=prefix,
                             quota_timeout_s=5.0, max_rank=UPLOAD_MAX_RANK, engine_max_lora_rank=ENGINE_MAX_RANK,
                             max_upload_bytes=MAX_UPLOAD_BYTES, max_request_bytes=256 * 1024,
-                            import_allowed_hosts=["imports.invalid"])  # generated imports stay off the network
+                            **NO_NETWORK_IMPORTS)
     server = LiveServer(create_app(settings))
     try:
         owner_id, owner_key = server.new_tenant()
