@@ -67,6 +67,11 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._template = _compile(self.source)
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads ``tools`` (then it renders the tools and tool turns itself)."""
+        return not self.is_fallback and "tools" in self.source
+
     @classmethod
     def from_pretrained(cls, folder: str) -> "ChatTemplate":
         """From a model/tokenizer folder (see the module docstring for the lookup order)."""
