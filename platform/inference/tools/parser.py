@@ -38,6 +38,7 @@ class ToolCallFeed:
         self._raw_space = ""          # whitespace held when the region opened
         self._scanner: CallScanner | None = None
         self._open: ToolCall | None = None
+        self._region_calls = 0        # calls the open region made
 
     @property
     def finish_reason(self) -> str | None:
@@ -108,6 +109,10 @@ class ToolCallFeed:
         end = self.fmt.region_end
         if end:
             if buf.startswith(end, i):
+                if not self._region_calls:   # an empty region ("<tool_call></tool_call>") is text
+                    self._raw += end
+                    self._degrade(out)
+                    return i + len(end)
                 self._state, self._raw, self._raw_space = "text", "", ""
                 self._after_call = bool(self.tool_calls)
                 return i + len(end)
@@ -157,12 +162,14 @@ class ToolCallFeed:
     # ---- helpers ----
     def _open_region(self, marker: str) -> None:
         self._state, self._raw, self._raw_space, self._space = "region", marker, self._space, ""
+        self._region_calls = 0
 
     def _close_call(self, out: HarmonyDelta) -> None:
         if not self._open.arguments:
             self._arguments(out, "{}")
         self._open, self._scanner = None, None
         self._state, self._raw, self._raw_space = "region", "", ""
+        self._region_calls += 1
         self._after_call = True
 
     def _arguments(self, out: HarmonyDelta, text: str) -> None:
