@@ -17,7 +17,7 @@ import pytest
 
 from loraplex.platform.engines.inprocess import NullEngineClient
 from loraplex.platform.engines.messages import EngineChunk, EngineRequest, OutputDelta
-from loraplex.platform.inference.tools import HERMES, LLAMA3_JSON, ToolCallFeed
+from loraplex.platform.inference.tools import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFeed
 from loraplex.platform.routing import Replica
 from tests.platform.gateway.conftest import make_adapter, settings_for
 
@@ -35,6 +35,7 @@ TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 FAMILIES = ("llama", "qwen3")
+ALL_FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral")   # Llama 3.1 JSON, Hermes, Hermes, Mistral
 MAX_TOKENS = 200   # a forced call of these schemas: ~50 ids of wrapper, at most 8 characters of 4 bytes, a 2-digit number
 
 
@@ -44,13 +45,13 @@ def bases(tmp_path_factory) -> dict[str, str]:
 
     # the tools' system text is ~1000 ids of the tiny (almost byte-level) tokenizer: room for it
     return {f: make_tiny_checkpoint(f, str(tmp_path_factory.mktemp("models") / f"tiny-{f}"),
-                                    max_position_embeddings=2048) for f in FAMILIES}
+                                    max_position_embeddings=2048) for f in ALL_FAMILIES}
 
 
 @pytest.fixture(scope="module")
 def family_adapters(bases, tmp_path_factory) -> dict[str, dict[str, str]]:
-    return {f: {name: make_adapter(base, str(tmp_path_factory.mktemp(f"adapter-{f}-{name}")), seed=seed)
-                for name, seed in (("a", 1), ("b", 2))} for f, base in bases.items()}
+    return {f: {name: make_adapter(bases[f], str(tmp_path_factory.mktemp(f"adapter-{f}-{name}")), seed=seed)
+                for name, seed in (("a", 1), ("b", 2))} for f in FAMILIES}
 
 
 def real_engine(serve, tmp_path, base):
@@ -98,7 +99,7 @@ def forced(client, model, choice, *, stream: bool, **kw):
     return r.choices[0].message.tool_calls or [], r.choices[0].finish_reason, r.choices[0].message.content
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_required_and_named_give_valid_calls(serve, tmp_path, bases, family):
     server, key = real_engine(serve, tmp_path, bases[family])
     client, model = server.openai(key), server.gateway.model_name
@@ -207,10 +208,12 @@ SCRIPTS = {
               '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": true}}\n</tool_call>', HERMES),
     "llama": ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
               '{"name": "add", "parameters": {"a": 2, "b": true}}', LLAMA3_JSON),
+    "mixtral": ('Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+                '{"name": "add", "arguments": {"a": 2, "b": true}}]', MISTRAL),
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sorted(SCRIPTS))
 def test_auto_calls_of_a_model_that_calls(serve, tmp_path, bases, family):
     script, fmt = SCRIPTS[family]
     engine = ScriptedEngine(script)
@@ -219,7 +222,7 @@ def test_auto_calls_of_a_model_that_calls(serve, tmp_path, bases, family):
     client, model = server.openai(key), server.gateway.model_name
     assert server.gateway.tokenizer.tool_format is fmt
     expected = [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 2, "b": True})]
-    content = "Checking." if family == "qwen3" else None
+    content = None if family == "llama" else "Checking."
     r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS)
     message = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and message.content == content
