@@ -3,9 +3,9 @@
 
 Stream layout (chat): a first chunk with ``delta.role`` per choice, one chunk per choice and engine chunk with text
 (and that text's tokens' logprobs; GPT-OSS: ``delta.reasoning_content`` beside ``delta.content``; with tools:
-``delta.tool_calls``, a call's index, id, type and name first, then its arguments in pieces), each choice's last chunk with ``finish_reason``, a usage chunk
-(``choices: []``) when ``stream_options.include_usage``, then ``[DONE]``. An
-engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
+``delta.tool_calls``, a call's index, id, type and name first, then its arguments in pieces), each choice's last
+chunk with ``finish_reason``, a usage chunk (``choices: []``) when ``stream_options.include_usage``, then
+``[DONE]``. An engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from loraplex.platform.inference.chat_template import ChatTemplate
 from loraplex.platform.inference.errors import InferenceError
-from loraplex.platform.inference.tools import (ToolCallFeed, check_schemas, format_for, has_tool_history,
-                                               structured_field, template_inputs, tool_request)
+from loraplex.platform.inference.tools import (ToolCallFeed, check_schemas, format_for, harmony_tool_grammar,
+                                               has_tool_history, structured_field, template_inputs, tool_request)
 
 
 def model_type(folder: str | None) -> str | None:
@@ -125,9 +125,7 @@ class PromptTokenizer:
                                               native=self.chat_template.supports_tools)
             return self.prompt(self.chat_template.render(messages, **extra), add_special_tokens=False)
         if requested is not None and requested.forced:
-            raise InferenceError(400, "'tool_choice' takes \"auto\" or \"none\" for GPT-OSS (harmony; the model "
-                                      "decides whether to call a tool); a required or named tool is not supported "
-                                      "there yet", param="tool_choice", code="unsupported_parameter")
+            check_schemas(requested)
         if self.harmony.renderer is None:   # no o200k vocabulary: the model's own template, told the effort
             if tools:
                 raise InferenceError(400, f"'tools' need the harmony renderer, which is unavailable here: "
@@ -143,14 +141,14 @@ class PromptTokenizer:
         return ids, len(ids)
 
     def chat_sampling(self, body: Any = None) -> dict[str, Any]:
-        """Engine sampling fields a chat request adds: harmony's stop tokens for GPT-OSS; elsewhere, for
-        ``tool_choice`` "required" or a named function, the grammar of the calls (``structured``)."""
-        if self.harmony is not None:
-            return {"stop_token_ids": self.harmony.stop_token_ids}
+        """Engine sampling fields a chat request adds: harmony's stop tokens for GPT-OSS; for ``tool_choice``
+        "required" or a named function, the grammar of the calls (``structured``; harmony's own for GPT-OSS)."""
         tools = tool_request(body) if body is not None else None
-        if tools is not None and tools.forced:
-            return {"structured": structured_field(tools, self.tool_format)}
-        return {}
+        forced = tools is not None and tools.forced
+        if self.harmony is not None:
+            grammar = {"structured": {"grammar": harmony_tool_grammar(tools)}} if forced else {}
+            return {"stop_token_ids": self.harmony.stop_token_ids, **grammar}
+        return {"structured": structured_field(tools, self.tool_format)} if forced else {}
 
     def parses_output(self, body: Any) -> bool:
         """Whether chat completions of ``body`` go through ``output_parser`` (harmony, or tools offered)."""

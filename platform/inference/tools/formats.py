@@ -1,10 +1,10 @@
 """How each model family writes tool calls: the wrapper around a call's JSON, how calls and results in history
 are written back, and the system-prompt text that tells a model without a tool-aware chat template about the tools.
 
-    family (config.json model_type)        a call                                         several calls
-    qwen3, qwen3_moe, qwen2 (Hermes)       <tool_call>\\n{"name": N, "arguments": {..}}\\n</tool_call>   one block each, "\\n"
-    llama (Llama 3.1 JSON)                 {"name": N, "parameters": {..}}                joined by "; "
-    mixtral, mistral                       [TOOL_CALLS] [{"name": N, "arguments": {..}}]  one list, ", "
+    family (model_type)          a call                                                   several calls
+    qwen3, qwen3_moe, qwen2      <tool_call>\\n{"name": N, "arguments": {..}}\\n</tool_call>   one block each, "\\n"
+    llama (Llama 3.1 JSON)       {"name": N, "parameters": {..}}                          joined by "; "
+    mixtral, mistral             [TOOL_CALLS] [{"name": N, "arguments": {..}}]            one list, ", "
 
 Other model types use Hermes'. ``region_start`` opens the calls in the output (None: only at the start of the
 output, where ``start_chars`` may begin them: Llama's ``{``, Mistral's ``[`` when the tokenizer drops the

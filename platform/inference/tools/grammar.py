@@ -11,6 +11,7 @@ The arguments are JSON valid for the function's schema by construction; JSON whi
 ``strict`` says: strict functions refuse keywords the grammar library cannot enforce (400 naming the
 function's ``parameters``), others leave those keywords unchecked. ``check_schemas`` validates each function's
 schema in the gateway (no tokenizer needed), so a bad one is a 400 before the engine sees the request.
+``harmony_tool_grammar`` is the same for GPT-OSS: one call in harmony's commentary-channel form.
 """
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def tool_grammar(tools: ToolRequest, fmt: ToolFormat) -> str:
     calls = "call" if not tools.parallel else f"call ({_seq(_literal(fmt.call_separator), 'call')})*"
     start = f"start: {_seq(_literal(fmt.list_prefix), calls, _literal(fmt.list_suffix))}"
     return "\n".join([start, "call: " + " | ".join(alternatives), *rules]) + "\n"
+
+
+def harmony_tool_grammar(tools: ToolRequest) -> str:
+    """GPT-OSS (harmony): the assistant's message is one call of an allowed function on the commentary channel,
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>`` (the markers are
+    the tokenizer's special tokens; a forced call goes straight to the function, with no analysis before it).
+    Harmony makes one call per turn, so ``parallel_tool_calls`` changes nothing here."""
+    rules, alternatives = [], []
+    for i, fn in enumerate(tools.callable):
+        rules.append(f"call_{i}: <|channel|> {_literal(f'commentary to=functions.{fn.name} ')} <|constrain|> "
+                     f'"json" <|message|> args_{i} <|call|>')
+        rules.append(f"args_{i}: %json {json.dumps(_args_schema(fn.parameters, fn.strict))}")
+        alternatives.append(f"call_{i}")
+    return "\n".join(["start: " + " | ".join(alternatives), *rules]) + "\n"
 
 
 def check_schemas(tools: ToolRequest) -> None:

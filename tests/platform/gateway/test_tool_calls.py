@@ -36,7 +36,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 FAMILIES = ("llama", "qwen3")
 ALL_FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral")   # Llama 3.1 JSON, Hermes, Hermes, Mistral
-MAX_TOKENS = 200   # a forced call of these schemas: ~50 ids of wrapper, at most 8 characters of 4 bytes, a 2-digit number
+MAX_TOKENS = 200   # a forced call of these schemas: ~50 ids of wrapper, 8 characters of up to 4 bytes, 2 digits
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ A = ("add", {"a": [1, {"b": "}]"}], "s": "quote \" brace {"})
 
 CASES = [   # format, text, content, calls
     (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
-             '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": [1, {"b": "}]"}], "s": "quote \\" brace {"}}'
+             '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": [1, {"b": "}]"}], '
+             '"s": "quote \\" brace {"}}'
              '\n</tool_call>', "Let me check.", [W, A]),
     (HERMES, '<tool_call>{"arguments": {"city": "Paris", "unit": "c"}, "name": "get_weather"}</tool_call> Done.',
      "Done.", [W]),                                           # arguments first: sent when the name closes
