@@ -10,11 +10,15 @@ Two ways, by the model's template:
   (after its content), and a tool result becomes a ``user`` turn (``ToolFormat.result_text``).
 
 Either way a ``tool`` message must answer an earlier assistant call (its ``tool_call_id``) or carry the function's
-``name``; else a 400 naming ``messages.N.tool_call_id``.
+``name``; else a 400 naming ``messages.N.tool_call_id``. Mistral's templates take only 9-character alphanumeric
+call ids: in that format every id (a call's and the result's ``tool_call_id`` alike) is replaced by one derived
+from it (``short_call_id``), so calls and results still pair up.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from typing import Any, Iterable
 
 from loraplex.platform.inference.errors import InferenceError
@@ -33,6 +37,19 @@ def _arguments_value(arguments: str) -> Any:
         return arguments
 
 
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def short_call_id(call_id: str) -> str:
+    """A 9-character alphanumeric id derived from ``call_id`` (the same for the same id)."""
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    out = ""
+    for _ in range(9):
+        n, k = divmod(n, len(_ALPHANUMERIC))
+        out += _ALPHANUMERIC[k]
+    return out
+
+
 def has_tool_history(messages: Iterable[Any]) -> bool:
     """Whether any message is a tool result or an assistant turn with tool calls."""
     return any(m.role == "tool" or m.tool_calls for m in messages)
@@ -43,13 +60,14 @@ def template_inputs(messages: list, tools: ToolRequest | None, fmt: ToolFormat, 
     """``(messages, kwargs)`` for ``ChatTemplate.render``; ``messages`` are ``ChatMessage`` models."""
     names: dict[str, str] = {}       # tool_call_id -> function name
     out: list[dict] = []
+    ids = short_call_id if fmt.name == "mistral" else (lambda i: i)
     for i, m in enumerate(messages):
         if m.role == "assistant" and m.tool_calls:
             for call in m.tool_calls:
                 names[call.id] = call.function.name
             if native:
                 out.append({"role": "assistant", "content": _text(m), "tool_calls": [
-                    {"id": c.id, "type": "function", "function": {
+                    {"id": ids(c.id), "type": "function", "function": {
                         "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}}
                     for c in m.tool_calls]})
             else:
@@ -62,7 +80,8 @@ def template_inputs(messages: list, tools: ToolRequest | None, fmt: ToolFormat, 
                                           "tool call (or the function's name)", param=f"messages.{i}.tool_call_id",
                                      code="invalid_value")
             if native:
-                out.append({"role": "tool", "content": _text(m), "tool_call_id": m.tool_call_id or "", "name": name})
+                out.append({"role": "tool", "content": _text(m), "tool_call_id": ids(m.tool_call_id or ""),
+                            "name": name})
             else:
                 out.append({"role": "user", "content": fmt.result_text(name, _text(m))})
         else:

@@ -8,7 +8,9 @@ from loraplex.engine.testing.tiny_tokenizer import CHAT_TEMPLATE
 from loraplex.platform.inference.chat_template import ChatTemplate
 from loraplex.platform.inference.errors import InferenceError
 from loraplex.platform.inference.protocol import ChatCompletionRequest
-from loraplex.platform.inference.tools import HERMES, LLAMA3_JSON, has_tool_history, template_inputs, tool_request
+from loraplex.platform.inference.tools import (HERMES, LLAMA3_JSON, MISTRAL, has_tool_history, template_inputs,
+                                               tool_request)
+from loraplex.platform.inference.tools.prompt import short_call_id
 
 TOOL_TEMPLATE = (   # a template that renders tools itself, as Qwen3's and Llama 3.1's do
     "{% if tools %}<|system|>TOOLS{% for t in tools %} {{ t.function.name }}={{ t.function.parameters | tojson }}"
@@ -74,3 +76,13 @@ def test_tool_result_without_its_call_is_a_400():
     named = request([{"role": "user", "content": "x"}, {"role": "tool", "name": "get_weather", "content": "1"}])
     messages, _ = template_inputs(named.messages, None, HERMES, native=False)
     assert messages[-1]["content"] == "<tool_response>\n1\n</tool_response>"
+
+
+def test_mistral_ids_are_nine_alphanumerics_that_pair_up():
+    body = request(HISTORY, tools=[WEATHER])
+    messages, _ = template_inputs(body.messages, tool_request(body), MISTRAL, native=True)
+    call_id = messages[1]["tool_calls"][0]["id"]
+    assert len(call_id) == 9 and call_id.isalnum() and call_id == short_call_id("call_1")
+    assert messages[2]["tool_call_id"] == call_id and short_call_id("call_2") != call_id
+    messages, _ = template_inputs(body.messages, tool_request(body), HERMES, native=True)
+    assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == "call_1"
