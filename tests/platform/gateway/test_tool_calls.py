@@ -269,3 +269,30 @@ def test_bad_tools_are_400s(serve, tmp_path, bases):
             client.chat.completions.create(model=model, **kw)
         assert e.value.param == param and message in e.value.message, (kw.get("tool_choice"), e.value.message)
         assert e.value.status_code == 400
+
+
+def test_several_choices_with_logprobs(serve, tmp_path, bases):
+    server, key = real_engine(serve, tmp_path, bases["qwen3"])
+    client, model = server.openai(key), server.gateway.model_name
+    args = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                max_tokens=MAX_TOKENS, temperature=1.0, seed=7, n=2, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**args)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        assert_valid(c.message.tool_calls, {"get_weather", "add"})
+        assert c.logprobs.content and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    assert sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens   # every token, calls too
+    # streamed: each choice's calls assembled apart
+    parts: dict[int, list] = {0: [], 1: []}
+    reasons: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.tool_calls or []
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for index, deltas in parts.items():
+        assert deltas[0].id and deltas[0].function.name and all(d.index == 0 for d in deltas)
+        arguments = "".join(d.function.arguments or "" for d in deltas)
+        jsonschema.validate(json.loads(arguments), SCHEMAS[deltas[0].function.name])
