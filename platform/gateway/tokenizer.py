@@ -107,8 +107,9 @@ class PromptTokenizer:
     # ---- chat ----
     def chat_prompt(self, body: Any) -> tuple[str | list[int], int]:
         """(what the engine gets, prompt token count) of a chat request: harmony for GPT-OSS, else the model's
-        chat template (``ChatTemplateError`` when it refuses). ``reasoning_effort`` and ``tools`` other than for
-        GPT-OSS are a 400 naming them."""
+        chat template (``ChatTemplateError`` when it refuses), with the request's tools in the family's format
+        (``tools.template_inputs``). Bad tools, and ``reasoning_effort`` other than for GPT-OSS, are a 400 naming
+        the field."""
         effort = getattr(body, "reasoning_effort", None)
         requested = tool_request(body)   # 400s naming the field
         tools = self._chat_tools(body)
