@@ -122,9 +122,11 @@ class PromptTokenizer:
                 return self.prompt(self.chat_template.render(body.messages), add_special_tokens=False)
             if requested is not None and requested.forced:
                 check_schemas(requested)
+            template = self.chat_template
             messages, extra = template_inputs(body.messages, requested, self.tool_format,
-                                              native=self.chat_template.supports_tools)
-            return self.prompt(self.chat_template.render(messages, **extra), add_special_tokens=False)
+                                              native=template.supports_tools,
+                                              argument_text=template.takes_argument_text)
+            return self.prompt(template.render(messages, **extra), add_special_tokens=False)
         if requested is not None and requested.forced:
             check_schemas(requested)
         if self.harmony.renderer is None:   # no o200k vocabulary: the model's own template, told the effort

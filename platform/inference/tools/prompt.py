@@ -4,7 +4,9 @@ Two ways, by the model's template:
 
 * native (the template reads ``tools``: Qwen3's, Llama 3.1's, Mistral's): the template gets ``tools=`` (OpenAI's
   tool entries) and the messages as transformers passes them: assistant ``tool_calls`` with ``arguments`` as a
-  JSON object (the text when it is not JSON), ``tool`` messages with ``tool_call_id``, ``name`` and ``content``.
+  JSON object (the text when it is not JSON, or when the template writes the text as it is:
+  ``argument_text``, so the prompt holds the model's own bytes), ``tool`` messages with ``tool_call_id``,
+  ``name`` and ``content``.
 * fallback (a template without tools): the family's tool text (``ToolFormat.system_prompt``) is added to the
   first system message (or is one, first), an assistant turn's calls become its text in the family's wrapper
   (after its content), and a tool result becomes a ``user`` turn (``ToolFormat.result_text``).
@@ -55,8 +57,8 @@ def has_tool_history(messages: Iterable[Any]) -> bool:
     return any(m.role == "tool" or m.tool_calls for m in messages)
 
 
-def template_inputs(messages: list, tools: ToolRequest | None, fmt: ToolFormat, *,
-                    native: bool) -> tuple[list[dict], dict[str, Any]]:
+def template_inputs(messages: list, tools: ToolRequest | None, fmt: ToolFormat, *, native: bool,
+                    argument_text: bool = False) -> tuple[list[dict], dict[str, Any]]:
     """``(messages, kwargs)`` for ``ChatTemplate.render``; ``messages`` are ``ChatMessage`` models."""
     names: dict[str, str] = {}       # tool_call_id -> function name
     out: list[dict] = []
@@ -68,7 +70,8 @@ def template_inputs(messages: list, tools: ToolRequest | None, fmt: ToolFormat, 
             if native:
                 out.append({"role": "assistant", "content": _text(m), "tool_calls": [
                     {"id": ids(c.id), "type": "function", "function": {
-                        "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}}
+                        "name": c.function.name, "arguments": c.function.arguments if argument_text
+                        else _arguments_value(c.function.arguments)}}
                     for c in m.tool_calls]})
             else:
                 calls = fmt.calls_text((c.function.name, c.function.arguments) for c in m.tool_calls)

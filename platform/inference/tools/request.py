@@ -31,7 +31,8 @@ class Function:
 
     def openai_tool(self) -> dict:
         """The OpenAI tool entry, as chat templates take ``tools``."""
-        fn: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        fn: dict[str, Any] = {"name": self.name, **({"description": self.description} if self.description else {}),
+                              "parameters": self.parameters}
         return {"type": "function", "function": fn}
 
 

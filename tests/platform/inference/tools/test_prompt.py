@@ -37,7 +37,7 @@ def test_native_template_gets_tools_and_structured_turns():
     assert template.supports_tools and not ChatTemplate(CHAT_TEMPLATE).supports_tools
     messages, extra = template_inputs(body.messages, tool_request(body), HERMES, native=True)
     assert extra == {"tools": [{"type": "function", "function": {
-        "name": "get_weather", "description": "", "parameters": WEATHER["function"]["parameters"]}}]}
+        "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}}]}
     assert template.render(messages, **extra) == (
         '<|system|>TOOLS get_weather={"type": "object", "properties": {"city": {"type": "string"}}}</s>'
         "<|system|>Be brief.</s><|user|>Weather?</s>"
@@ -86,3 +86,18 @@ def test_mistral_ids_are_nine_alphanumerics_that_pair_up():
     assert messages[2]["tool_call_id"] == call_id and short_call_id("call_2") != call_id
     messages, _ = template_inputs(body.messages, tool_request(body), HERMES, native=True)
     assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == "call_1"
+
+
+def test_argument_text_kept_for_templates_that_write_it_as_is():
+    source = TOOL_TEMPLATE.replace("{{ c.function.arguments | tojson }}",
+                                   "{% if c.function.arguments is string %}{{ c.function.arguments }}{% else %}"
+                                   "{{ c.function.arguments | tojson }}{% endif %}")
+    template = ChatTemplate(source)
+    assert template.takes_argument_text and not ChatTemplate(TOOL_TEMPLATE).takes_argument_text
+    history = [dict(HISTORY[1], tool_calls=[{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": '{"city":"Paris"}'}}]), HISTORY[2]]
+    body = request([HISTORY[0], *history], tools=[WEATHER])
+    messages, extra = template_inputs(body.messages, tool_request(body), HERMES, native=True, argument_text=True)
+    assert '[call_1 get_weather {"city":"Paris"}]' in template.render(messages, **extra)   # the model's own bytes
+    messages, extra = template_inputs(body.messages, tool_request(body), HERMES, native=True)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}

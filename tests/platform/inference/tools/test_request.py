@@ -26,8 +26,7 @@ def test_defaults():
     a, b = tools.functions
     assert a.parameters == EMPTY_PARAMETERS and not a.strict
     assert b.parameters == {"type": "object", "properties": {"x": {"type": "integer"}}} and b.strict
-    assert b.openai_tool() == {"type": "function", "function": {"name": "b", "description": "",
-                                                                "parameters": b.parameters}}
+    assert b.openai_tool() == {"type": "function", "function": {"name": "b", "parameters": b.parameters}}
 
 
 def test_forced_choices():
