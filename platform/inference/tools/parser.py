@@ -22,6 +22,9 @@ from loraplex.platform.inference.tools.scanner import CallScanner
 
 
 class ToolCallFeed:
+    """One completion's parser: ``functions`` are the names the request lets it call (others stay content);
+    results so far in ``content`` and ``tool_calls``; ``call_id`` makes each call's id."""
+
     def __init__(self, fmt: ToolFormat, *, functions: Iterable[str], call_id=new_call_id) -> None:
         self.fmt = fmt
         self.functions = frozenset(functions)
