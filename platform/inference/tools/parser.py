@@ -30,7 +30,7 @@ class ToolCallFeed:
         self.functions = frozenset(functions)
         self._call_id = call_id
         self.tool_calls: list[ToolCall] = []
-        self.content = ""
+        self._content_parts: list[str] = []
         self.finished = False
         self._state = "text"          # text | region | object
         self._held = ""               # a possible marker's beginning, waiting for the next piece
@@ -42,6 +42,10 @@ class ToolCallFeed:
         self._scanner: CallScanner | None = None
         self._open: ToolCall | None = None
         self._region_calls = 0        # calls the open region made
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content_parts)
 
     @property
     def finish_reason(self) -> str | None:
@@ -84,9 +88,9 @@ class ToolCallFeed:
                 self._degrade(out)
             elif self._state == "region" and self._raw.strip().strip(self.fmt.separators).strip():
                 self._degrade(out)     # an opened region with something that is not a call in it
-        if not self.tool_calls and not self._after_call:
+        if not self.tool_calls and self._space:
             out.content += self._space
-            self.content += self._space
+            self._content_parts.append(self._space)
         self._space = ""
         self.finished = True
         return out
@@ -101,12 +105,16 @@ class ToolCallFeed:
             if buf[i] == start[0] and start.startswith(buf[i:]):
                 self._held = buf[i:]
                 return -1
-        ch = buf[i]
-        if not self._seen_text and ch in self.fmt.start_chars:
-            self._open_region("")
-            return i                    # the region takes ``ch``
-        self._content(out, ch)
-        return i + 1
+        if not self._seen_text and self.fmt.start_chars:
+            if buf[i] in self.fmt.start_chars:
+                self._open_region("")
+                return i                # the region takes the character
+            self._content(out, buf[i])
+            return i + 1
+        end = buf.find(start[0], i + 1) if start else -1
+        end = len(buf) if end < 0 else end
+        self._content(out, buf[i:end])  # a run up to the next possible marker
+        return end
 
     def _region(self, buf: str, i: int, out: HarmonyDelta) -> int:
         end = self.fmt.region_end
@@ -191,11 +199,13 @@ class ToolCallFeed:
         self._content(out, raw)
 
     def _content(self, out: HarmonyDelta, text: str) -> None:
-        for ch in text:
-            if ch.isspace():
-                self._space += ch
-                continue
-            piece = ("" if self._after_call else self._space) + ch
-            self._space, self._after_call, self._seen_text = "", False, True
-            out.content += piece
-            self.content += piece
+        """Text that is content; whitespace at its end waits for what follows (dropped before a call)."""
+        body = text.rstrip()
+        if not body:
+            self._space += text
+            return
+        piece = body.lstrip() if self._after_call else self._space + body
+        self._space = text[len(body):]
+        self._after_call, self._seen_text = False, True
+        out.content += piece
+        self._content_parts.append(piece)
