@@ -21,8 +21,9 @@ from typing import Any
 
 from loraplex.platform.inference.chat_template import ChatTemplate
 from loraplex.platform.inference.errors import InferenceError
-from loraplex.platform.inference.tools import (ToolCallFeed, check_schemas, format_for, harmony_tool_grammar,
-                                               has_tool_history, structured_field, template_inputs, tool_request)
+from loraplex.platform.inference.tools import (ToolCallFeed, check_schemas, checked_size, format_for,
+                                               harmony_tool_grammar, has_tool_history, structured_field,
+                                               template_inputs, tool_request)
 
 
 def model_type(folder: str | None) -> str | None:
@@ -149,7 +150,7 @@ class PromptTokenizer:
         tools = tool_request(body) if body is not None else None
         forced = tools is not None and tools.forced
         if self.harmony is not None:
-            grammar = {"structured": {"grammar": harmony_tool_grammar(tools)}} if forced else {}
+            grammar = {"structured": {"grammar": checked_size(harmony_tool_grammar(tools))}} if forced else {}
             return {"stop_token_ids": self.harmony.stop_token_ids, **grammar}
         return {"structured": structured_field(tools, self.tool_format)} if forced else {}
 

@@ -30,8 +30,8 @@ def _literal(text: str) -> str:
 
 
 def _args_schema(parameters: dict, strict: bool) -> dict:
-    options = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}
-    return {**parameters, "x-guidance": {**options, **(parameters.get("x-guidance") or {})}}
+    """The function's schema with the grammar library's options (a tenant's own ``x-guidance`` is replaced)."""
+    return {**parameters, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}}
 
 
 def _seq(*parts: str) -> str:
@@ -89,5 +89,17 @@ def check_schemas(tools: ToolRequest) -> None:
 
 
 def structured_field(tools: ToolRequest, fmt: ToolFormat) -> dict:
-    """The engine's ``structured`` sampling field for a forced choice."""
-    return {"grammar": tool_grammar(tools, fmt)}
+    """The engine's ``structured`` sampling field for a forced choice (400 naming ``tools`` past the engine's size
+    limit for a grammar)."""
+    return {"grammar": checked_size(tool_grammar(tools, fmt))}
+
+
+def checked_size(grammar: str) -> str:
+    from loraplex.engine.structured.spec import MAX_SPEC_BYTES
+
+    size = len(grammar.encode())
+    if size > MAX_SPEC_BYTES:
+        raise InferenceError(400, f"the tools' schemas make a {size}-byte grammar for tool_choice; the limit is "
+                                  f"{MAX_SPEC_BYTES} bytes: send fewer or smaller functions", param="tools",
+                             code="invalid_value")
+    return grammar

@@ -63,3 +63,22 @@ def test_schemas_checked_in_the_gateway():
     assert e.value.param == "tools.1.function.parameters" and "no-such-format" in e.value.message
     # a named choice compiles only the named function's schema
     check_schemas(ToolRequest((WEATHER, Function("f", "", odd, strict=True)), "function", "get_weather"))
+
+
+def test_tenant_grammar_options_are_replaced(compiler, tok):
+    odd = Function("f", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                             "x-guidance": "not options"})
+    tools = ToolRequest((odd,), "required", parallel=False)
+    check_schemas(tools)
+    assert '"x-guidance": {"whitespace_pattern": "[ ]?", "lenient": true}' in structured_field(tools, HERMES)["grammar"]
+    assert accepts(compiler, tok, tools, HERMES, HERMES.calls_text([("f", '{"a": 1}')]))
+    assert not accepts(compiler, tok, tools, HERMES, HERMES.calls_text([("f", '{\n"a": 1}')]))
+
+
+def test_grammar_past_the_engine_limit_is_a_400():
+    from loraplex.engine.structured.spec import MAX_SPEC_BYTES
+
+    big = Function("f", "", {"type": "object", "properties": {"a": {"enum": ["x" * 1000] * (MAX_SPEC_BYTES // 1000)}}})
+    with pytest.raises(InferenceError) as e:
+        structured_field(ToolRequest((big,), "required"), HERMES)
+    assert e.value.status_code == 400 and e.value.param == "tools" and "limit" in e.value.message
