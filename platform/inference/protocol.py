@@ -12,7 +12,8 @@ Choices and logprobs: ``n`` (both endpoints), chat ``logprobs`` + ``top_logprobs
 Reasoning models (GPT-OSS, harmony): ``reasoning_effort`` (low | medium | high) on the request; the chain of
 thought comes back as ``reasoning_content`` on the message (``delta.reasoning_content`` when streaming), apart
 from ``content``. ``tools`` (every family; ``platform/inference/tools/``) with ``tool_choice`` "auto", "none",
-"required" or a named function, and ``parallel_tool_calls``, give ``tool_calls`` (finish reason "tool_calls"). Fields that are None (``reasoning_content``, ``tool_calls``) are left out of the JSON.
+"required" or a named function, and ``parallel_tool_calls``, give ``tool_calls`` (finish reason "tool_calls").
+Fields that are None (``reasoning_content``, ``tool_calls``) are left out of the JSON.
 """
 from __future__ import annotations
 
