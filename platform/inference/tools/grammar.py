@@ -1,15 +1,16 @@
 """``tool_choice`` "required" or a named function, enforced: a Lark grammar (llguidance's dialect) of the family's
 call wrapper around each function's JSON Schema, sent to the engine as ``structured: {"grammar": ...}``.
 
-    start: "<tool_call>\\n" ... call ("\\n" call)* ...          parallel_tool_calls (default): one call or more
-    call: call_0 | call_1                                       the functions the choice allows
-    call_0: "{\\"name\\": \\"get_weather\\", \\"arguments\\": " args_0 "}"
+    start: call ("\\n" call)*              parallel_tool_calls (default): one call or more; false: start: call
+    call: call_0 | call_1                  the functions the choice allows (Hermes' wrapper here)
+    call_0: "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": " args_0 "}\\n</tool_call>"
     args_0: %json {<the function's parameters>}
 
 The arguments are JSON valid for the function's schema by construction; JSON whitespace is at most one space
-(as the engine's own JSON schemas), so a weak model cannot loop on newlines. A function's schema is compiled as
-``strict`` says: strict functions refuse keywords the grammar library cannot enforce (400 naming the
-function's ``parameters``), others leave those keywords unchecked. ``check_schemas`` validates each function's
+(as the engine's own JSON schemas), so a weak model cannot loop on newlines; a tenant's own ``x-guidance``
+options in a schema are replaced. A function's schema is compiled as ``strict`` says: strict functions refuse
+keywords the grammar library cannot enforce (400 naming the function's ``parameters``), others leave those
+keywords unchecked. ``check_schemas`` validates each function's
 schema in the gateway (no tokenizer needed), so a bad one is a 400 before the engine sees the request.
 ``harmony_tool_grammar`` is the same for GPT-OSS: one call in harmony's commentary-channel form.
 """
