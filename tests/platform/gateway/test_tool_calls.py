@@ -1,9 +1,10 @@
 """Tool calling outside harmony through the real app with the official ``openai`` client.
 
-The real embedded engine on tiny Llama and Qwen3 checkpoints (random weights: they write gibberish, so what is
-checked is what holds by construction): ``tool_choice`` "required" and a named function give calls whose arguments
-parse as JSON valid for the function's schema, streamed and not, with two adapters in one batch; "auto" gives
-exactly what the parser reads off the engine's own tokens. A scripted engine plays a model that does call tools,
+The real embedded engine on tiny checkpoints (random weights: they write gibberish, so what is checked is what
+holds by construction): ``tool_choice`` "required" and a named function give calls whose arguments parse as JSON
+valid for the function's schema, streamed and not, in every family's format (Llama 3.1 JSON, Hermes for Qwen3 and
+Qwen3-MoE, Mistral for Mixtral), with two adapters in one batch, with n=2; "auto" gives exactly what the parser
+reads off the engine's own tokens; a tool result in history reaches the prompt. A scripted engine plays a model that does call tools,
 for the parsed ``tool_calls`` and their stream layout in each family's format.
 """
 from __future__ import annotations
@@ -89,9 +90,9 @@ def streamed_calls(stream) -> tuple[list, str | None, str]:
         reason, content
 
 
-def forced(client, model, choice, *, stream: bool, **kw):
+def forced(client, model, choice, *, stream: bool, messages=ASK, **kw):
     """(calls, finish reason, content) of one forced request."""
-    args = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+    args = dict(model=model, messages=messages, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
                 max_tokens=MAX_TOKENS, **kw)
     if stream:
         return streamed_calls(client.chat.completions.create(stream=True, **args))
@@ -180,9 +181,20 @@ def test_tool_result_in_history(serve, tmp_path, bases, family):
     r = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # the next turn can be forced too, with the history in the prompt
-    calls, reason, _ = forced(client, model, "required", stream=False, temperature=1.0, seed=6)
-    assert reason == "tool_calls"
-    assert_valid(calls, {"get_weather", "add"})
+    for stream in (False, True):
+        calls, reason, _ = forced(client, model, "required", stream=stream, messages=history, temperature=1.0, seed=6)
+        assert reason == "tool_calls"
+        assert_valid(calls, {"get_weather", "add"})
+    # the call and its result reach the model in the family's fallback form (the tiny template has no tools)
+    from loraplex.platform.inference.protocol import ChatCompletionRequest
+
+    gw = server.gateway
+    prompt, _ = gw.tokenizer.chat_prompt(ChatCompletionRequest.model_validate(
+        {"model": model, "messages": history, "tools": TOOLS}))
+    text = gw.tokenizer.decode(prompt)
+    fmt = gw.tokenizer.tool_format
+    assert fmt.calls_text([("get_weather", call["function"]["arguments"])]) in text
+    assert fmt.result_text("get_weather", '{"temperature": 21}') in text
 
 
 # ---- a scripted model that calls tools ------------------------------------------------------------------------
