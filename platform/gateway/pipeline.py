@@ -136,7 +136,12 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
     reserve = max_tokens if requested is not None else min(gw.settings.default_max_tokens_reservation, max_tokens)
     sampling = body.sampling_params(max_tokens)
     if kind == "chat":
-        sampling.update(gw.tokenizer.chat_sampling())   # GPT-OSS: harmony's stop tokens
+        added = gw.tokenizer.chat_sampling(body)   # GPT-OSS: harmony's stop tokens; forced tool calls' grammar
+        if "structured" in added and "structured" in sampling:
+            raise InferenceError(400, f"'tool_choice' {body.tool_choice!r} makes the output tool calls, which a "
+                                      "structured 'response_format' cannot constrain as well; send one of them",
+                                 param="tool_choice")
+        sampling.update(added)
     plan = body.choice_plan()
     limit = gw.settings.engine_max_num_seqs   # None: the engines refuse what they cannot run (400 as well)
     if limit is not None and plan.engine_n > limit:

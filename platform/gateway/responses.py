@@ -2,10 +2,10 @@
 (aborting the engine request) when the client goes away.
 
 Stream layout (chat): a first chunk with ``delta.role`` per choice, one chunk per choice and engine chunk with text
-(and that text's tokens' logprobs; GPT-OSS: ``delta.reasoning_content`` and ``delta.tool_calls`` beside
-``delta.content``), each choice's last chunk with ``finish_reason``, a usage chunk
-(``choices: []``) when ``stream_options.include_usage``, then ``[DONE]``. An
-engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
+(and that text's tokens' logprobs; GPT-OSS: ``delta.reasoning_content`` beside ``delta.content``; with tools:
+``delta.tool_calls``, a call's index, id, type and name first, then its arguments in pieces), each choice's last
+chunk with ``finish_reason``, a usage chunk (``choices: []``) when ``stream_options.include_usage``, then
+``[DONE]``. An engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
 """
 from __future__ import annotations
 
@@ -53,9 +53,10 @@ def _echo_logprobs(gen: Generation, choices: Choices) -> CompletionLogprobs | No
 
 
 def _choices(gen: Generation) -> Choices:
-    """The request's choices; GPT-OSS chat parses each completion's harmony channels."""
+    """The request's choices; GPT-OSS chat parses each completion's harmony channels, other chats with tools their
+    tool calls."""
     parser = None
-    if gen.prep.kind == "chat" and gen.gw.tokenizer.harmony is not None:
+    if gen.prep.kind == "chat" and gen.gw.tokenizer.parses_output(gen.prep.body):
         parser = lambda: gen.gw.tokenizer.output_parser(gen.prep.body)  # noqa: E731
     return Choices(gen.prep.plan, parser)
 

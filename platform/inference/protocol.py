@@ -11,8 +11,9 @@ Choices and logprobs: ``n`` (both endpoints), chat ``logprobs`` + ``top_logprobs
 
 Reasoning models (GPT-OSS, harmony): ``reasoning_effort`` (low | medium | high) on the request; the chain of
 thought comes back as ``reasoning_content`` on the message (``delta.reasoning_content`` when streaming), apart
-from ``content``; ``tools`` with ``tool_choice`` "auto" / "none" give ``tool_calls`` (finish reason
-"tool_calls"). Fields that are None (``reasoning_content``, ``tool_calls``) are left out of the JSON.
+from ``content``. ``tools`` (every family; ``platform/inference/tools/``) with ``tool_choice`` "auto", "none",
+"required" or a named function, and ``parallel_tool_calls``, give ``tool_calls`` (finish reason "tool_calls").
+Fields that are None (``reasoning_content``, ``tool_calls``) are left out of the JSON.
 """
 from __future__ import annotations
 
@@ -144,6 +145,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
     response_format: dict | None = None
 
@@ -165,11 +167,8 @@ class ChatCompletionRequest(_SamplingFields):
                             stream=self.stream)
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
-        """Engine ``SamplingParams`` fields, ``max_tokens`` resolved by the caller (``resolve_max_tokens``)."""
-        if self.tool_choice not in (None, "auto", "none"):
-            raise InferenceError(400, "'tool_choice' takes \"auto\" or \"none\" here (the model decides whether to "
-                                      "call a tool); a required or named tool is not supported yet",
-                                 param="tool_choice", code="unsupported_parameter")
+        """Engine ``SamplingParams`` fields, ``max_tokens`` resolved by the caller (``resolve_max_tokens``); the
+        tools' grammar is added by the gateway's tokenizer (``PromptTokenizer.chat_sampling``)."""
         return self._with_plan(max_tokens)
 
 
