@@ -7,7 +7,8 @@ the tenant gets (in the message and ``x-request-id``) to quote to the operator.
     engine unavailable (503)     "No engine replica is available right now; retry shortly (request id <id>)."
     other 5xx                    "The engine failed to serve this request; ... request id <id> ..."
     4xx (the request as sent)    the engine's message with URIs, paths, addresses and key layouts replaced by
-                                 "<internal>", plus the request id
+                                 "<internal>", plus the request id; a grammar the engine could not compile names
+                                 the request's field (``response_format``, ``guided_*``) as ``param``
 """
 from __future__ import annotations
 
@@ -54,11 +55,16 @@ def for_tenant(e: EngineError, prep: Any) -> InferenceError:
         message = f"The engine failed to serve this request; retry, or give the operator the request id {rid}."
     else:
         message = f"{scrub(e.message)} (request id {rid})"
+    param = None
+    structured = getattr(prep.body, "structured", None)
+    if e.status_code < 500 and structured is not None and e.message.startswith("structured."):
+        param = structured.param   # the engine's grammar compile refused it: name the request's field
+        message = message.replace(f"structured.{structured.spec.kind}", param, 1)
     headers = {"x-request-id": rid}
     retry = getattr(e, "retry_after_s", None)
     if retry:
         headers["retry-after"] = str(retry)
-    return InferenceError(e.status_code, message, code=e.type_, headers=headers)
+    return InferenceError(e.status_code, message, code=e.type_, param=param, headers=headers)
 
 
 def no_engine_error(request_id: str, reason: str) -> InferenceError:

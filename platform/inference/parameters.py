@@ -69,7 +69,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     _s("response_format", CHAT, "`text`, `json_object`, `json_schema` (grammar-constrained decoding; `strict: "
                                 "false` leaves keywords the grammar cannot enforce unchecked instead of refusing "
                                 "them)"),
-    _s("reasoning_effort", CHAT, "GPT-OSS: low, medium, high"),
+    _s("reasoning_effort", CHAT, "GPT-OSS: low, medium, high (a 400 on other base models)"),
     _s("tools", CHAT, "function tools"),
     _s("tool_choice", CHAT, "which tool the model may call"),
     _s("parallel_tool_calls", CHAT, "whether the model may call several tools in one turn"),
