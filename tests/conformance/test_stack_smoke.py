@@ -35,3 +35,21 @@ def test_constrained_and_list_prompt_requests_are_served_on_the_stack(stack):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
     r = client.completions.create(model=stack.adapter, prompt=["a", "b c"], n=2, max_tokens=3, temperature=0.5)
     assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 4 * 3
+
+
+def test_every_route_answers_in_the_openai_error_shape(stack):
+    from tests.security.live_stack import ADMIN_KEY
+
+    http, auth, admin = stack.server.http, stack.auth(), {"Authorization": f"Bearer {ADMIN_KEY}"}
+    cases = [("GET", "/v1/nope", {}, 404, None), ("GET", "/dashboard/api/nothing", {"headers": admin}, 404, None),
+             ("GET", "/v1/usage?start=bad", {"headers": auth}, 400, "start"),
+             ("GET", "/v1/adapters?limit=abc", {"headers": auth}, 400, "limit"),
+             ("GET", "/admin/usage?start=x", {"headers": admin}, 400, "start"),
+             ("POST", "/admin/tenants", {"headers": admin, "json": {"name": 5}}, 400, "name"),
+             ("DELETE", "/v1/models/x", {"headers": auth}, 405, None),
+             ("POST", "/v1/completions", {"headers": auth, "json": [1, 2]}, 400, None),
+             ("POST", "/v1/chat/completions", {"headers": {**auth, "content-type": "application/json"},
+                                               "content": b"{bad"}, 400, None)]
+    for method, path, kw, status, param in cases:
+        error = assert_openai_error(http.request(method, path, **kw), status)
+        assert error["param"] == param, (path, error)
