@@ -177,6 +177,10 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
     sampling = body.sampling_params(max_tokens)
     structured = body.structured
     if structured is not None:
+        if kind == "chat" and gw.tokenizer.harmony is not None:
+            raise InferenceError(400, f"'{structured.param}' is not supported on harmony-format models (GPT-OSS) yet: "
+                                      "the grammar would also constrain the reasoning channel; leave it unset, or "
+                                      "use /v1/completions", param=structured.param, code="unsupported_parameter")
         await run_in_threadpool(check_compiles, structured)
     if kind == "chat":
         sampling.update(gw.tokenizer.chat_sampling())   # GPT-OSS: harmony's stop tokens

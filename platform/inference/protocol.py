@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
@@ -139,7 +140,7 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {value}")
         return self
 
-    @property
+    @cached_property
     def structured(self) -> StructuredRequest | None:
         """The output constraint (``response_format`` json_object / json_schema or a ``guided_*`` field), or None."""
         return structured_of(self)
