@@ -25,7 +25,7 @@ import uuid
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from loraplex.platform.inference.errors import InferenceError
 from loraplex.platform.inference.parameters import Endpoint, check_parameters
@@ -128,17 +128,17 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
 
-    @model_validator(mode="after")
-    def _logit_bias_ids(self) -> "_SamplingFields":
-        bias = self.logit_bias or {}
-        if len(bias) > MAX_LOGIT_BIAS:
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if len(bias or {}) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
-        for key, value in bias.items():
+        for key, value in (bias or {}).items():
             if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT32):
                 raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key[:20]!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {value}")
-        return self
+        return bias
 
     @cached_property
     def structured(self) -> StructuredRequest | None:
