@@ -19,8 +19,8 @@ Metrics go through a ``RequestMeter`` (``metering.py``): the route reports refus
 reports quota denials, and ``Generation``'s cleanup reports every admitted request with its final status.
 
 A completions request with several prompts runs one engine request per prompt (ids ``<request id>-<prompt index>``),
-all at once; ``Generation`` sums their token counts, and its chunks (of every prompt, as they come) are told apart
-by ``Prepared.prompt_index``. A whole request of several prompts retries each prompt on its own.
+all at once (``fan_in.py``); ``Generation`` sums their token counts, and its chunks (of every prompt, as they come)
+are told apart by ``Prepared.prompt_index``. A whole request of several prompts retries each prompt on its own.
 
 An output constraint (``response_format``, ``guided_*``) is compiled without a tokenizer before admission (off the
 event loop), so a schema that cannot compile is a 400 naming the feature and the field before anything is queued.
@@ -31,7 +31,6 @@ the platform log under that request id.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.platform.engines.errors import AdapterLoadFailedError, EngineError, EngineUnavailableError
 from loraplex.platform.engines.limits import unservable_reason
 from loraplex.platform.engines.messages import AdapterReference, EngineChunk, EngineRequest
+from loraplex.platform.gateway import fan_in
 from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter, version_is_ready
 from loraplex.platform.gateway.auth import TenantInfo
 from loraplex.platform.gateway.engine_errors import for_tenant, no_engine_error
@@ -293,7 +293,8 @@ class Generation:
         status, error = 200, None
         try:
             if prep.body.stream:
-                attempt = self._attempt(requests[0]) if len(requests) == 1 else self._fan_in(requests)
+                attempt = (self._attempt(requests[0]) if len(requests) == 1
+                           else fan_in.merge([self._attempt(r) for r in requests]))
                 try:
                     async for chunk in attempt:
                         yield chunk
@@ -332,53 +333,8 @@ class Generation:
         """``_whole`` of every prompt's request, run at once; their chunks in prompt order."""
         if len(requests) == 1:
             return await self._whole(requests[0])
-        held: list[list[EngineChunk]] = [[] for _ in requests]
-
-        async def run(i: int) -> None:
-            held[i] = await self._whole(requests[i])
-
-        try:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(requests)):
-                    tg.start_soon(run, i)
-        except BaseExceptionGroup as group:   # the first prompt's failure is the request's
-            raise _first_error(group) from None
+        held = await fan_in.gather([self._whole(r) for r in requests])
         return [chunk for chunks in held for chunk in chunks]
-
-    async def _fan_in(self, requests: list[EngineRequest]) -> AsyncIterator[EngineChunk]:
-        """The chunks of several streamed engine requests as they come. Each runs in its own task, which alone
-        iterates and closes its stream; closing this iterator cancels them (aborting the engine requests)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        ended = object()
-
-        async def pump(request: EngineRequest) -> None:
-            attempt = self._attempt(request)
-            try:
-                async for chunk in attempt:
-                    await queue.put(chunk)
-                await queue.put(ended)
-            except Exception as e:  # noqa: BLE001 - raised by the consumer
-                await queue.put(e)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await attempt.aclose()
-
-        tasks = [asyncio.create_task(pump(r)) for r in requests]
-        try:
-            running = len(tasks)
-            while running:
-                item = await queue.get()
-                if item is ended:
-                    running -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _whole(self, request: EngineRequest) -> list[EngineChunk]:
         """Every chunk of a whole (non-streamed) request, held back until the engine's last one. Nothing has reached
@@ -470,9 +426,3 @@ class Generation:
         if self.meter is not None:
             self.meter.finish(status, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
                               error=error, sequences=self.prep.candidates)
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first leaf exception of a task group's failure."""
-    first = group.exceptions[0]
-    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
