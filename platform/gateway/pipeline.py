@@ -256,7 +256,7 @@ class Generation:
         self._counts: dict[str, tuple[int, int, int]] = {}   # engine request id -> prompt, completion, cached tokens
         self.finish_reasons: dict[str, str | None] = {}      # engine request id -> its finish reason, once ended
         self.started = False
-        self.retries = 0                 # whole requests run again after their replica died (<= WHOLE_RETRIES)
+        self.retries = 0                 # runs again after a replica died (<= WHOLE_RETRIES per engine request)
         self._renewed = 0.0              # when the quota lease was last renewed
 
     @property
@@ -343,6 +343,7 @@ class Generation:
         another replica, ``WHOLE_RETRIES`` times at most. Only the last run's tokens are counted; the quota lease
         is held throughout. Engine-side refusals (4xx), adapter errors and client disconnects are never retried."""
         failed: list[str] = []      # replicas this request died on
+        retries = 0                 # of this engine request (each prompt of a list has its own)
         while True:
             used: list[str] = []
             held: list[EngineChunk] = []
@@ -352,13 +353,14 @@ class Generation:
                     held.append(chunk)
                 return held
             except EngineUnavailableError as e:
-                if self.retries >= WHOLE_RETRIES:
+                if retries >= WHOLE_RETRIES:
                     raise
+                retries += 1
                 self.retries += 1
                 failed.extend(used)
                 logger.warning("request %s: replica %s died after %d engine chunks (%s); retrying the whole request "
                                "on another replica (retry %d of %d)", request.request_id,
-                               used[-1] if used else "?", len(held), e, self.retries, WHOLE_RETRIES)
+                               used[-1] if used else "?", len(held), e, retries, WHOLE_RETRIES)
                 self._reset(request.request_id)
             finally:
                 with anyio.CancelScope(shield=True):

@@ -53,3 +53,35 @@ def test_the_reservation_covers_every_prompt(serve, tmp_path, tiny_base):
     with pytest.raises(openai.BadRequestError) as e:   # 3 x 40 can never fit a burst of 100
         client.completions.create(model=server.gateway.model_name, prompt=["a", "b", "c"], max_tokens=40)
     assert e.value.code == "request_too_large" and e.value.param == "prompt" and "3 prompts" in e.value.message
+
+
+class DiesOnce(NullEngineClient):
+    """An in-process replica whose first ``dies`` requests are cut after two chunks (the replica "died")."""
+
+    def __init__(self, dies: int) -> None:
+        super().__init__(num_tokens=8)
+        self.dies, self.calls = dies, 0
+
+    async def generate(self, request):
+        from loraplex.platform.engines.errors import EngineUnavailableError
+
+        self.calls += 1
+        cut = self.calls <= self.dies
+        n = 0
+        async for chunk in super().generate(request):
+            if cut and n == 2:
+                raise EngineUnavailableError("stream cut before its last chunk")
+            n += 1
+            yield chunk
+
+
+def test_each_prompt_of_a_whole_request_is_retried_on_its_own(serve, tmp_path, tiny_base):
+    dying, healthy = DiesOnce(dies=2), DiesOnce(dies=0)   # whichever prompts go to "a" die there
+    server = serve(settings_for(tmp_path, tiny_base), replicas=[Replica("a", dying), Replica("b", healthy)])
+    _, key = server.new_tenant({"max_concurrency": 1})
+    body = {"model": server.gateway.model_name, "prompt": [[1, 2], [3, 4]], "max_tokens": 8}
+    r = server.http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [" tok" * 8] * 2
+    assert r.json()["usage"]["completion_tokens"] == 16          # only the runs that answered
+    assert dying.calls >= 1 and healthy.calls == 2                # every prompt the dead replica held ran again
