@@ -431,6 +431,7 @@ def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
         raise InferenceError(400, "the request body must be a JSON object")
     endpoint: Endpoint = "chat" if model_cls is ChatCompletionRequest else "completion"
     check_parameters(data, endpoint)
+    data = {k: v for k, v in data.items() if v is not None}   # null is "not sent" (its default), as OpenAI takes it
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:

@@ -50,3 +50,14 @@ def test_the_table_has_one_row_per_parameter_and_endpoint():
     assert len(rows) == len(set(rows))
     assert compat_table().count("\n") == len(rows) + 2
     assert all(p.note for p in PARAMETERS) and all(not p.neutral for p in PARAMETERS if p.status != "refused")
+
+
+def test_null_is_the_default():
+    from loraplex.platform.inference.protocol import parse_request
+
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "x", "stream": None, "n": None, "max_tokens": None,
+                                            "suffix": None, "logit_bias": None})
+    assert (req.stream, req.n, req.max_tokens) == (False, 1, 16)
+    chat = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                 "stream": None, "store": None, "tools": None, "response_format": None})
+    assert chat.stream is False and chat.structured is None
