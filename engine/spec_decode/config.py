@@ -2,6 +2,7 @@
 
     SpeculativeConfig(method="ngram", num_speculative_tokens=3)                     # prompt lookup, no model
     SpeculativeConfig(method="draft", draft_model="/models/small", num_speculative_tokens=4)
+    SpeculativeConfig(method="draft", draft_model="/models/small", draft_adapters={"t/a/1": "/adapters/t/a/1"})
     SpeculativeConfig(method="replay", replay_acceptance_rate=acceptance_rate_for(2.5, 3), num_speculative_tokens=3)
 
 ``replay`` is for benchmarks only: it proposes the tokens of a recorded non-speculative run (given to the
@@ -36,6 +37,10 @@ class SpeculativeConfig:
     draft_num_kv_blocks: int | None = None      # the draft's KV pool (default: max_num_seqs full sequences)
     draft_max_batched_tokens: int | None = None  # draft catch-up tokens per step (default: max_num_batched_tokens)
     draft_load_format: str = "auto"              # auto | safetensors | dummy (benchmarks)
+    # per-adapter drafts: target adapter_id -> the folder of a LoRA of the draft model (or a folder holding it in a
+    # ``draft/`` subfolder, draft_lora.py); None: no LoRA on the draft; {} attaches it for drafts registered later
+    draft_adapters: dict[str, str] | None = None
+    draft_max_lora_rank: int = 16
     # replay (benchmarks): P(a replayed draft is accepted), independently per position
     replay_acceptance_rate: float = 0.8
     replay_forced: bool = True                   # the plan decides acceptance; False: the target decides
@@ -58,6 +63,15 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 1, 1 << 40)
+        if self.draft_adapters is not None:
+            if self.method != "draft":
+                raise ValueError(f"draft_adapters is set but the speculative method is {self.method!r}; per-adapter "
+                                 "drafts are LoRAs of a draft model: use method='draft'")
+            if not isinstance(self.draft_adapters, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.draft_adapters.items()):
+                raise ValueError("draft_adapters must map adapter ids to draft LoRA folders (non-empty strings), got "
+                                 f"{self.draft_adapters!r}")
+        _check_int("draft_max_lora_rank", self.draft_max_lora_rank, 1, 1024)
         if self.draft_load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"draft_load_format {self.draft_load_format!r}: expected auto, safetensors or dummy")
         rate = self.replay_acceptance_rate

@@ -58,7 +58,10 @@ def _draft(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     runner = DraftRunner(config.draft_model, device=r.device, dtype=r.dtype, block_size=ctx.block_size,
                          max_model_len=ctx.max_model_len, max_num_seqs=ctx.max_num_seqs,
                          num_blocks=config.draft_num_kv_blocks, target_kv_tokens=r.num_blocks * r.block_size,
-                         load_format=config.draft_load_format, graphs=r.graphs_enabled())
+                         load_format=config.draft_load_format, graphs=r.graphs_enabled(),
+                         lora_max_rank=config.draft_max_lora_rank if config.draft_adapters is not None else None)
+    for adapter_id, folder in (config.draft_adapters or {}).items():
+        runner.adapters.register(adapter_id, folder)
     return DraftModelProposer(runner, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size,
                               max_batched_tokens=config.draft_max_batched_tokens or ctx.max_num_batched_tokens)
 
@@ -219,6 +222,15 @@ class SpecDecoder:
         if not pieces:
             return 0, None
         return pieces[0][0], torch.cat([r for _, r in pieces])
+
+    # ---- per-adapter drafts -------------------------------------------------------------------------------
+    def draft_adapters(self):
+        """The draft model's ``DraftAdapters`` (draft_lora.py); ValueError when this engine has none."""
+        adapters = getattr(getattr(self.proposer, "runner", None), "adapters", None)
+        if adapters is None:
+            raise ValueError("per-adapter drafts need speculative method 'draft' with draft_adapters set (a dict, "
+                             "empty to register drafts later; --speculative-draft-adapter on the command line)")
+        return adapters
 
     # ---- reporting ----------------------------------------------------------------------------------------
     def snapshot(self) -> dict:
