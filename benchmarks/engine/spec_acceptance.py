@@ -14,7 +14,7 @@ non-speculative run (lossless). Temperature 1: seeded requests, rejection sampli
 distribution; acceptance then measures how far the two distributions overlap, not only their argmax).
 
     OMP_NUM_THREADS=1 python3 benchmarks/engine/spec_acceptance.py --out /tmp/spec-acc \\
-        --json benchmarks/results/spec-acceptance-tiny-cpu-DATE.json                      # a few minutes on CPU
+        --json benchmarks/results/spec-acceptance-llama-tiny-fp32-DATE.json        # about 2 min on one CPU thread
 """
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def main() -> int:
                   temperatures=[float(t) for t in args.temperatures.split(",")],
                   num_adapter=args.adapter_requests, num_base=args.base_requests, prompt_len=args.prompt_len,
                   max_tokens=args.max_tokens, cache_dir=os.path.join(args.out, "adapter-cache"))
-    result = dict(benchmark="spec_acceptance", commit=_commit(), cpu=_cpu(), threads=args.threads,
+    result = dict(benchmark="spec_acceptance", command=" ".join(["python3", *sys.argv]), commit=_commit(), cpu=_cpu(), threads=args.threads,
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
                   models=dict(target="tiny llama, 2 layers, hidden 72, trained on chain 0",
                               target_lora=f"r{RANK} on chain 1", draft=f"tiny llama {DRAFT_CONFIG}, trained on chain 0",
