@@ -63,6 +63,45 @@ def train_models(out: str, *, steps: int, batch: int, seq_len: int) -> dict:
     return dict(paths=paths, chains=(base_chain, shifted), stats=stats)
 
 
+def train_eagle_head(target: str, sample, *, steps: int, batch: int, seq_len: int, intermediate_size: int = 128,
+                     lr: float = 3e-3, seed: int = 0, log_every: int = 0):
+    """An ``EagleHead`` for the checkpoint at ``target`` (engine/spec_decode/eagle_head.py): one-step training on the
+    target's own final hidden states of ``sample(batch, seq_len, generator)`` token batches: from f_t and the token
+    at t + 1 predict f_{t+1} (smooth L1) and the target's next-token distribution there (KL to the target's)."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.spec_decode.eagle_head import EagleHead, EagleHeadConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager").eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cfg = model.config
+    head = EagleHead(EagleHeadConfig(cfg.hidden_size, intermediate_size, cfg.rms_norm_eps))
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.1, 1 - s / steps))
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.tensor(0.0)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        ids = sample(batch, seq_len, gen)
+        with torch.no_grad():
+            feats = model.model(input_ids=ids).last_hidden_state          # [B, L, H], post-norm
+            emb = model.model.embed_tokens(ids)
+            want = model.lm_head(feats[:, 1:-1]).log_softmax(-1)
+        pred = head(feats[:, :-2], emb[:, 1:-1])                          # f'_{t+1}, t = 0 .. L-3
+        got = model.lm_head(pred).log_softmax(-1)
+        loss = (torch.nn.functional.smooth_l1_loss(pred, feats[:, 1:-1])
+                + torch.nn.functional.kl_div(got, want, log_target=True, reduction="batchmean") / (seq_len - 2))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"  [eagle head] step {step:4d} loss {loss.item():.3f}", flush=True)
+    return head.eval(), dict(steps=steps, loss_after=round(float(loss.detach()), 4), train_s=round(time.perf_counter() - t0, 1))
+
+
 def workload(chains, *, num_adapter: int, num_base: int, prompt_len: int, max_tokens: int, seed: int = 0) -> list:
     """(request id, prompt, adapter?) with prompts drawn from the adapter's chain / the base chain."""
     base_chain, shifted = chains

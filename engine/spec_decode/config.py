@@ -3,6 +3,7 @@
     SpeculativeConfig(method="ngram", num_speculative_tokens=3)                     # prompt lookup, no model
     SpeculativeConfig(method="draft", draft_model="/models/small", num_speculative_tokens=4)
     SpeculativeConfig(method="draft", draft_model="/models/small", draft_adapters={"t/a/1": "/adapters/t/a/1"})
+    SpeculativeConfig(method="eagle", draft_head="/models/target-eagle-head", num_speculative_tokens=3)
     SpeculativeConfig(method="replay", replay_acceptance_rate=acceptance_rate_for(2.5, 3), num_speculative_tokens=3)
 
 ``replay`` is for benchmarks only: it proposes the tokens of a recorded non-speculative run (given to the
@@ -13,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft", "replay")
+METHODS = ("ngram", "draft", "eagle", "replay")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
 class SpeculativeConfig:
-    """``method``: "ngram" (prompt lookup), "draft" (a small causal LM sharing the tokenizer, ``draft_model``) or
-    "replay" (benchmarks). ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
+    """``method``: "ngram" (prompt lookup), "draft" (a small causal LM sharing the tokenizer, ``draft_model``),
+    "eagle" (a draft head on the target's hidden states, ``draft_head``: eagle_head.py) or "replay" (benchmarks). ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
 
     ``verify_cuda_graphs``: verify steps as flattened decode rows through CUDA graphs (row j of a sequence's k + 1
     tokens is a one-token decode at its position; docs/engine.md, "Speculative decoding"); False (the default)
@@ -41,6 +42,8 @@ class SpeculativeConfig:
     # ``draft/`` subfolder, draft_lora.py); None: no LoRA on the draft; {} attaches it for drafts registered later
     draft_adapters: dict[str, str] | None = None
     draft_max_lora_rank: int = 16
+    # eagle: the folder of a draft head trained on this target's hidden states (eagle_head.py)
+    draft_head: str | None = None
     # replay (benchmarks): P(a replayed draft is accepted), independently per position
     replay_acceptance_rate: float = 0.8
     replay_forced: bool = True                   # the plan decides acceptance; False: the target decides
@@ -59,6 +62,11 @@ class SpeculativeConfig:
                              "shares the target's tokenizer")
         if self.method != "draft" and self.draft_model:
             raise ValueError(f"draft_model is set but the speculative method is {self.method!r}; use method='draft'")
+        if self.method == "eagle" and not self.draft_head:
+            raise ValueError("speculative method 'eagle' needs draft_head: the folder of a draft head trained on the "
+                             "target's hidden states (config.json + model.safetensors)")
+        if self.method != "eagle" and self.draft_head:
+            raise ValueError(f"draft_head is set but the speculative method is {self.method!r}; use method='eagle'")
         for name in ("draft_num_kv_blocks", "draft_max_batched_tokens"):
             value = getattr(self, name)
             if value is not None:

@@ -66,7 +66,16 @@ def _draft(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
                               max_batched_tokens=config.draft_max_batched_tokens or ctx.max_num_batched_tokens)
 
 
-for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft)):
+def _eagle(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    from loraplex.engine.spec_decode.eagle import EagleProposer
+    from loraplex.engine.spec_decode.eagle_head import load_eagle_head
+
+    r = ctx.runner
+    head = load_eagle_head(config.draft_head, hidden_size=r.model_config.hidden_size, device=r.device, dtype=r.dtype)
+    return EagleProposer(head, r.model, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size)
+
+
+for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft), ("eagle", _eagle)):
     register_proposer(_name, _factory)
 
 

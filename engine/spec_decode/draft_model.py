@@ -259,25 +259,7 @@ class DraftModelProposer(Proposer):
         return out
 
     def _draw(self, logits: torch.Tensor, entries: list[SpecSequence]) -> tuple[list[int], list]:
-        """One draft token per row: argmax for greedy requests, else drawn from the processed draft distribution
-        (returned, over the target's vocabulary)."""
-        v = self.vocab_size
-        if logits.shape[1] > v:
-            logits = logits[:, :v]
-        elif logits.shape[1] < v:
-            logits = torch.cat([logits, logits.new_full((logits.shape[0], v - logits.shape[1]), float("-inf"))], 1)
-        params = [s.params for s in entries]
-        logits = Sampler.apply_logit_bias(logits.float(), params)
-        tokens = logits.argmax(dim=-1)
-        q: list = [None] * len(entries)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            pr = Sampler.probs(logits[idx], [params[i] for i in rows])
-            tokens[idx] = rejection._race(pr, [entries[i].generator for i in rows], None)
-            for j, i in enumerate(rows):
-                q[i] = pr[j]
-        return tokens.tolist(), q
+        return draw_drafts(logits, entries, self.vocab_size)
 
     def stats(self) -> dict:
         kv = self.runner.kv
@@ -289,3 +271,25 @@ class DraftModelProposer(Proposer):
     def close(self) -> None:
         for seq_id in list(self._shadows):
             self.release(seq_id)
+
+
+def draw_drafts(logits: torch.Tensor, entries: list[SpecSequence], vocab_size: int) -> tuple[list[int], list]:
+    """One draft token per row of ``logits`` [B, V']: argmax for greedy requests, else drawn with the request's
+    generator from the processed draft distribution (returned, over the target's ``vocab_size`` ids)."""
+    v = vocab_size
+    if logits.shape[1] > v:
+        logits = logits[:, :v]
+    elif logits.shape[1] < v:
+        logits = torch.cat([logits, logits.new_full((logits.shape[0], v - logits.shape[1]), float("-inf"))], 1)
+    params = [s.params for s in entries]
+    logits = Sampler.apply_logit_bias(logits.float(), params)
+    tokens = logits.argmax(dim=-1)
+    q: list = [None] * len(entries)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        pr = Sampler.probs(logits[idx], [params[i] for i in rows])
+        tokens[idx] = rejection._race(pr, [entries[i].generator for i in rows], None)
+        for j, i in enumerate(rows):
+            q[i] = pr[j]
+    return tokens.tolist(), q
