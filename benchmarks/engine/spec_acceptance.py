@@ -5,11 +5,12 @@ LoRA, on tiny models trained here on the CPU (the synthetic Markov chains of ``t
     target LoRA   r8 on chain 1 (the shifted data): the tenant's adapter, "t/shift/1"
     draft         a smaller llama (1 layer, hidden 48, same tokenizer) trained on chain 0
     draft LoRA    r8 of the draft on chain 1: the adapter's draft LoRA
+    EAGLE head    a draft head (engine/spec_decode/eagle_head.py) on the target's hidden states of chain 0
 
 Then one engine run per (temperature, k, draft) with the adapter's requests (prompts from chain 1) and base
 requests (prompts from chain 0) in the same steps: mean acceptance length per adapter from the engine's spec
 counters (``(accepted + verified) / verified``), (a) with the shared draft for everyone, (b) with the draft LoRA
-registered for the adapter. Greedy (temperature 0): every speculative run's tokens are checked against a
+registered for the adapter; and (c) with the EAGLE head for everyone (method "eagle"). Greedy (temperature 0): every speculative run's tokens are checked against a
 non-speculative run (lossless). Temperature 1: seeded requests, rejection sampling (drafts drawn from the draft's
 distribution; acceptance then measures how far the two distributions overlap, not only their argmax).
 
@@ -44,7 +45,7 @@ DRAFT_CONFIG = dict(num_hidden_layers=1, hidden_size=48, num_attention_heads=4, 
                     intermediate_size=32)
 
 
-def train_models(out: str, *, steps: int, batch: int, seq_len: int) -> dict:
+def train_models(out: str, *, steps: int, batch: int, seq_len: int, head_steps: int) -> dict:
     """Target, target LoRA, draft, draft LoRA under ``out`` (module docstring); returns paths, chains, stats."""
     from loraplex.engine.testing.tiny import make_tiny_checkpoint
 
@@ -60,6 +61,13 @@ def train_models(out: str, *, steps: int, batch: int, seq_len: int) -> dict:
              "draft": train_tiny.train_base(draft, base_chain, seed=1, **kw)}
     stats["target_lora"] = train_tiny.train_adapter(target, paths["target_lora"], shifted, RANK, seed=2, **kw)
     stats["draft_lora"] = train_tiny.train_adapter(draft, paths["draft_lora"], shifted, RANK, seed=3, **kw)
+    if head_steps:
+        from loraplex.engine.spec_decode.eagle_head import save_eagle_head
+
+        head, stats["eagle_head"] = train_eagle_head(target, lambda n, length, g: base_chain.sample(n, length, g),
+                                                     steps=head_steps, batch=batch, seq_len=seq_len, seed=4,
+                                                     log_every=kw["log_every"])
+        paths["eagle_head"] = save_eagle_head(head, os.path.join(out, "eagle-head"))
     return dict(paths=paths, chains=(base_chain, shifted), stats=stats)
 
 
@@ -153,13 +161,16 @@ def measure(paths: dict, chains, *, ks: list[int], temperatures: list[float], nu
     reqs = workload(chains, num_adapter=num_adapter, num_base=num_base, prompt_len=prompt_len, max_tokens=max_tokens)
     want, _ = run_engine(paths, reqs, max_tokens=max_tokens, spec=None, cache_dir=cache_dir)
     rows = []
+    variants = [("shared draft", dict(method="draft", draft_model=paths["draft"])),
+                ("per-adapter draft LoRA", dict(method="draft", draft_model=paths["draft"],
+                                                draft_adapters={ADAPTER_ID: paths["draft_lora"]},
+                                                draft_max_lora_rank=RANK))]
+    if "eagle_head" in paths:
+        variants.append(("EAGLE head", dict(method="eagle", draft_head=paths["eagle_head"])))
     for temperature in temperatures:
         for k in ks:
-            for label, draft_adapters in (("shared draft", None), ("per-adapter draft LoRA",
-                                                                   {ADAPTER_ID: paths["draft_lora"]})):
-                spec = dict(method="draft", draft_model=paths["draft"], num_speculative_tokens=k)
-                if draft_adapters is not None:
-                    spec.update(draft_adapters=draft_adapters, draft_max_lora_rank=RANK)
+            for label, variant in variants:
+                spec = dict(variant, num_speculative_tokens=k)
                 got, snap = run_engine(paths, reqs, max_tokens=max_tokens, spec=spec, cache_dir=cache_dir,
                                        temperature=temperature)
                 greedy = temperature == 0
@@ -201,6 +212,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300, help="training steps of each of the four models")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--head-steps", type=int, default=300, help="EAGLE head training steps (0: no EAGLE rows)")
     p.add_argument("--k", default="3,4", help="draft tokens per step, comma-separated")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (checked lossless)")
     p.add_argument("--adapter-requests", type=int, default=8)
@@ -211,7 +223,8 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    trained = train_models(args.out, steps=args.steps, batch=args.batch, seq_len=args.seq_len)
+    trained = train_models(args.out, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                           head_steps=args.head_steps)
     train_s = time.perf_counter() - t0
     res = measure(trained["paths"], trained["chains"], ks=[int(k) for k in args.k.split(",")],
                   temperatures=[float(t) for t in args.temperatures.split(",")],
@@ -221,7 +234,8 @@ def main() -> int:
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
                   models=dict(target="tiny llama, 2 layers, hidden 72, trained on chain 0",
                               target_lora=f"r{RANK} on chain 1", draft=f"tiny llama {DRAFT_CONFIG}, trained on chain 0",
-                              draft_lora=f"r{RANK} of the draft on chain 1"),
+                              draft_lora=f"r{RANK} of the draft on chain 1",
+                              eagle_head="EagleHead (intermediate 128) on the target's hidden states of chain 0"),
                   training=dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, seconds=round(train_s, 1),
                                 stats=trained["stats"]),
                   total_s=round(time.perf_counter() - t0, 1), **res)
