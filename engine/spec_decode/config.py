@@ -42,6 +42,7 @@ class SpeculativeConfig:
     # ``draft/`` subfolder, draft_lora.py); None: no LoRA on the draft; {} attaches it for drafts registered later
     draft_adapters: dict[str, str] | None = None
     draft_max_lora_rank: int = 16
+    discover_draft_adapters: bool = False        # also use the draft/ folder beside each file:// adapter, if any
     # eagle: the folder of a draft head trained on this target's hidden states (eagle_head.py)
     draft_head: str | None = None
     # replay (benchmarks): P(a replayed draft is accepted), independently per position
@@ -80,6 +81,11 @@ class SpeculativeConfig:
                 raise ValueError("draft_adapters must map adapter ids to draft LoRA folders (non-empty strings), got "
                                  f"{self.draft_adapters!r}")
         _check_int("draft_max_lora_rank", self.draft_max_lora_rank, 1, 1024)
+        if not isinstance(self.discover_draft_adapters, bool):
+            raise ValueError(f"discover_draft_adapters must be a bool, got {self.discover_draft_adapters!r}")
+        if self.discover_draft_adapters and self.method != "draft":
+            raise ValueError(f"discover_draft_adapters is set but the speculative method is {self.method!r}; "
+                             "per-adapter drafts are LoRAs of a draft model: use method='draft'")
         if self.draft_load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"draft_load_format {self.draft_load_format!r}: expected auto, safetensors or dummy")
         rate = self.replay_acceptance_rate

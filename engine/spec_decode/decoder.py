@@ -55,11 +55,13 @@ def _draft(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     from loraplex.engine.spec_decode.draft_model import DraftModelProposer, DraftRunner
 
     r = ctx.runner
+    per_adapter = config.draft_adapters is not None or config.discover_draft_adapters
     runner = DraftRunner(config.draft_model, device=r.device, dtype=r.dtype, block_size=ctx.block_size,
                          max_model_len=ctx.max_model_len, max_num_seqs=ctx.max_num_seqs,
                          num_blocks=config.draft_num_kv_blocks, target_kv_tokens=r.num_blocks * r.block_size,
                          load_format=config.draft_load_format, graphs=r.graphs_enabled(),
-                         lora_max_rank=config.draft_max_lora_rank if config.draft_adapters is not None else None)
+                         lora_max_rank=config.draft_max_lora_rank if per_adapter else None,
+                         discover_adapters=config.discover_draft_adapters)
     for adapter_id, folder in (config.draft_adapters or {}).items():
         runner.adapters.register(adapter_id, folder)
     return DraftModelProposer(runner, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size,
@@ -238,7 +240,8 @@ class SpecDecoder:
         adapters = getattr(getattr(self.proposer, "runner", None), "adapters", None)
         if adapters is None:
             raise ValueError("per-adapter drafts need speculative method 'draft' with draft_adapters set (a dict, "
-                             "empty to register drafts later; --speculative-draft-adapter on the command line)")
+                             "empty to register drafts later; --speculative-draft-adapter on the command line) or "
+                             "discover_draft_adapters on")
         return adapters
 
     # ---- reporting ----------------------------------------------------------------------------------------

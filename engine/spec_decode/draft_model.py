@@ -51,7 +51,8 @@ class DraftRunner:
 
     def __init__(self, path: str, *, device: torch.device, dtype: torch.dtype, block_size: int, max_model_len: int,
                  max_num_seqs: int, num_blocks: int | None = None, target_kv_tokens: int | None = None,
-                 load_format: str = "auto", graphs: bool = False, lora_max_rank: int | None = None) -> None:
+                 load_format: str = "auto", graphs: bool = False, lora_max_rank: int | None = None,
+                 discover_adapters: bool = False) -> None:
         from loraplex.engine.loader import load_model
 
         self.device, self.dtype, self.block_size = device, dtype, block_size
@@ -85,7 +86,8 @@ class DraftRunner:
 
             self.lora = LoRASlots(self.model, cfg, max_rank=lora_max_rank, max_step_slots=max(1, max_num_seqs),
                                   device=device, dtype=dtype)
-            self.adapters = DraftAdapters(self.lora, cfg, max_rank=lora_max_rank, dtype=dtype)
+            self.adapters = DraftAdapters(self.lora, cfg, max_rank=lora_max_rank, dtype=dtype,
+                                          discover=discover_adapters)
         self.graphs = None
         if graphs:  # one-token draft steps through the padded decode path: CUDA graphs on CUDA, eager elsewhere
             from loraplex.engine.cuda_graphs import DecodeGraphs
@@ -204,6 +206,10 @@ class DraftModelProposer(Proposer):
         chunks: list[tuple[list[int], int, list[int]]] = []
         chunk_slots: list[int] = []                                # their draft LoRA slots (-1: the bare draft)
         adapters = self.runner.adapters
+        if adapters is not None and adapters.discovering:
+            for s in batch:
+                adapters.discover(s.adapter)
+            adapters.poll()
         for i, s in enumerate(batch):
             seq = s.seq
             n = seq.num_tokens
@@ -271,6 +277,8 @@ class DraftModelProposer(Proposer):
     def close(self) -> None:
         for seq_id in list(self._shadows):
             self.release(seq_id)
+        if self.runner.adapters is not None:
+            self.runner.adapters.close()
 
 
 def draw_drafts(logits: torch.Tensor, entries: list[SpecSequence], vocab_size: int) -> tuple[list[int], list]:

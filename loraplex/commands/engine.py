@@ -93,6 +93,9 @@ def _speculative_flags(s) -> None:
                    help="draft: the LoRA of the draft model that drafts for ADAPTER_ID's requests (DIR: a PEFT "
                         "folder, or the adapter's folder holding it in draft/); repeat for more adapters; the "
                         "others use the bare draft")
+    g.add_argument("--speculative-discover-draft-adapters", action="store_true",
+                   help="draft: an adapter whose file:// folder holds a draft/ subfolder (a LoRA of the draft model) "
+                        "drafts with it, found on its first request")
     g.add_argument("--speculative-draft-max-lora-rank", type=int, default=16,
                    help="draft: the largest rank of a draft LoRA (default 16)")
     g.add_argument("--speculative-ngram-min", type=int, default=1, help="ngram: shortest suffix matched")
@@ -104,7 +107,8 @@ def _speculative_flags(s) -> None:
 def speculative_config(args) -> dict | None:
     """``EngineConfig.speculative`` from the flags (None without --speculative-method)."""
     if args.speculative_method is None:
-        if args.speculative_draft_model or args.speculative_draft_adapter or args.speculative_draft_head:
+        if (args.speculative_draft_model or args.speculative_draft_adapter or args.speculative_draft_head
+                or args.speculative_discover_draft_adapters):
             raise ValueError("--speculative-draft-model and --speculative-draft-adapter need --speculative-method "
                              "draft, --speculative-draft-head needs --speculative-method eagle")
         return None
@@ -112,8 +116,9 @@ def speculative_config(args) -> dict | None:
                 draft_model=args.speculative_draft_model, draft_num_kv_blocks=args.speculative_draft_num_kv_blocks,
                 ngram_min=args.speculative_ngram_min, ngram_max=args.speculative_ngram_max,
                 verify_cuda_graphs=args.speculative_verify_cuda_graphs, draft_head=args.speculative_draft_head)
-    if args.speculative_draft_adapter:
-        spec.update(draft_adapters=_draft_adapters(args.speculative_draft_adapter),
+    if args.speculative_draft_adapter or args.speculative_discover_draft_adapters:
+        spec.update(draft_adapters=_draft_adapters(args.speculative_draft_adapter or []),
+                    discover_draft_adapters=args.speculative_discover_draft_adapters,
                     draft_max_lora_rank=args.speculative_draft_max_lora_rank)
     return spec
 

@@ -147,6 +147,43 @@ def test_lossless_greedy_with_per_adapter_drafts(tiny_checkpoint, peft_folders, 
     engine.close()
 
 
+def test_draft_lora_discovered_beside_the_adapter(tiny_checkpoint, peft_folders, perturbed_checkpoint, tmp_path):
+    """``discover_draft_adapters``: an adapter whose file:// folder holds ``draft/`` drafts with it once read (off the
+    step thread); one whose ``draft/`` is a LoRA of another model keeps the bare draft (the reason kept, the engine
+    unharmed); output stays the non-speculative output throughout."""
+    path = tiny_checkpoint("llama")
+    targets = peft_folders(path)
+    draft = perturbed_checkpoint(path, 0.1)
+    uploads = {}
+    for name, draft_lora in (("a", peft_folders(draft)["a"]), ("b", peft_folders(tiny_checkpoint("qwen3"))["a"])):
+        uploads[name] = tmp_path / f"upload-{name}"
+        shutil.copytree(targets[name], uploads[name])
+        shutil.copytree(draft_lora, uploads[name] / "draft")
+    refs = adapter_refs({n: str(f) for n, f in uploads.items()})
+    want, _ = _run(path, refs, None, str(tmp_path / "ref"))
+    spec = dict(method="draft", draft_model=draft, num_speculative_tokens=K, discover_draft_adapters=True,
+                draft_max_lora_rank=8)
+    got, engine = _run(path, refs, spec, str(tmp_path / "found"))
+    assert got == want
+    adapters = engine.spec.draft_adapters()
+    adapters.wait()
+    adapters.poll()
+    assert adapters.folders() == {"t/a/1": os.path.join(uploads["a"], "draft")}
+    assert "t/b/1" in adapters.errors and adapters.slot_of(refs["b"]) == -1
+    got, _ = _run_more(engine, refs)
+    assert got == _run_more(make_engine(path, None, adapter_cache_dir=str(tmp_path / "ref2"), enable_lora=True,
+                                        max_loras=2, max_lora_rank=8), refs)[0]
+    engine.close()
+
+
+def _run_more(engine, refs):
+    for ref in refs.values():
+        assert engine.load_adapter(ref, wait=True) == "ready"
+    finals = drive(engine, _workload(refs)[:4])
+    assert_all_free(engine)
+    return {rid: o.output_token_ids for rid, o in finals.items()}, engine
+
+
 def test_draft_adapter_errors(tiny_checkpoint, peft_folders, tmp_path):
     """Settings that cannot work fail on construction with what to fix; a folder that is not a LoRA of the draft
     model is refused at registration and changes nothing."""
@@ -154,6 +191,8 @@ def test_draft_adapter_errors(tiny_checkpoint, peft_folders, tmp_path):
         SpeculativeConfig(method="ngram", draft_adapters={"t/a/1": "/x"})
     with pytest.raises(ValueError, match="adapter ids to draft LoRA folders"):
         SpeculativeConfig(method="draft", draft_model="/d", draft_adapters={"t/a/1": ""})
+    with pytest.raises(ValueError, match="method='draft'"):
+        SpeculativeConfig(method="ngram", discover_draft_adapters=True)
     with pytest.raises(ValueError, match="draft_max_lora_rank"):
         SpeculativeConfig(method="draft", draft_model="/d", draft_adapters={}, draft_max_lora_rank=0)
     path = tiny_checkpoint("llama")
@@ -188,6 +227,11 @@ def test_serve_flags_register_draft_adapters(monkeypatch):
           "--speculative-draft-max-lora-rank", "32"])
     cfg = EngineConfig(model="/m", **{k: v for k, v in seen[0].items() if k != "model_name"}).speculative
     assert cfg.draft_adapters == {"t/a/1": "/up/a", "t/b/1": "/up/b=2"} and cfg.draft_max_lora_rank == 32
+    assert not cfg.discover_draft_adapters
+    main(["engine", "serve", "--model", "/m", "--speculative-method", "draft", "--speculative-draft-model", "/d",
+          "--speculative-discover-draft-adapters"])
+    cfg = EngineConfig(model="/m", **{k: v for k, v in seen[-1].items() if k != "model_name"}).speculative
+    assert cfg.discover_draft_adapters and cfg.draft_adapters == {}
     for bad in (["--speculative-draft-adapter", "no-folder"],
                 ["--speculative-draft-adapter", "t/a/1=/x", "--speculative-draft-adapter", "t/a/1=/y"]):
         assert main(["engine", "serve", "--model", "/m", "--speculative-method", "draft",
