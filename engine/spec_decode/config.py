@@ -45,6 +45,7 @@ class SpeculativeConfig:
     discover_draft_adapters: bool = False        # also use the draft/ folder beside each file:// adapter, if any
     # eagle: the folder of a draft head trained on this target's hidden states (eagle_head.py)
     draft_head: str | None = None
+    draft_heads: dict[str, str] | None = None    # adapter id -> a head trained under that adapter (the rest: draft_head)
     # replay (benchmarks): P(a replayed draft is accepted), independently per position
     replay_acceptance_rate: float = 0.8
     replay_forced: bool = True                   # the plan decides acceptance; False: the target decides
@@ -66,8 +67,12 @@ class SpeculativeConfig:
         if self.method == "eagle" and not self.draft_head:
             raise ValueError("speculative method 'eagle' needs draft_head: the folder of a draft head trained on the "
                              "target's hidden states (config.json + model.safetensors)")
-        if self.method != "eagle" and self.draft_head:
-            raise ValueError(f"draft_head is set but the speculative method is {self.method!r}; use method='eagle'")
+        if self.method != "eagle" and (self.draft_head or self.draft_heads):
+            raise ValueError(f"draft_head(s) set but the speculative method is {self.method!r}; use method='eagle'")
+        if self.draft_heads is not None and (not isinstance(self.draft_heads, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.draft_heads.items())):
+            raise ValueError(f"draft_heads must map adapter ids to head folders (non-empty strings), got "
+                             f"{self.draft_heads!r}")
         for name in ("draft_num_kv_blocks", "draft_max_batched_tokens"):
             value = getattr(self, name)
             if value is not None:

@@ -73,8 +73,11 @@ def _eagle(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     from loraplex.engine.spec_decode.eagle_head import load_eagle_head
 
     r = ctx.runner
-    head = load_eagle_head(config.draft_head, hidden_size=r.model_config.hidden_size, device=r.device, dtype=r.dtype)
-    return EagleProposer(head, r.model, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size)
+    def load(folder: str):
+        return load_eagle_head(folder, hidden_size=r.model_config.hidden_size, device=r.device, dtype=r.dtype)
+
+    return EagleProposer(load(config.draft_head), r.model, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size,
+                         adapter_heads={a: load(f) for a, f in (config.draft_heads or {}).items()})
 
 
 for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft), ("eagle", _eagle)):

@@ -11,7 +11,9 @@ step, with the target's embedding and ``lm_head``; no draft model, no draft KV c
     the head's distribution under its sampling controls (``Proposal.probs``, rejection sampling)
 
 A sequence whose feature at N - 2 is not known (e.g. its prefill ran before it could speculate) proposes nothing
-that step. The target's LoRA shapes the hidden states a head reads; the head itself is one for all adapters.
+that step. The target's LoRA shapes the hidden states a head reads. Per-adapter heads (``adapter_heads``: adapter
+id -> a head trained on the target's hidden states under that adapter) draft for that adapter's sequences; the
+rest use the shared head. Each group of one head drafts batched.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ class EagleProposer(Proposer):
     name = "eagle"
     needs_hidden_states = True
 
-    def __init__(self, head: EagleHead, target_model, *, k: int, vocab_size: int) -> None:
-        self.head = head
+    def __init__(self, head: EagleHead, target_model, *, k: int, vocab_size: int,
+                 adapter_heads: dict[str, EagleHead] | None = None) -> None:
+        self.heads: dict[str | None, EagleHead] = {None: head, **(adapter_heads or {})}
         self.target = target_model  # CausalLM: model.embed_tokens, compute_logits
         self.k, self.vocab_size = k, vocab_size
         self._feature: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (position, f [H])
@@ -45,7 +48,7 @@ class EagleProposer(Proposer):
     def propose(self, batch: list[SpecSequence]) -> list[Proposal | None]:
         t0 = time.perf_counter()
         out: list[Proposal | None] = [None] * len(batch)
-        rows, features, tokens = [], [], []
+        groups: dict[str | None, list[tuple[int, torch.Tensor, int]]] = {}  # head key -> (batch index, f, x)
         for i, s in enumerate(batch):
             self._take(s)
             n = s.seq.num_tokens
@@ -53,22 +56,30 @@ class EagleProposer(Proposer):
             if known is None or known[0] != n - 2:
                 self.num_missing += 1
                 continue
-            rows.append(i)
-            features.append(known[1])
-            tokens.append(s.seq.token_ids_slice(n - 1, n)[0])
-        if not rows:
-            self.forward_s += time.perf_counter() - t0
-            return out
-        f = torch.stack(features).to(next(self.head.parameters()).dtype)
+            adapter_id = getattr(s.adapter, "adapter_id", None)
+            key = adapter_id if adapter_id in self.heads else None
+            groups.setdefault(key, []).append((i, known[1], s.seq.token_ids_slice(n - 1, n)[0]))
+        for key, rows in groups.items():
+            entries = [batch[i] for i, _, _ in rows]
+            proposals = self._draft(self.heads[key], entries, torch.stack([f for _, f, _ in rows]),
+                                    [x for _, _, x in rows])
+            for (i, _, _), p in zip(rows, proposals):
+                out[i] = p
+        self.forward_s += time.perf_counter() - t0
+        return out
+
+    def _draft(self, head: EagleHead, entries: list[SpecSequence], f: torch.Tensor,
+               tokens: list[int]) -> list[Proposal]:
+        """k drafts for each entry from its feature f [B, H] and last token (module docstring)."""
+        f = f.to(next(head.parameters()).dtype)
         device = f.device
-        entries = [batch[i] for i in rows]
         ks = [min(self.k, s.num_draft_tokens) for s in entries]
-        drafts: list[list[int]] = [[] for _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        live = list(range(len(rows)))
+        drafts: list[list[int]] = [[] for _ in entries]
+        probs: list[list[torch.Tensor]] = [[] for _ in entries]
+        live = list(range(len(entries)))
         x = torch.tensor(tokens, dtype=torch.int64, device=device)
         while live:
-            f = self.head(f, self.target.model.embed_tokens(x).to(f.dtype))
+            f = head(f, self.target.model.embed_tokens(x).to(f.dtype))
             logits = self.target.compute_logits(f.to(self.target.lm_head.weight.dtype))
             self.num_forwards += 1
             drawn, q = draw_drafts(logits, [entries[a] for a in live], self.vocab_size)
@@ -79,14 +90,10 @@ class EagleProposer(Proposer):
             keep = [j for j, a in enumerate(live) if len(drafts[a]) < ks[a]]
             if not keep:
                 break
-            index = torch.tensor(keep, dtype=torch.int64, device=device)
-            f = f[index]
+            f = f[torch.tensor(keep, dtype=torch.int64, device=device)]
             x = torch.tensor([drawn[j] for j in keep], dtype=torch.int64, device=device)
             live = [live[j] for j in keep]
-        for a, i in enumerate(rows):
-            out[i] = Proposal(drafts[a], torch.stack(probs[a]) if probs[a] else None)
-        self.forward_s += time.perf_counter() - t0
-        return out
+        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
     def release(self, seq_id: int) -> None:
         self._feature.pop(seq_id, None)

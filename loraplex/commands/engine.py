@@ -89,6 +89,9 @@ def _speculative_flags(s) -> None:
     g.add_argument("--speculative-draft-head", default=None,
                    help="eagle: folder of a draft head trained on this target's hidden states (config.json + "
                         "model.safetensors)")
+    g.add_argument("--speculative-adapter-draft-head", action="append", default=None, metavar="ADAPTER_ID=DIR",
+                   help="eagle: a head trained under ADAPTER_ID drafts for its requests (repeatable; the others use "
+                        "--speculative-draft-head)")
     g.add_argument("--speculative-draft-adapter", action="append", default=None, metavar="ADAPTER_ID=DIR",
                    help="draft: the LoRA of the draft model that drafts for ADAPTER_ID's requests (DIR: a PEFT "
                         "folder, or the adapter's folder holding it in draft/); repeat for more adapters; the "
@@ -108,30 +111,32 @@ def speculative_config(args) -> dict | None:
     """``EngineConfig.speculative`` from the flags (None without --speculative-method)."""
     if args.speculative_method is None:
         if (args.speculative_draft_model or args.speculative_draft_adapter or args.speculative_draft_head
-                or args.speculative_discover_draft_adapters):
+                or args.speculative_discover_draft_adapters or args.speculative_adapter_draft_head):
             raise ValueError("--speculative-draft-model and --speculative-draft-adapter need --speculative-method "
-                             "draft, --speculative-draft-head needs --speculative-method eagle")
+                             "draft, --speculative-draft-head(s) need --speculative-method eagle")
         return None
     spec = dict(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 draft_model=args.speculative_draft_model, draft_num_kv_blocks=args.speculative_draft_num_kv_blocks,
                 ngram_min=args.speculative_ngram_min, ngram_max=args.speculative_ngram_max,
                 verify_cuda_graphs=args.speculative_verify_cuda_graphs, draft_head=args.speculative_draft_head)
     if args.speculative_draft_adapter or args.speculative_discover_draft_adapters:
-        spec.update(draft_adapters=_draft_adapters(args.speculative_draft_adapter or []),
+        spec.update(draft_adapters=_pairs("--speculative-draft-adapter", args.speculative_draft_adapter or []),
                     discover_draft_adapters=args.speculative_discover_draft_adapters,
                     draft_max_lora_rank=args.speculative_draft_max_lora_rank)
+    if args.speculative_adapter_draft_head:
+        spec["draft_heads"] = _pairs("--speculative-adapter-draft-head", args.speculative_adapter_draft_head)
     return spec
 
 
-def _draft_adapters(values: list[str]) -> dict[str, str]:
+def _pairs(flag: str, values: list[str]) -> dict[str, str]:
     """ADAPTER_ID=DIR pairs -> {adapter_id: folder}."""
     out: dict[str, str] = {}
     for value in values:
         adapter_id, sep, folder = value.partition("=")
         if not sep or not adapter_id or not folder:
-            raise ValueError(f"--speculative-draft-adapter {value!r}: expected ADAPTER_ID=DIR")
+            raise ValueError(f"{flag} {value!r}: expected ADAPTER_ID=DIR")
         if adapter_id in out:
-            raise ValueError(f"--speculative-draft-adapter: adapter {adapter_id!r} given twice")
+            raise ValueError(f"{flag}: adapter {adapter_id!r} given twice")
         out[adapter_id] = folder
     return out
 

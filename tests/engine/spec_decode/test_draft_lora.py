@@ -237,7 +237,8 @@ def test_serve_flags_register_draft_adapters(monkeypatch):
         assert main(["engine", "serve", "--model", "/m", "--speculative-method", "draft",
                      "--speculative-draft-model", "/d", *bad]) == 2
     assert main(["engine", "serve", "--model", "/m", "--speculative-draft-adapter", "t/a/1=/x"]) == 2
-    main(["engine", "serve", "--model", "/m", "--speculative-method", "eagle", "--speculative-draft-head", "/h"])
+    main(["engine", "serve", "--model", "/m", "--speculative-method", "eagle", "--speculative-draft-head", "/h",
+          "--speculative-adapter-draft-head", "t/a/1=/ha"])
     cfg = EngineConfig(model="/m", **{k: v for k, v in seen[-1].items() if k != "model_name"}).speculative
-    assert cfg.method == "eagle" and cfg.draft_head == "/h"
+    assert cfg.method == "eagle" and cfg.draft_head == "/h" and cfg.draft_heads == {"t/a/1": "/ha"}
     assert main(["engine", "serve", "--model", "/m", "--speculative-draft-head", "/h"]) == 2

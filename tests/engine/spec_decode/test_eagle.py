@@ -1,5 +1,6 @@
 """EAGLE-style draft head (eagle_head.py, eagle.py): every proposal is what the head gives on transformers' (+ PEFT's)
-final hidden states of the sequence, for base and adapter requests in one step; greedy output with the head is the
+final hidden states of the sequence, for base and adapter requests in one step (one adapter with a head of its
+own); greedy output with the head is the
 non-speculative output token for token (mixed adapters, an abort), nothing leaks; bad heads are refused."""
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def test_eagle_head_lossless_and_proposals_follow_transformers(trained_head, pef
     refs = adapter_refs(folders)
     want, _ = _run(path, refs, None, str(tmp_path / "ref"))
     record: list = []
-    spec = dict(method="eagle", draft_head=head_dir, num_speculative_tokens=K)
+    torch.manual_seed(5)  # adapter a's own head (the others use the shared, trained one)
+    head_a = save_eagle_head(EagleHead(EagleHeadConfig(72, 64)), tmp_path / "head-a")
+    spec = dict(method="eagle", draft_head=head_dir, draft_heads={"t/a/1": head_a}, num_speculative_tokens=K)
     got, engine = _run(path, refs, spec, str(tmp_path / "eagle"), record=record)
     assert got == want
     stats = engine.spec.snapshot()
@@ -88,7 +91,8 @@ def test_eagle_head_lossless_and_proposals_follow_transformers(trained_head, pef
     assert {r["adapter"] for r in stats["adapters"]} == {None, "t/a/1", "t/b/1"}
     engine.close()
 
-    head = load_eagle_head(head_dir, hidden_size=72, device=torch.device("cpu"), dtype=torch.float32)
+    heads = {key: load_eagle_head(d, hidden_size=72, device=torch.device("cpu"), dtype=torch.float32)
+             for key, d in ((None, head_dir), ("t/a/1", head_a))}
     models = {None: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()}
     for name, folder in folders.items():
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -96,7 +100,8 @@ def test_eagle_head_lossless_and_proposals_follow_transformers(trained_head, pef
     checked = 0
     with torch.no_grad():
         for tokens, adapter, drafts in record:
-            lm = models[getattr(adapter, "adapter_id", None)]
+            adapter_id = getattr(adapter, "adapter_id", None)
+            lm, head = models[adapter_id], heads[adapter_id if adapter_id in heads else None]
             f = lm.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[:, -1]
             x, ref = tokens[-1], []
             for _ in drafts:
@@ -152,6 +157,8 @@ def test_bad_heads_are_refused(tiny_checkpoint, tmp_path):
         SpeculativeConfig(method="eagle")
     with pytest.raises(ValueError, match="method='eagle'"):
         SpeculativeConfig(method="draft", draft_model="/d", draft_head="/h")
+    with pytest.raises(ValueError, match="adapter ids to head folders"):
+        SpeculativeConfig(method="eagle", draft_head="/h", draft_heads={"t/a/1": 3})
     with pytest.raises(ValueError, match="has no config.json"):
         make_engine(path, dict(method="eagle", draft_head=str(tmp_path)))
     wrong = save_eagle_head(EagleHead(EagleHeadConfig(64, 32)), tmp_path / "wrong-width")
