@@ -6,11 +6,13 @@ LoRA, on tiny models trained here on the CPU (the synthetic Markov chains of ``t
     draft         a smaller llama (1 layer, hidden 48, same tokenizer) trained on chain 0
     draft LoRA    r8 of the draft on chain 1: the adapter's draft LoRA
     EAGLE head    a draft head (engine/spec_decode/eagle_head.py) on the target's hidden states of chain 0
+    adapter head  one on the target's hidden states under its LoRA, of chain 1: the adapter's own head
 
 Then one engine run per (temperature, k, draft) with the adapter's requests (prompts from chain 1) and base
 requests (prompts from chain 0) in the same steps: mean acceptance length per adapter from the engine's spec
 counters (``(accepted + verified) / verified``), (a) with the shared draft for everyone, (b) with the draft LoRA
-registered for the adapter; and (c) with the EAGLE head for everyone (method "eagle"). Greedy (temperature 0): every speculative run's tokens are checked against a
+registered for the adapter; (c) with the EAGLE head for everyone (method "eagle"); (d) with the adapter's own head
+for its requests (``draft_heads``). Greedy (temperature 0): every speculative run's tokens are checked against a
 non-speculative run (lossless). Temperature 1: seeded requests, rejection sampling (drafts drawn from the draft's
 distribution; acceptance then measures how far the two distributions overlap, not only their argmax).
 
@@ -68,20 +70,29 @@ def train_models(out: str, *, steps: int, batch: int, seq_len: int, head_steps: 
                                                      steps=head_steps, batch=batch, seq_len=seq_len, seed=4,
                                                      log_every=kw["log_every"])
         paths["eagle_head"] = save_eagle_head(head, os.path.join(out, "eagle-head"))
+        head, stats["eagle_head_adapter"] = train_eagle_head(target, lambda n, length, g: shifted.sample(n, length, g),
+                                                             steps=head_steps, batch=batch, seq_len=seq_len, seed=5,
+                                                             log_every=kw["log_every"], adapter=paths["target_lora"])
+        paths["eagle_head_adapter"] = save_eagle_head(head, os.path.join(out, "eagle-head-adapter"))
     return dict(paths=paths, chains=(base_chain, shifted), stats=stats)
 
 
 def train_eagle_head(target: str, sample, *, steps: int, batch: int, seq_len: int, intermediate_size: int = 128,
-                     lr: float = 3e-3, seed: int = 0, log_every: int = 0):
+                     lr: float = 3e-3, seed: int = 0, log_every: int = 0, adapter: str | None = None):
     """An ``EagleHead`` for the checkpoint at ``target`` (engine/spec_decode/eagle_head.py): one-step training on the
     target's own final hidden states of ``sample(batch, seq_len, generator)`` token batches: from f_t and the token
-    at t + 1 predict f_{t+1} (smooth L1) and the target's next-token distribution there (KL to the target's)."""
+    at t + 1 predict f_{t+1} (smooth L1) and the target's next-token distribution there (KL to the target's).
+    ``adapter``: a PEFT folder; the hidden states are then the target's under that LoRA (a per-adapter head)."""
     from transformers import AutoModelForCausalLM
 
     from loraplex.engine.spec_decode.eagle_head import EagleHead, EagleHeadConfig
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager").eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval().base_model.model  # LoRA layers in place
     for p in model.parameters():
         p.requires_grad_(False)
     cfg = model.config
@@ -167,6 +178,8 @@ def measure(paths: dict, chains, *, ks: list[int], temperatures: list[float], nu
                                                 draft_max_lora_rank=RANK))]
     if "eagle_head" in paths:
         variants.append(("EAGLE head", dict(method="eagle", draft_head=paths["eagle_head"])))
+        variants.append(("per-adapter EAGLE head", dict(method="eagle", draft_head=paths["eagle_head"],
+                                                         draft_heads={ADAPTER_ID: paths["eagle_head_adapter"]})))
     for temperature in temperatures:
         for k in ks:
             for label, variant in variants:
@@ -179,7 +192,7 @@ def measure(paths: dict, chains, *, ks: list[int], temperatures: list[float], nu
                 row = dict(temperature=temperature, k=k, draft=label, adapter=_row(snap, ADAPTER_ID),
                            base=_row(snap, None), lossless_checked=greedy, wall_s=round(snap["wall_s"], 2))
                 rows.append(row)
-                print(f"T={temperature:g} k={k} {label:24s} adapter acceptance length "
+                print(f"T={temperature:g} k={k} {label:26s} adapter acceptance length "
                       f"{row['adapter']['acceptance_length']:.2f}  base {row['base']['acceptance_length']:.2f}",
                       flush=True)
     return dict(requests=dict(adapter=num_adapter, base=num_base, prompt_len=prompt_len, max_tokens=max_tokens),
@@ -235,7 +248,9 @@ def main() -> int:
                   models=dict(target="tiny llama, 2 layers, hidden 72, trained on chain 0",
                               target_lora=f"r{RANK} on chain 1", draft=f"tiny llama {DRAFT_CONFIG}, trained on chain 0",
                               draft_lora=f"r{RANK} of the draft on chain 1",
-                              eagle_head="EagleHead (intermediate 128) on the target's hidden states of chain 0"),
+                              eagle_head="EagleHead (intermediate 128) on the target's hidden states of chain 0",
+                              eagle_head_adapter="EagleHead (intermediate 128) on the target+LoRA's hidden states of "
+                                                 "chain 1"),
                   training=dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, seconds=round(train_s, 1),
                                 stats=trained["stats"]),
                   total_s=round(time.perf_counter() - t0, 1), **res)
