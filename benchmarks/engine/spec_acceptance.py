@@ -118,7 +118,8 @@ def train_eagle_head(target: str, sample, *, steps: int, batch: int, seq_len: in
         sched.step()
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"  [eagle head] step {step:4d} loss {loss.item():.3f}", flush=True)
-    return head.eval(), dict(steps=steps, loss_after=round(float(loss.detach()), 4), train_s=round(time.perf_counter() - t0, 1))
+    return head.eval(), dict(steps=steps, loss_after=round(float(loss.detach()), 4),
+                             train_s=round(time.perf_counter() - t0, 1))
 
 
 def workload(chains, *, num_adapter: int, num_base: int, prompt_len: int, max_tokens: int, seed: int = 0) -> list:
@@ -243,7 +244,8 @@ def main() -> int:
                   temperatures=[float(t) for t in args.temperatures.split(",")],
                   num_adapter=args.adapter_requests, num_base=args.base_requests, prompt_len=args.prompt_len,
                   max_tokens=args.max_tokens, cache_dir=os.path.join(args.out, "adapter-cache"))
-    result = dict(benchmark="spec_acceptance", command=" ".join(["python3", *sys.argv]), commit=_commit(), cpu=_cpu(), threads=args.threads,
+    result = dict(benchmark="spec_acceptance", command=" ".join(["python3", *sys.argv]), commit=_commit(), cpu=_cpu(),
+                  threads=args.threads,
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
                   models=dict(target="tiny llama, 2 layers, hidden 72, trained on chain 0",
                               target_lora=f"r{RANK} on chain 1", draft=f"tiny llama {DRAFT_CONFIG}, trained on chain 0",

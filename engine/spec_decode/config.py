@@ -21,7 +21,8 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass
 class SpeculativeConfig:
     """``method``: "ngram" (prompt lookup), "draft" (a small causal LM sharing the tokenizer, ``draft_model``),
-    "eagle" (a draft head on the target's hidden states, ``draft_head``: eagle_head.py) or "replay" (benchmarks). ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
+    "eagle" (a draft head on the target's hidden states, ``draft_head``: eagle_head.py) or "replay" (benchmarks).
+    ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
 
     ``verify_cuda_graphs``: verify steps as flattened decode rows through CUDA graphs (row j of a sequence's k + 1
     tokens is a one-token decode at its position; docs/engine.md, "Speculative decoding"); False (the default)
@@ -45,7 +46,7 @@ class SpeculativeConfig:
     discover_draft_adapters: bool = False        # also use the draft/ folder beside each file:// adapter, if any
     # eagle: the folder of a draft head trained on this target's hidden states (eagle_head.py)
     draft_head: str | None = None
-    draft_heads: dict[str, str] | None = None    # adapter id -> a head trained under that adapter (the rest: draft_head)
+    draft_heads: dict[str, str] | None = None    # adapter id -> a head trained under that adapter (rest: draft_head)
     # replay (benchmarks): P(a replayed draft is accepted), independently per position
     replay_acceptance_rate: float = 0.8
     replay_forced: bool = True                   # the plan decides acceptance; False: the target decides
