@@ -659,6 +659,21 @@ class LLMEngine:
         else:
             self.adapters.unpin(adapter)
 
+    def register_draft_adapter(self, adapter_id: str, path: str) -> None:
+        """Make the LoRA of the draft model at ``path`` (the folder itself, or one holding it in ``draft/``) the
+        draft of ``adapter_id``: that adapter's requests draft with it, the rest with the bare draft. Needs
+        speculative method "draft" with ``draft_adapters`` set. Call from the thread that steps the engine."""
+        if self.spec is None:
+            raise ValueError("speculative decoding is off on this engine; per-adapter drafts need speculative "
+                             "method 'draft' with draft_adapters set")
+        self.spec.draft_adapters().register(adapter_id, path)
+
+    def unregister_draft_adapter(self, adapter_id: str) -> bool:
+        """Drop ``adapter_id``'s draft LoRA (its requests then draft with the bare draft); False when it had none."""
+        if self.spec is None:
+            raise ValueError("speculative decoding is off on this engine")
+        return self.spec.draft_adapters().unregister(adapter_id)
+
     def list_adapters(self) -> dict:
         """Residency per tier, pins, failures and counters (see AdapterManager.residency)."""
         self._require_lora()

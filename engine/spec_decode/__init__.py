@@ -5,6 +5,8 @@ distribution (rejection sampling). docs/engine.md, "Speculative decoding".
     config.py       SpeculativeConfig (EngineConfig.speculative)
     proposer.py     the proposer interface (SpecSequence -> Proposal), the registry of methods
     ngram.py        prompt lookup          draft_model.py  a small causal LM with its own paged KV
+    draft_lora.py   per-adapter draft LoRAs of the draft model
+    eagle_head.py   an EAGLE-style draft head   eagle.py  its proposer, on the target's hidden states
     replay.py       recorded tokens at a set acceptance rate (benchmarks)
     rejection.py    acceptance: greedy prefix match, speculative rejection sampling
     verifier.py     the verify step: one forward, sampling controls per position, acceptance, stop cuts

@@ -2,6 +2,8 @@
 
     SpeculativeConfig(method="ngram", num_speculative_tokens=3)                     # prompt lookup, no model
     SpeculativeConfig(method="draft", draft_model="/models/small", num_speculative_tokens=4)
+    SpeculativeConfig(method="draft", draft_model="/models/small", draft_adapters={"t/a/1": "/adapters/t/a/1"})
+    SpeculativeConfig(method="eagle", draft_head="/models/target-eagle-head", num_speculative_tokens=3)
     SpeculativeConfig(method="replay", replay_acceptance_rate=acceptance_rate_for(2.5, 3), num_speculative_tokens=3)
 
 ``replay`` is for benchmarks only: it proposes the tokens of a recorded non-speculative run (given to the
@@ -12,14 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft", "replay")
+METHODS = ("ngram", "draft", "eagle", "replay")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
 class SpeculativeConfig:
-    """``method``: "ngram" (prompt lookup), "draft" (a small causal LM sharing the tokenizer, ``draft_model``) or
-    "replay" (benchmarks). ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
+    """``method``: "ngram" (prompt lookup), "draft" (a small causal LM sharing the tokenizer, ``draft_model``),
+    "eagle" (a draft head on the target's hidden states, ``draft_head``: eagle_head.py) or "replay" (benchmarks).
+    ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
 
     ``verify_cuda_graphs``: verify steps as flattened decode rows through CUDA graphs (row j of a sequence's k + 1
     tokens is a one-token decode at its position; docs/engine.md, "Speculative decoding"); False (the default)
@@ -36,6 +39,14 @@ class SpeculativeConfig:
     draft_num_kv_blocks: int | None = None      # the draft's KV pool (default: max_num_seqs full sequences)
     draft_max_batched_tokens: int | None = None  # draft catch-up tokens per step (default: max_num_batched_tokens)
     draft_load_format: str = "auto"              # auto | safetensors | dummy (benchmarks)
+    # per-adapter drafts: target adapter_id -> the folder of a LoRA of the draft model (or a folder holding it in a
+    # ``draft/`` subfolder, draft_lora.py); None: no LoRA on the draft; {} attaches it for drafts registered later
+    draft_adapters: dict[str, str] | None = None
+    draft_max_lora_rank: int = 16
+    discover_draft_adapters: bool = False        # also use the draft/ folder beside each file:// adapter, if any
+    # eagle: the folder of a draft head trained on this target's hidden states (eagle_head.py)
+    draft_head: str | None = None
+    draft_heads: dict[str, str] | None = None    # adapter id -> a head trained under that adapter (rest: draft_head)
     # replay (benchmarks): P(a replayed draft is accepted), independently per position
     replay_acceptance_rate: float = 0.8
     replay_forced: bool = True                   # the plan decides acceptance; False: the target decides
@@ -54,10 +65,33 @@ class SpeculativeConfig:
                              "shares the target's tokenizer")
         if self.method != "draft" and self.draft_model:
             raise ValueError(f"draft_model is set but the speculative method is {self.method!r}; use method='draft'")
+        if self.method == "eagle" and not self.draft_head:
+            raise ValueError("speculative method 'eagle' needs draft_head: the folder of a draft head trained on the "
+                             "target's hidden states (config.json + model.safetensors)")
+        if self.method != "eagle" and (self.draft_head or self.draft_heads):
+            raise ValueError(f"draft_head(s) set but the speculative method is {self.method!r}; use method='eagle'")
+        if self.draft_heads is not None and (not isinstance(self.draft_heads, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.draft_heads.items())):
+            raise ValueError(f"draft_heads must map adapter ids to head folders (non-empty strings), got "
+                             f"{self.draft_heads!r}")
         for name in ("draft_num_kv_blocks", "draft_max_batched_tokens"):
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 1, 1 << 40)
+        if self.draft_adapters is not None:
+            if self.method != "draft":
+                raise ValueError(f"draft_adapters is set but the speculative method is {self.method!r}; per-adapter "
+                                 "drafts are LoRAs of a draft model: use method='draft'")
+            if not isinstance(self.draft_adapters, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.draft_adapters.items()):
+                raise ValueError("draft_adapters must map adapter ids to draft LoRA folders (non-empty strings), got "
+                                 f"{self.draft_adapters!r}")
+        _check_int("draft_max_lora_rank", self.draft_max_lora_rank, 1, 1024)
+        if not isinstance(self.discover_draft_adapters, bool):
+            raise ValueError(f"discover_draft_adapters must be a bool, got {self.discover_draft_adapters!r}")
+        if self.discover_draft_adapters and self.method != "draft":
+            raise ValueError(f"discover_draft_adapters is set but the speculative method is {self.method!r}; "
+                             "per-adapter drafts are LoRAs of a draft model: use method='draft'")
         if self.draft_load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"draft_load_format {self.draft_load_format!r}: expected auto, safetensors or dummy")
         rate = self.replay_acceptance_rate

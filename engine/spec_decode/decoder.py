@@ -55,15 +55,32 @@ def _draft(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     from loraplex.engine.spec_decode.draft_model import DraftModelProposer, DraftRunner
 
     r = ctx.runner
+    per_adapter = config.draft_adapters is not None or config.discover_draft_adapters
     runner = DraftRunner(config.draft_model, device=r.device, dtype=r.dtype, block_size=ctx.block_size,
                          max_model_len=ctx.max_model_len, max_num_seqs=ctx.max_num_seqs,
                          num_blocks=config.draft_num_kv_blocks, target_kv_tokens=r.num_blocks * r.block_size,
-                         load_format=config.draft_load_format, graphs=r.graphs_enabled())
+                         load_format=config.draft_load_format, graphs=r.graphs_enabled(),
+                         lora_max_rank=config.draft_max_lora_rank if per_adapter else None,
+                         discover_adapters=config.discover_draft_adapters)
+    for adapter_id, folder in (config.draft_adapters or {}).items():
+        runner.adapters.register(adapter_id, folder)
     return DraftModelProposer(runner, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size,
                               max_batched_tokens=config.draft_max_batched_tokens or ctx.max_num_batched_tokens)
 
 
-for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft)):
+def _eagle(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    from loraplex.engine.spec_decode.eagle import EagleProposer
+    from loraplex.engine.spec_decode.eagle_head import load_eagle_head
+
+    r = ctx.runner
+    def load(folder: str):
+        return load_eagle_head(folder, hidden_size=r.model_config.hidden_size, device=r.device, dtype=r.dtype)
+
+    return EagleProposer(load(config.draft_head), r.model, k=config.num_speculative_tokens, vocab_size=ctx.vocab_size,
+                         adapter_heads={a: load(f) for a, f in (config.draft_heads or {}).items()})
+
+
+for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft), ("eagle", _eagle)):
     register_proposer(_name, _factory)
 
 
@@ -219,6 +236,16 @@ class SpecDecoder:
         if not pieces:
             return 0, None
         return pieces[0][0], torch.cat([r for _, r in pieces])
+
+    # ---- per-adapter drafts -------------------------------------------------------------------------------
+    def draft_adapters(self):
+        """The draft model's ``DraftAdapters`` (draft_lora.py); ValueError when this engine has none."""
+        adapters = getattr(getattr(self.proposer, "runner", None), "adapters", None)
+        if adapters is None:
+            raise ValueError("per-adapter drafts need speculative method 'draft' with draft_adapters set (a dict, "
+                             "empty to register drafts later; --speculative-draft-adapter on the command line) or "
+                             "discover_draft_adapters on")
+        return adapters
 
     # ---- reporting ----------------------------------------------------------------------------------------
     def snapshot(self) -> dict:

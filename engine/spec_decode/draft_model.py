@@ -19,7 +19,12 @@ autoregressively and batched over the speculating sequences, from its own paged 
     returned as ``Proposal.probs`` for rejection sampling
 
 The draft's vocabulary may be larger than the target's (ids past the target's are never drafted) or smaller
-(the target's extra ids get draft probability 0). No LoRA on the draft.
+(the target's extra ids get draft probability 0).
+
+Per-adapter drafts (``lora_max_rank`` set): multi-LoRA is attached to the draft model as the target runner attaches
+it (``LoRASlots``, before the decode graphs are captured, so they hold its kernels), and ``DraftAdapters``
+(draft_lora.py) maps a target adapter to the resident slot of its draft LoRA. Every draft forward routes each row to
+its sequence's slot (-1: the bare draft), so one propose step mixes adapters with and without a draft LoRA.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.spec_decode import rejection
 from loraplex.engine.spec_decode.batch_inputs import DecodeRow, RowStep, paged_batch
+from loraplex.engine.spec_decode.draft_lora import DraftAdapters
 from loraplex.engine.spec_decode.proposer import Proposal, Proposer, SpecSequence
 
 logger = logging.getLogger(__name__)
@@ -43,11 +49,10 @@ CUDA_DRAFT_KV_FRACTION = 0.5  # of the memory free after the draft's weights, at
 class DraftRunner:
     """The draft model, its KV tensors and block manager (satisfies ``cuda_graphs.DecodeRunner``)."""
 
-    lora = None
-
     def __init__(self, path: str, *, device: torch.device, dtype: torch.dtype, block_size: int, max_model_len: int,
                  max_num_seqs: int, num_blocks: int | None = None, target_kv_tokens: int | None = None,
-                 load_format: str = "auto", graphs: bool = False) -> None:
+                 load_format: str = "auto", graphs: bool = False, lora_max_rank: int | None = None,
+                 discover_adapters: bool = False) -> None:
         from loraplex.engine.loader import load_model
 
         self.device, self.dtype, self.block_size = device, dtype, block_size
@@ -74,6 +79,15 @@ class DraftRunner:
                                                                                         device=device))
                           for _ in range(cfg.num_layers)]
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.lora = None
+        self.adapters: DraftAdapters | None = None
+        if lora_max_rank is not None:  # before the graphs: they capture the LoRA kernels
+            from loraplex.engine.lora.slots import LoRASlots
+
+            self.lora = LoRASlots(self.model, cfg, max_rank=lora_max_rank, max_step_slots=max(1, max_num_seqs),
+                                  device=device, dtype=dtype)
+            self.adapters = DraftAdapters(self.lora, cfg, max_rank=lora_max_rank, dtype=dtype,
+                                          discover=discover_adapters)
         self.graphs = None
         if graphs:  # one-token draft steps through the padded decode path: CUDA graphs on CUDA, eager elsewhere
             from loraplex.engine.cuda_graphs import DecodeGraphs
@@ -86,20 +100,40 @@ class DraftRunner:
                     "CUDA graphs" if self.graphs is not None and self.graphs.capture else "eager")
 
     @torch.inference_mode()
-    def forward_chunks(self, entries: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """Logits [len(entries), V] at each entry's last token (tokens, start, block ids)."""
+    def forward_chunks(self, entries: list[tuple[list[int], int, list[int]]],
+                       lora_slots: list[int] | None = None) -> torch.Tensor:
+        """Logits [len(entries), V] at each entry's last token (tokens, start, block ids); ``lora_slots[i]``: the
+        draft LoRA slot of entry i (-1: none; None: no LoRA at all)."""
         batch = paged_batch(entries, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        self._set_lora_tokens([len(t) for t, _, _ in entries], lora_slots)
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        finally:
+            if self.lora is not None:
+                self.lora.set_token_slots(None)
         last = [f + len(t) - 1 for f, (t, _, _) in zip(batch.first_rows, entries)]
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64, device=hidden.device)])
 
     @torch.inference_mode()
-    def forward_decode(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Logits [len(rows), V] of one-token rows (the padded decode path when it serves them)."""
+    def forward_decode(self, rows: list[DecodeRow], lora_slots: list[int] | None = None) -> torch.Tensor:
+        """Logits [len(rows), V] of one-token rows (the padded decode path when it serves them); ``lora_slots`` as
+        in ``forward_chunks``."""
         step = RowStep(rows)
         if self.graphs is not None and self.graphs.can_run(step):
-            return self.model.compute_logits(self.graphs.run(step, None))
-        return self.forward_chunks([([r.token], r.num_computed_tokens, r.block_ids) for r in rows])
+            by_seq = None if lora_slots is None else {r.seq_id: c for r, c in zip(rows, lora_slots) if c >= 0}
+            return self.model.compute_logits(self.graphs.run(step, by_seq or None))
+        return self.forward_chunks([([r.token], r.num_computed_tokens, r.block_ids) for r in rows], lora_slots)
+
+    def _set_lora_tokens(self, counts: list[int], lora_slots: list[int] | None) -> None:
+        if self.lora is None:
+            if lora_slots is not None and any(c >= 0 for c in lora_slots):
+                raise ValueError("draft LoRA slots given but the draft model has no LoRA attached")
+            return
+        if lora_slots is None or all(c < 0 for c in lora_slots):
+            self.lora.set_token_slots(None)
+            return
+        self.lora.set_token_slots(torch.tensor(lora_slots, dtype=torch.int32).repeat_interleave(
+            torch.tensor(counts)))
 
 
 class _Shadow:
@@ -170,6 +204,12 @@ class DraftModelProposer(Proposer):
         active: list[tuple[int, SpecSequence, _Shadow, int]] = []  # (batch index, entry, shadow, k)
         active_rows: list[int] = []                                # their rows in the first forward
         chunks: list[tuple[list[int], int, list[int]]] = []
+        chunk_slots: list[int] = []                                # their draft LoRA slots (-1: the bare draft)
+        adapters = self.runner.adapters
+        if adapters is not None and adapters.discovering:
+            for s in batch:
+                adapters.discover(s.adapter)
+            adapters.poll()
         for i, s in enumerate(batch):
             seq = s.seq
             n = seq.num_tokens
@@ -189,10 +229,11 @@ class DraftModelProposer(Proposer):
             else:  # still catching up on its prompt
                 sh.seq.num_computed_tokens = start + todo
             chunks.append((seq.token_ids_slice(start, start + todo), start, list(sh.seq.block_ids)))
+            chunk_slots.append(adapters.slot_of(s.adapter) if adapters is not None else -1)
         if not chunks:
             self.forward_s += time.perf_counter() - t0
             return out
-        logits = self.runner.forward_chunks(chunks)
+        logits = self.runner.forward_chunks(chunks, chunk_slots if adapters is not None else None)
         self.num_forwards += 1
         self.num_catchup_tokens += sum(len(c[0]) for c in chunks)
         drafts: list[list[int]] = [[] for _ in active]
@@ -212,7 +253,8 @@ class DraftModelProposer(Proposer):
                 break
             rows = [DecodeRow(active[a][1].seq_id, active[a][1].seq.num_tokens + step - 1, drafts[a][-1],
                               list(active[a][2].seq.block_ids)) for a in live]  # d_step at its position
-            current = self.runner.forward_decode(rows)
+            slots = None if adapters is None else [chunk_slots[active_rows[a]] for a in live]
+            current = self.runner.forward_decode(rows, slots)
             self.num_forwards += 1
         for a, (i, s, sh, k) in enumerate(active):
             n = s.seq.num_tokens
@@ -223,32 +265,39 @@ class DraftModelProposer(Proposer):
         return out
 
     def _draw(self, logits: torch.Tensor, entries: list[SpecSequence]) -> tuple[list[int], list]:
-        """One draft token per row: argmax for greedy requests, else drawn from the processed draft distribution
-        (returned, over the target's vocabulary)."""
-        v = self.vocab_size
-        if logits.shape[1] > v:
-            logits = logits[:, :v]
-        elif logits.shape[1] < v:
-            logits = torch.cat([logits, logits.new_full((logits.shape[0], v - logits.shape[1]), float("-inf"))], 1)
-        params = [s.params for s in entries]
-        logits = Sampler.apply_logit_bias(logits.float(), params)
-        tokens = logits.argmax(dim=-1)
-        q: list = [None] * len(entries)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            pr = Sampler.probs(logits[idx], [params[i] for i in rows])
-            tokens[idx] = rejection._race(pr, [entries[i].generator for i in rows], None)
-            for j, i in enumerate(rows):
-                q[i] = pr[j]
-        return tokens.tolist(), q
+        return draw_drafts(logits, entries, self.vocab_size)
 
     def stats(self) -> dict:
         kv = self.runner.kv
         return {"sequences": len(self._shadows), "forwards": self.num_forwards,
+                "draft_adapters": len(self.runner.adapters) if self.runner.adapters is not None else 0,
                 "catchup_tokens": self.num_catchup_tokens, "kv_blocks_total": kv.num_blocks,
                 "kv_blocks_free": kv.num_free_blocks, "forward_ms": self.forward_s * 1e3}
 
     def close(self) -> None:
         for seq_id in list(self._shadows):
             self.release(seq_id)
+        if self.runner.adapters is not None:
+            self.runner.adapters.close()
+
+
+def draw_drafts(logits: torch.Tensor, entries: list[SpecSequence], vocab_size: int) -> tuple[list[int], list]:
+    """One draft token per row of ``logits`` [B, V']: argmax for greedy requests, else drawn with the request's
+    generator from the processed draft distribution (returned, over the target's ``vocab_size`` ids)."""
+    v = vocab_size
+    if logits.shape[1] > v:
+        logits = logits[:, :v]
+    elif logits.shape[1] < v:
+        logits = torch.cat([logits, logits.new_full((logits.shape[0], v - logits.shape[1]), float("-inf"))], 1)
+    params = [s.params for s in entries]
+    logits = Sampler.apply_logit_bias(logits.float(), params)
+    tokens = logits.argmax(dim=-1)
+    q: list = [None] * len(entries)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        pr = Sampler.probs(logits[idx], [params[i] for i in rows])
+        tokens[idx] = rejection._race(pr, [entries[i].generator for i in rows], None)
+        for j, i in enumerate(rows):
+            q[i] = pr[j]
+    return tokens.tolist(), q

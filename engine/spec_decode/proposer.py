@@ -1,5 +1,5 @@
-"""The proposer interface: what every way of drafting tokens (n-gram lookup, a draft model, replay; EAGLE-style
-heads and per-adapter draft LoRAs plug in the same way) gets and returns.
+"""The proposer interface: what every way of drafting tokens (n-gram lookup, a draft model with per-adapter draft
+LoRAs, an EAGLE-style head on the target's hidden states, replay) gets and returns.
 
     batch = [SpecSequence(seq, request_id, adapter, params, generator, num_draft_tokens=k_i, hidden_states=...)]
     proposals = proposer.propose(batch)      # one Proposal (or None: no draft this step) per entry, same order

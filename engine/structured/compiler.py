@@ -69,6 +69,24 @@ def grammar_definition(spec: StructuredOutput) -> str:
         raise GrammarError(f"structured.grammar is neither Lark nor GBNF: {_short(str(e))}", kind) from None
 
 
+def check_grammar(spec: StructuredOutput) -> None:
+    """Compile-check ``spec`` without a tokenizer (what a gateway can do before it queues the request); a
+    ``GrammarError`` names what does not compile. The engine's own compile may still refuse a grammar its vocabulary
+    cannot produce."""
+    import llguidance
+
+    kind = spec.kind
+    try:
+        definition = grammar_definition(spec)
+    except GrammarError:
+        raise
+    except ValueError as e:
+        raise GrammarError(f"invalid structured.{kind}: {_short(str(e))}", kind) from None
+    error = llguidance.LLMatcher.validate_grammar(definition, None)
+    if error:
+        raise GrammarError(_describe(kind, error), kind)
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: list[int]) -> None:
         if tokenizer is None:

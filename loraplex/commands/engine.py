@@ -4,6 +4,9 @@
     loraplex engine serve --null --port 8101          # no model: streams fixed tokens (gateway benchmarks)
     loraplex engine serve --model DIR --speculative-method ngram --num-speculative-tokens 3
     loraplex engine serve --model DIR --speculative-method draft --speculative-draft-model SMALL_DIR
+    loraplex engine serve --model DIR --enable-lora --speculative-method draft --speculative-draft-model SMALL_DIR \
+        --speculative-draft-adapter t/a/1=/adapters/t-a-1      # that adapter's requests draft with its draft LoRA
+    loraplex engine serve --model DIR --speculative-method eagle --speculative-draft-head HEAD_DIR
 """
 from __future__ import annotations
 
@@ -75,13 +78,29 @@ def register(subparsers) -> None:
 def _speculative_flags(s) -> None:
     g = s.add_argument_group("speculative decoding (docs/engine.md, \"Speculative decoding\"); lossless, off by "
                              "default; a request opts out with sampling \"speculative\": false")
-    g.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
-                   help="ngram: prompt lookup (no model); draft: a small causal LM sharing the tokenizer")
+    g.add_argument("--speculative-method", choices=("ngram", "draft", "eagle"), default=None,
+                   help="ngram: prompt lookup (no model); draft: a small causal LM sharing the tokenizer; eagle: a "
+                        "draft head on the target's hidden states")
     g.add_argument("--num-speculative-tokens", type=int, default=3, help="k: drafts verified per sequence per step")
     g.add_argument("--speculative-draft-model", default=None, help="draft: HF folder of the draft model")
     g.add_argument("--speculative-draft-num-kv-blocks", type=int, default=None,
                    help="draft: KV blocks of the draft's own cache (default: max-num-seqs full sequences, on CUDA at "
                         "most half the memory left after the target)")
+    g.add_argument("--speculative-draft-head", default=None,
+                   help="eagle: folder of a draft head trained on this target's hidden states (config.json + "
+                        "model.safetensors)")
+    g.add_argument("--speculative-adapter-draft-head", action="append", default=None, metavar="ADAPTER_ID=DIR",
+                   help="eagle: a head trained under ADAPTER_ID drafts for its requests (repeatable; the others use "
+                        "--speculative-draft-head)")
+    g.add_argument("--speculative-draft-adapter", action="append", default=None, metavar="ADAPTER_ID=DIR",
+                   help="draft: the LoRA of the draft model that drafts for ADAPTER_ID's requests (DIR: a PEFT "
+                        "folder, or the adapter's folder holding it in draft/); repeat for more adapters; the "
+                        "others use the bare draft")
+    g.add_argument("--speculative-discover-draft-adapters", action="store_true",
+                   help="draft: an adapter whose file:// folder holds a draft/ subfolder (a LoRA of the draft model) "
+                        "drafts with it, found on its first request")
+    g.add_argument("--speculative-draft-max-lora-rank", type=int, default=16,
+                   help="draft: the largest rank of a draft LoRA (default 16)")
     g.add_argument("--speculative-ngram-min", type=int, default=1, help="ngram: shortest suffix matched")
     g.add_argument("--speculative-ngram-max", type=int, default=4, help="ngram: longest suffix matched")
     g.add_argument("--speculative-verify-cuda-graphs", action="store_true",
@@ -91,13 +110,35 @@ def _speculative_flags(s) -> None:
 def speculative_config(args) -> dict | None:
     """``EngineConfig.speculative`` from the flags (None without --speculative-method)."""
     if args.speculative_method is None:
-        if args.speculative_draft_model:
-            raise ValueError("--speculative-draft-model needs --speculative-method draft")
+        if (args.speculative_draft_model or args.speculative_draft_adapter or args.speculative_draft_head
+                or args.speculative_discover_draft_adapters or args.speculative_adapter_draft_head):
+            raise ValueError("--speculative-draft-model and --speculative-draft-adapter need --speculative-method "
+                             "draft, --speculative-draft-head(s) need --speculative-method eagle")
         return None
-    return dict(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+    spec = dict(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 draft_model=args.speculative_draft_model, draft_num_kv_blocks=args.speculative_draft_num_kv_blocks,
                 ngram_min=args.speculative_ngram_min, ngram_max=args.speculative_ngram_max,
-                verify_cuda_graphs=args.speculative_verify_cuda_graphs)
+                verify_cuda_graphs=args.speculative_verify_cuda_graphs, draft_head=args.speculative_draft_head)
+    if args.speculative_draft_adapter or args.speculative_discover_draft_adapters:
+        spec.update(draft_adapters=_pairs("--speculative-draft-adapter", args.speculative_draft_adapter or []),
+                    discover_draft_adapters=args.speculative_discover_draft_adapters,
+                    draft_max_lora_rank=args.speculative_draft_max_lora_rank)
+    if args.speculative_adapter_draft_head:
+        spec["draft_heads"] = _pairs("--speculative-adapter-draft-head", args.speculative_adapter_draft_head)
+    return spec
+
+
+def _pairs(flag: str, values: list[str]) -> dict[str, str]:
+    """ADAPTER_ID=DIR pairs -> {adapter_id: folder}."""
+    out: dict[str, str] = {}
+    for value in values:
+        adapter_id, sep, folder = value.partition("=")
+        if not sep or not adapter_id or not folder:
+            raise ValueError(f"{flag} {value!r}: expected ADAPTER_ID=DIR")
+        if adapter_id in out:
+            raise ValueError(f"{flag}: adapter {adapter_id!r} given twice")
+        out[adapter_id] = folder
+    return out
 
 
 def _quantization(choice: str) -> str | None:

@@ -7,9 +7,10 @@ A plan with ``fanout`` (greedy n > 1: one engine sequence) copies each delta to 
 ``pick_best`` (best_of > n) keeps, at the end, the n completions of highest cumulative logprob, best first,
 renumbered 0..n-1. A completion's ``finish_reason`` is taken once; one the engine never ended gets the request's.
 
-With a ``parser`` factory (GPT-OSS chat: ``PromptTokenizer.output_parser``) each engine completion's token ids
-go through its own harmony parser: ``text`` is then the final channel only, ``reasoning`` the analysis channel,
-``tool_calls`` the parsed calls, and a completion that ended in ``<|call|>`` finishes with "tool_calls".
+With a ``parser`` factory (``PromptTokenizer.output_parser``: GPT-OSS chat, or tools offered) each engine
+completion goes through its own parser (harmony's ``TokenFeed`` over its token ids, ``tools.ToolCallFeed`` over
+its text): ``text`` is then the content only, ``reasoning`` the analysis channel, ``tool_calls`` the parsed calls,
+and a completion whose calls closed (harmony: that ended in ``<|call|>``) finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class ChoiceDelta:
     cumulative_logprob: float = 0.0
     logprobs: list[TokenLogprob] | None = None
     reasoning: str = ""
-    tool_calls: list = field(default_factory=list)     # harmony ToolCallDelta parts
+    tool_calls: list = field(default_factory=list)     # ToolCallDelta parts (harmony.parser)
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Choice:
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     reasoning: str = ""
-    tool_calls: list = field(default_factory=list)     # harmony ToolCall (id, name, arguments)
+    tool_calls: list = field(default_factory=list)     # ToolCall (id, name, arguments; harmony.parser)
 
 
 class Choices:
@@ -51,7 +52,7 @@ class Choices:
         self.plan = plan
         self._engine: dict[int, Choice] = {}   # by engine index
         self._parser_factory = parser
-        self._parsers: dict[int, Any] = {}     # by engine index: harmony TokenFeed
+        self._parsers: dict[int, Any] = {}     # by engine index: TokenFeed | ToolCallFeed
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, chunk: EngineChunk) -> list[ChoiceDelta]:
@@ -81,12 +82,12 @@ class Choices:
         feed = self._parsers.get(o.index)
         if feed is None:
             feed = self._parsers[o.index] = self._parser_factory()
-        parsed = feed.push(o.token_ids)
+        parsed = feed.push_output(o)
         if o.finish_reason:
             parsed.merge(feed.finish())
-            if feed.parser.finish_reason == "tool_calls":
+            if feed.finish_reason == "tool_calls":
                 d.finish_reason = "tool_calls"
-        self._engine[o.index].tool_calls = feed.parser.tool_calls
+        self._engine[o.index].tool_calls = feed.tool_calls
         d.text, d.reasoning, d.tool_calls = parsed.content, parsed.reasoning, parsed.tool_calls
         return d
 
@@ -104,10 +105,10 @@ class Choices:
         return engine_missing
 
     def final(self, request_reason: str | None) -> list[Choice]:
-        """The client's choices, index 0..n-1 (a harmony parser still open is flushed first: the request ended
-        without a last chunk for it)."""
+        """The client's choices, index 0..n-1 (a parser still open is flushed first: the request ended without a
+        last chunk for it)."""
         for i, feed in self._parsers.items():
-            if not feed.parser.finished:
+            if not feed.finished:
                 c = self._engine[i]
                 rest = feed.finish()
                 c.text += rest.content

@@ -7,7 +7,9 @@ the tenant gets (in the message and ``x-request-id``) to quote to the operator.
     engine unavailable (503)     "No engine replica is available right now; retry shortly (request id <id>)."
     other 5xx                    "The engine failed to serve this request; ... request id <id> ..."
     4xx (the request as sent)    the engine's message with URIs, paths, addresses and key layouts replaced by
-                                 "<internal>", plus the request id
+                                 "<internal>", plus the request id; ``param`` is the request field the message is
+                                 about (``top_k``, ``logit_bias``; a grammar the engine could not compile: its field,
+                                 ``response_format`` or ``guided_*``)
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 from loraplex.platform.engines.errors import (AdapterFetchUnavailableError, AdapterLoadFailedError, EngineError,
                                               EngineUnavailableError)
 from loraplex.platform.inference.errors import InferenceError
+from loraplex.platform.inference.parameters import parameters_of
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +57,31 @@ def for_tenant(e: EngineError, prep: Any) -> InferenceError:
         message = f"The engine failed to serve this request; retry, or give the operator the request id {rid}."
     else:
         message = f"{scrub(e.message)} (request id {rid})"
+    param = _param_of(e, prep) if e.status_code < 500 else None
+    structured = getattr(prep.body, "structured", None)
+    if param is not None and structured is not None and e.message.startswith("structured."):
+        message = message.replace(f"structured.{structured.spec.kind}", param, 1)
     headers = {"x-request-id": rid}
     retry = getattr(e, "retry_after_s", None)
     if retry:
         headers["retry-after"] = str(retry)
-    return InferenceError(e.status_code, message, code=e.type_, headers=headers)
+    return InferenceError(e.status_code, message, code=e.type_, param=param, headers=headers)
+
+
+def _param_of(e: EngineError, prep: Any) -> str | None:
+    """The request field an engine refusal is about: the one its message starts with (``top_k=...``,
+    ``logit_bias has ...``), or the output constraint's field for a grammar the engine could not compile."""
+    structured = getattr(prep.body, "structured", None)
+    if e.message.startswith("structured."):
+        return structured.param if structured is not None else None
+    match = _LEADING_NAME.match(e.message)
+    known = parameters_of("chat" if getattr(prep, "kind", "chat") == "chat" else "completion")
+    if match and match.group(1) in known and known[match.group(1)].status != "refused":
+        return match.group(1)
+    return None
+
+
+_LEADING_NAME = re.compile(r"([a-z_]+)\b")
 
 
 def no_engine_error(request_id: str, reason: str) -> InferenceError:

@@ -18,6 +18,13 @@ sent tokens is not retried (the router alone fails over, before the first chunk)
 Metrics go through a ``RequestMeter`` (``metering.py``): the route reports refusals before admission, ``admit``
 reports quota denials, and ``Generation``'s cleanup reports every admitted request with its final status.
 
+A completions request with several prompts runs one engine request per prompt (ids ``<request id>-<prompt index>``),
+all at once (``fan_in.py``); ``Generation`` sums their token counts, and its chunks (of every prompt, as they come)
+are told apart by ``Prepared.prompt_index``. A whole request of several prompts retries each prompt on its own.
+
+An output constraint (``response_format``, ``guided_*``) is compiled without a tokenizer before admission (off the
+event loop), so a schema that cannot compile is a 400 naming the feature and the field before anything is queued.
+
 Engine errors reach tenants sanitised (``engine_errors.py``): adapter load and fetch failures and 5xx as a generic
 message with the request id, 4xx with blob URIs, endpoints, paths and addresses removed; the full message goes to
 the platform log under that request id.
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import anyio
@@ -35,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.platform.engines.errors import AdapterLoadFailedError, EngineError, EngineUnavailableError
 from loraplex.platform.engines.limits import unservable_reason
 from loraplex.platform.engines.messages import AdapterReference, EngineChunk, EngineRequest
+from loraplex.platform.gateway import fan_in
 from loraplex.platform.gateway.adapters import ResolvedAdapter, resolve_adapter, version_is_ready
 from loraplex.platform.gateway.auth import TenantInfo
 from loraplex.platform.gateway.engine_errors import for_tenant, no_engine_error
@@ -46,6 +54,7 @@ from loraplex.platform.inference.model_name import ModelNameError, parse_model
 from loraplex.platform.inference.plan import ChoicePlan
 from loraplex.platform.inference.protocol import (ChatCompletionRequest, CompletionRequest, new_id, parse_request,
                                                   resolve_max_tokens)
+from loraplex.platform.inference.structured_request import check_compiles
 from loraplex.platform.quotas import QuotaDecision, QuotaLimits
 from loraplex.platform.routing import NoReplicaAvailableError
 from loraplex.platform.usage import UsageEvent
@@ -84,8 +93,8 @@ class Prepared:
     request_id: str
     tenant: TenantInfo
     body: ChatCompletionRequest | CompletionRequest
-    prompt: str | list[int]
-    prompt_tokens: int
+    prompt: str | list[int]                    # the first (usually only) prompt
+    prompt_tokens: int                         # of every prompt
     max_tokens: int                            # the engine's completion budget per choice
     sampling: dict[str, Any]
     adapter: ResolvedAdapter | None
@@ -93,12 +102,36 @@ class Prepared:
     plan: ChoicePlan
     echo_text: str = ""                        # completions with echo: the prompt as text
     reserve_tokens: int | None = None          # per choice reserved against quotas (None: max_tokens)
+    prompts: list[str | list[int]] = field(default_factory=list)   # completions: every prompt (empty: [prompt])
+    echo_texts: list[str] = field(default_factory=list)            # echo: every prompt as text
+
+    def __post_init__(self) -> None:
+        self.prompts = self.prompts or [self.prompt]
+        self.echo_texts = self.echo_texts or [self.echo_text] * len(self.prompts)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def candidates(self) -> int:
+        """Sequences billed and reserved for: every prompt's choices and best_of candidates."""
+        return self.num_prompts * self.plan.candidates
+
+    def engine_request_id(self, prompt_index: int) -> str:
+        return self.request_id if self.num_prompts == 1 else f"{self.request_id}-{prompt_index}"
+
+    def prompt_index(self, engine_request_id: str) -> int:
+        """The prompt an engine chunk belongs to."""
+        if self.num_prompts == 1:
+            return 0
+        return int(engine_request_id.rsplit("-", 1)[1])
 
     @property
     def reserved_tokens(self) -> int:
-        """What quota acquire reserves: the prompt once, the reservation for every choice and best_of candidate."""
+        """What quota acquire reserves: the prompts once, the reservation for every choice and best_of candidate."""
         per_choice = self.max_tokens if self.reserve_tokens is None else self.reserve_tokens
-        return self.prompt_tokens + self.plan.candidates * per_choice
+        return self.prompt_tokens + self.candidates * per_choice
 
 
 async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prepared:
@@ -123,35 +156,53 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
         except ChatTemplateError as e:
             raise InferenceError(400, str(e), param="messages") from None
         requested = body.requested_max_tokens
+        prompts, lengths = [prompt], [n_prompt]
     else:
-        raw = body.prompts()[0]
-        if isinstance(raw, list):
-            prompt, n_prompt = raw, len(raw)
-        else:
-            prompt, n_prompt = gw.tokenizer.prompt(raw, add_special_tokens=True)
+        prompts, lengths = [], []
+        for raw in body.prompts():
+            if isinstance(raw, list):
+                prompts.append(raw)
+                lengths.append(len(raw))
+            else:
+                ids, n = gw.tokenizer.prompt(raw, add_special_tokens=True)
+                prompts.append(ids)
+                lengths.append(n)
+        prompt, n_prompt = prompts[0], sum(lengths)
         requested = body.max_tokens
-    if n_prompt == 0:
-        raise InferenceError(400, "the prompt is empty; send at least one token", param="prompt")
-    max_tokens = resolve_max_tokens(requested, n_prompt, gw.max_model_len)
+    if min(lengths) == 0:
+        where = "" if len(lengths) == 1 else f" (prompt {lengths.index(0)})"
+        raise InferenceError(400, f"the prompt is empty{where}; send at least one token", param="prompt")
+    max_tokens = resolve_max_tokens(requested, max(lengths), gw.max_model_len)
     reserve = max_tokens if requested is not None else min(gw.settings.default_max_tokens_reservation, max_tokens)
     sampling = body.sampling_params(max_tokens)
+    structured = body.structured
+    if structured is not None:
+        if kind == "chat" and gw.tokenizer.harmony is not None:
+            raise InferenceError(400, f"'{structured.param}' is not supported on harmony-format models (GPT-OSS) yet: "
+                                      "the grammar would also constrain the reasoning channel; leave it unset, or "
+                                      "use /v1/completions", param=structured.param, code="unsupported_parameter")
+        await run_in_threadpool(check_compiles, structured)
     if kind == "chat":
-        sampling.update(gw.tokenizer.chat_sampling())   # GPT-OSS: harmony's stop tokens
+        added = gw.tokenizer.chat_sampling(body)   # GPT-OSS: harmony's stop tokens; forced tool calls' grammar
+        if "structured" in added and "structured" in sampling:
+            raise InferenceError(400, f"'tool_choice' {body.tool_choice!r} makes the output tool calls, which a "
+                                      "structured 'response_format' cannot constrain as well; send one of them",
+                                 param="tool_choice")
+        sampling.update(added)
     plan = body.choice_plan()
     limit = gw.settings.engine_max_num_seqs   # None: the engines refuse what they cannot run (400 as well)
     if limit is not None and plan.engine_n > limit:
         param = "best_of" if plan.pick_best else "n"
         raise InferenceError(400, f"'{param}' asks for {plan.engine_n} sequences but engines run at most {limit} per "
                                   f"request; lower '{param}'", param=param)
-    echo_text = ""
-    if plan.echo:
-        echo_text = _prompt_text(gw, body.prompts()[0])
+    echo_texts = [_prompt_text(gw, raw) for raw in body.prompts()] if plan.echo else []
     reference = None
     if adapter is not None:
         reference = await run_in_threadpool(gw.references.reference, adapter)
     return Prepared(kind=kind, request_id=new_id("chatcmpl" if kind == "chat" else "cmpl"), tenant=tenant,
                     body=body, prompt=prompt, prompt_tokens=n_prompt, max_tokens=max_tokens, sampling=sampling,
-                    adapter=adapter, reference=reference, plan=plan, echo_text=echo_text, reserve_tokens=reserve)
+                    adapter=adapter, reference=reference, plan=plan, echo_text=echo_texts[0] if echo_texts else "",
+                    reserve_tokens=reserve, prompts=prompts, echo_texts=echo_texts)
 
 
 def _prompt_text(gw: Gateway, raw: str | list[int]) -> str:
@@ -186,7 +237,12 @@ async def admit(gw: Gateway, prep: Prepared, meter: RequestMeter | None = None) 
         if decision.reason == "request_too_large":
             plan = prep.plan
             param = "max_tokens" if plan.candidates == 1 else "best_of" if plan.candidates > plan.n else "n"
-            if plan.candidates > 1:
+            if prep.num_prompts > 1:
+                message = (f"{prep.num_prompts} prompts ({prep.prompt_tokens} tokens) + {prep.candidates} sequences "
+                           f"x max_tokens ({prep.reserve_tokens}) = {prep.reserved_tokens} tokens exceed the "
+                           f"tenant's tokens-per-minute burst; send fewer prompts or lower max_tokens")
+                param = "prompt"
+            elif plan.candidates > 1:
                 message = (f"prompt ({prep.prompt_tokens}) + {param} ({plan.candidates}) x max_tokens "
                            f"({prep.reserve_tokens}) = {prep.reserved_tokens} tokens exceed the tenant's "
                            f"tokens-per-minute burst; lower '{param}' or max_tokens")
@@ -202,27 +258,48 @@ class Generation:
                  meter: RequestMeter | None = None) -> None:
         self.gw, self.prep, self.decision = gw, prep, decision
         self.meter = meter
-        self.prompt_tokens = 0           # as the engine counted (0 until its first chunk)
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.finish_reason: str | None = None
+        self._counts: dict[str, tuple[int, int, int]] = {}   # engine request id -> prompt, completion, cached tokens
+        self.finish_reasons: dict[str, str | None] = {}      # engine request id -> its finish reason, once ended
         self.started = False
-        self.retries = 0                 # whole requests run again after their replica died (<= WHOLE_RETRIES)
+        self.retries = 0                 # runs again after a replica died (<= WHOLE_RETRIES per engine request)
         self._renewed = 0.0              # when the quota lease was last renewed
+
+    @property
+    def prompt_tokens(self) -> int:
+        """As the engines counted, over every prompt (0 until the first chunk)."""
+        return sum(c[0] for c in self._counts.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        """Billed completion tokens (every choice and candidate), over every prompt."""
+        return sum(c[1] for c in self._counts.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(c[2] for c in self._counts.values())
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None until every prompt's engine request ended; then the last one's reason."""
+        if len(self.finish_reasons) < self.prep.num_prompts:
+            return None
+        return list(self.finish_reasons.values())[-1]
 
     async def chunks(self) -> AsyncIterator[EngineChunk]:
         gw, prep = self.gw, self.prep
         if gw.router is None:
             await self._finish(503, "engine_unavailable")
             raise no_engine_error(prep.request_id, gw.engine_error or "LORAPLEX_ENGINE_MODE=none")
-        request = EngineRequest(request_id=prep.request_id, tenant_id=prep.tenant.id, prompt=prep.prompt,
-                                sampling=prep.sampling, adapter=prep.reference,
-                                tenant_weight=QuotaLimits.scheduling_weight(prep.tenant, gw.settings))
+        weight = QuotaLimits.scheduling_weight(prep.tenant, gw.settings)
+        requests = [EngineRequest(request_id=prep.engine_request_id(i), tenant_id=prep.tenant.id, prompt=prompt,
+                                  sampling=prep.sampling, adapter=prep.reference, tenant_weight=weight)
+                    for i, prompt in enumerate(prep.prompts)]
         self._renewed = time.monotonic()
         status, error = 200, None
         try:
             if prep.body.stream:
-                attempt = self._attempt(request)
+                attempt = (self._attempt(requests[0]) if len(requests) == 1
+                           else fan_in.merge([self._attempt(r) for r in requests]))
                 try:
                     async for chunk in attempt:
                         yield chunk
@@ -230,7 +307,7 @@ class Generation:
                     with anyio.CancelScope(shield=True):
                         await attempt.aclose()   # aborts the engine request if it is still running
             else:
-                for chunk in await self._whole(request):
+                for chunk in await self._whole_all(requests):
                     yield chunk
         except NoReplicaAvailableError as e:
             status, error = 503, "engine_unavailable"
@@ -257,6 +334,13 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await self._finish(status, error)
 
+    async def _whole_all(self, requests: list[EngineRequest]) -> list[EngineChunk]:
+        """``_whole`` of every prompt's request, run at once; their chunks in prompt order."""
+        if len(requests) == 1:
+            return await self._whole(requests[0])
+        held = await fan_in.gather([self._whole(r) for r in requests])
+        return [chunk for chunks in held for chunk in chunks]
+
     async def _whole(self, request: EngineRequest) -> list[EngineChunk]:
         """Every chunk of a whole (non-streamed) request, held back until the engine's last one. Nothing has reached
         the client yet, so when the replica dies mid-generation (``EngineUnavailableError``: connection reset, stream
@@ -264,6 +348,7 @@ class Generation:
         another replica, ``WHOLE_RETRIES`` times at most. Only the last run's tokens are counted; the quota lease
         is held throughout. Engine-side refusals (4xx), adapter errors and client disconnects are never retried."""
         failed: list[str] = []      # replicas this request died on
+        retries = 0                 # of this engine request (each prompt of a list has its own)
         while True:
             used: list[str] = []
             held: list[EngineChunk] = []
@@ -273,14 +358,15 @@ class Generation:
                     held.append(chunk)
                 return held
             except EngineUnavailableError as e:
-                if self.retries >= WHOLE_RETRIES:
+                if retries >= WHOLE_RETRIES:
                     raise
+                retries += 1
                 self.retries += 1
                 failed.extend(used)
                 logger.warning("request %s: replica %s died after %d engine chunks (%s); retrying the whole request "
-                               "on another replica (retry %d of %d)", self.prep.request_id,
-                               used[-1] if used else "?", len(held), e, self.retries, WHOLE_RETRIES)
-                self._reset()
+                               "on another replica (retry %d of %d)", request.request_id,
+                               used[-1] if used else "?", len(held), e, retries, WHOLE_RETRIES)
+                self._reset(request.request_id)
             finally:
                 with anyio.CancelScope(shield=True):
                     await attempt.aclose()
@@ -305,11 +391,11 @@ class Generation:
                 self.started = True
                 if chunk.completion_tokens and self.meter is not None:
                     self.meter.first_token()
-                self.prompt_tokens = chunk.prompt_tokens
-                self.completion_tokens = chunk.completion_tokens * prep.plan.bill_factor
-                self.cached_tokens = chunk.cached_tokens
+                self._counts[request.request_id] = (chunk.prompt_tokens,
+                                                    chunk.completion_tokens * prep.plan.bill_factor,
+                                                    chunk.cached_tokens)
                 if chunk.finished:
-                    self.finish_reason = chunk.finish_reason
+                    self.finish_reasons[request.request_id] = chunk.finish_reason
                 yield chunk
                 if lease_renew_s and time.monotonic() - self._renewed > lease_renew_s:
                     self._renewed = time.monotonic()
@@ -318,13 +404,14 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()   # aborts the engine request if it is still running
 
-    def _reset(self) -> None:
-        """Forget a run that died: the next one is counted (tokens, first token) from zero."""
-        self.started = False
-        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
-        self.finish_reason = None
-        if self.meter is not None:
-            self.meter.first_token_at = None
+    def _reset(self, request_id: str) -> None:
+        """Forget a run of ``request_id`` that died: the next one is counted (tokens, first token) from zero."""
+        self._counts.pop(request_id, None)
+        self.finish_reasons.pop(request_id, None)
+        if not self._counts:
+            self.started = False
+            if self.meter is not None:
+                self.meter.first_token_at = None
 
     def _still_ready(self) -> bool:
         with self.gw.sessions() as session:
@@ -345,4 +432,4 @@ class Generation:
                 adapter_name=a.name if a else None, adapter_version_id=a.version_id if a else None))
         if self.meter is not None:
             self.meter.finish(status, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                              error=error, sequences=self.prep.plan.candidates)
+                              error=error, sequences=self.prep.candidates)

@@ -2,10 +2,13 @@
 (aborting the engine request) when the client goes away.
 
 Stream layout (chat): a first chunk with ``delta.role`` per choice, one chunk per choice and engine chunk with text
-(and that text's tokens' logprobs; GPT-OSS: ``delta.reasoning_content`` and ``delta.tool_calls`` beside
-``delta.content``), each choice's last chunk with ``finish_reason``, a usage chunk
-(``choices: []``) when ``stream_options.include_usage``, then ``[DONE]``. An
-engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
+(and that text's tokens' logprobs; GPT-OSS: ``delta.reasoning_content`` beside ``delta.content``; with tools:
+``delta.tool_calls``, a call's index, id, type and name first, then its arguments in pieces), each choice's last
+chunk with ``finish_reason``, a usage chunk (``choices: []``) when ``stream_options.include_usage``, then
+``[DONE]``. An engine error after the stream started is sent as an ``{"error": {...}}`` event before ``[DONE]``.
+
+Completions with several prompts: each prompt's choices are built apart (a ``Choices`` per prompt) and numbered
+``prompt_index * n + choice``; streamed, the prompts' events interleave as the engine produces them.
 """
 from __future__ import annotations
 
@@ -37,25 +40,26 @@ def _reason(engine_reason: str | None) -> str:
     return openai_finish_reason(engine_reason) or "stop"
 
 
-def _first_prompt_token(gen: Generation) -> str:
-    """Text of the prompt's first token (its logprob entry is null, so the engine sent no text for it)."""
-    prompt = gen.prep.prompt
+def _first_prompt_token(gen: Generation, p: int) -> str:
+    """Text of prompt ``p``'s first token (its logprob entry is null, so the engine sent no text for it)."""
+    prompt = gen.prep.prompts[p]
     if isinstance(prompt, list) and prompt and gen.gw.tokenizer.available:
         return gen.gw.tokenizer.decode(prompt[:1])
     return ""
 
 
-def _echo_logprobs(gen: Generation, choices: Choices) -> CompletionLogprobs | None:
+def _echo_logprobs(gen: Generation, choices: Choices, p: int) -> CompletionLogprobs | None:
     if not gen.prep.plan.prompt_logprobs or choices.prompt_logprobs is None:
         return None
     return completion_logprobs(choices.prompt_logprobs, gen.prep.plan.logprobs or 0,
-                               first_token=_first_prompt_token(gen))[0]
+                               first_token=_first_prompt_token(gen, p))[0]
 
 
 def _choices(gen: Generation) -> Choices:
-    """The request's choices; GPT-OSS chat parses each completion's harmony channels."""
+    """The request's choices; GPT-OSS chat parses each completion's harmony channels, other chats with tools their
+    tool calls."""
     parser = None
-    if gen.prep.kind == "chat" and gen.gw.tokenizer.harmony is not None:
+    if gen.prep.kind == "chat" and gen.gw.tokenizer.parses_output(gen.prep.body):
         parser = lambda: gen.gw.tokenizer.output_parser(gen.prep.body)  # noqa: E731
     return Choices(gen.prep.plan, parser)
 
@@ -78,24 +82,26 @@ async def complete(gen: Generation) -> ChatCompletion | Completion:
     echoed prompt when asked."""
     prep = gen.prep
     plan = prep.plan
-    choices = _choices(gen)
+    groups = [_choices(gen) for _ in range(prep.num_prompts)]
     async for chunk in gen.chunks():
-        choices.add(chunk)
-    final = choices.final(gen.finish_reason)
+        groups[prep.prompt_index(chunk.request_id)].add(chunk)
     k = plan.logprobs
     if prep.kind == "chat":
+        final = groups[0].final(gen.finish_reason)
         return ChatCompletion(id=prep.request_id, created=now_s(), model=prep.body.model, usage=_usage(gen), choices=[
             ChatChoice(index=c.index, message=_message(c), finish_reason=_reason(c.finish_reason),
                        logprobs=chat_logprobs(c.logprobs, k) if k is not None else None) for c in final])
-    echo = prep.echo_text if plan.echo else ""
-    prompt_lp = _echo_logprobs(gen, choices)
     out = []
-    for c in final:
-        logprobs = None
-        if k is not None:
-            logprobs = merge_completion_logprobs(prompt_lp, completion_logprobs(c.logprobs, k, offset=len(echo))[0])
-        out.append(CompletionChoice(index=c.index, text=echo + c.text, finish_reason=_reason(c.finish_reason),
-                                    logprobs=logprobs))
+    for p, choices in enumerate(groups):
+        echo = prep.echo_texts[p] if plan.echo else ""
+        prompt_lp = _echo_logprobs(gen, choices, p)
+        for c in choices.final(gen.finish_reasons.get(prep.engine_request_id(p))):
+            logprobs = None
+            if k is not None:
+                logprobs = merge_completion_logprobs(prompt_lp,
+                                                     completion_logprobs(c.logprobs, k, offset=len(echo))[0])
+            out.append(CompletionChoice(index=p * plan.n + c.index, text=echo + c.text,
+                                        finish_reason=_reason(c.finish_reason), logprobs=logprobs))
     return Completion(id=prep.request_id, created=now_s(), model=prep.body.model, usage=_usage(gen), choices=out)
 
 
@@ -109,8 +115,9 @@ async def sse_stream(gen: Generation, chunks: AsyncIterator, first: list) -> Asy
     prep = gen.prep
     plan, k = prep.plan, prep.plan.logprobs
     created, model, chat = now_s(), prep.body.model, prep.kind == "chat"
-    choices = _choices(gen)
-    offsets = {i: len(prep.echo_text) if plan.echo else 0 for i in range(plan.n)}  # legacy text_offset per choice
+    groups = [_choices(gen) for _ in range(prep.num_prompts)]
+    n_all = plan.n * prep.num_prompts
+    offsets = {i: len(prep.echo_texts[i // plan.n]) if plan.echo else 0 for i in range(n_all)}  # legacy text_offset
 
     def event(index: int, text: str | None, reason: str | None, *, role: bool = False, logprobs=None,
               parsed=None) -> bytes:
@@ -127,9 +134,13 @@ async def sse_stream(gen: Generation, chunks: AsyncIterator, first: list) -> Asy
             CompletionChoice(index=index, text=text or "", finish_reason=reason, logprobs=lp)]))
 
     def echo_events() -> list[bytes]:
-        lp = _echo_logprobs(gen, choices)
-        return [sse_event(Completion(id=prep.request_id, created=created, model=model, choices=[
-            CompletionChoice(index=i, text=prep.echo_text, logprobs=lp)])) for i in range(plan.n)]
+        events = []
+        for p, choices in enumerate(groups):
+            lp = _echo_logprobs(gen, choices, p)
+            events.extend(sse_event(Completion(id=prep.request_id, created=created, model=model, choices=[
+                CompletionChoice(index=p * plan.n + i, text=prep.echo_texts[p], logprobs=lp)]))
+                for i in range(plan.n))
+        return events
 
     held: list[bytes] | None = [] if plan.prompt_logprobs else None
     try:
@@ -149,15 +160,17 @@ async def sse_stream(gen: Generation, chunks: AsyncIterator, first: list) -> Asy
                 except StopAsyncIteration:
                     break
             events = []
-            for d in choices.add(chunk):
+            p = prep.prompt_index(chunk.request_id)
+            first_index = p * plan.n
+            for d in groups[p].add(chunk):
                 reason = openai_finish_reason(d.finish_reason)
                 if d.text or d.reasoning or d.tool_calls or reason or (k is not None and d.logprobs):
-                    events.append(event(d.index, d.text if d.text or not chat else None, reason,
+                    events.append(event(first_index + d.index, d.text if d.text or not chat else None, reason,
                                         logprobs=d.logprobs if k is not None else None,
                                         parsed=d if chat else None))
             if chunk.finished:
-                events.extend(event(i, None if chat else "", _reason(chunk.finish_reason))
-                              for i in choices.unfinished())
+                events.extend(event(first_index + i, None if chat else "", _reason(chunk.finish_reason))
+                              for i in groups[p].unfinished())
             if held is None:
                 for e in events:
                     yield e

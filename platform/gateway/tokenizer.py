@@ -8,6 +8,9 @@ Chat prompts (``chat_prompt``): the model's chat template, except for GPT-OSS (`
 harmony tokens), whose prompts are rendered in harmony (``loraplex.platform.inference.harmony``) with the
 request's ``reasoning_effort`` and ``tools``; its requests also stop at ``<|return|>`` / ``<|call|>``
 (``chat_sampling``) and its outputs are parsed into content, reasoning and tool calls (``output_parser``).
+Other families get ``tools`` through ``platform/inference/tools/`` in their format (``format_for(model_type)``):
+the template renders them (or the format's fallback text does), ``tool_choice`` "required" / named adds the
+calls' grammar to the sampling fields, and the output is parsed for calls.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from typing import Any
 
 from loraplex.platform.inference.chat_template import ChatTemplate
 from loraplex.platform.inference.errors import InferenceError
+from loraplex.platform.inference.tools import (ToolCallFeed, check_schemas, checked_size, format_for,
+                                               harmony_tool_grammar, has_tool_history, structured_field,
+                                               template_inputs, tool_request)
 
 
 def model_type(folder: str | None) -> str | None:
@@ -45,6 +51,7 @@ class PromptTokenizer:
 
             self._hf = AutoTokenizer.from_pretrained(folder)
         self.harmony = None
+        self.tool_format = format_for(model_type(folder))
         if self.available and model_type(folder) == "gpt_oss":
             from loraplex.platform.inference.harmony import HarmonyChat
 
@@ -101,19 +108,28 @@ class PromptTokenizer:
     # ---- chat ----
     def chat_prompt(self, body: Any) -> tuple[str | list[int], int]:
         """(what the engine gets, prompt token count) of a chat request: harmony for GPT-OSS, else the model's
-        chat template (``ChatTemplateError`` when it refuses). ``reasoning_effort`` and ``tools`` other than for
-        GPT-OSS are a 400 naming them."""
+        chat template (``ChatTemplateError`` when it refuses), with the request's tools in the family's format
+        (``tools.template_inputs``). Bad tools, and ``reasoning_effort`` other than for GPT-OSS, are a 400 naming
+        the field."""
         effort = getattr(body, "reasoning_effort", None)
+        requested = tool_request(body)   # 400s naming the field
         tools = self._chat_tools(body)
         if self.harmony is None:
             if effort is not None:
                 raise InferenceError(400, "'reasoning_effort' applies to reasoning models in the harmony format "
                                           "(GPT-OSS); this deployment's base model is not one: leave it unset",
                                      param="reasoning_effort", code="unsupported_parameter")
-            if tools:
-                raise InferenceError(400, "'tools' are not supported for this deployment's base model yet",
-                                     param="tools", code="unsupported_parameter")
-            return self.prompt(self.chat_template.render(body.messages), add_special_tokens=False)
+            if requested is None and not has_tool_history(body.messages):
+                return self.prompt(self.chat_template.render(body.messages), add_special_tokens=False)
+            if requested is not None and requested.forced:
+                check_schemas(requested)
+            template = self.chat_template
+            messages, extra = template_inputs(body.messages, requested, self.tool_format,
+                                              native=template.supports_tools,
+                                              argument_text=template.takes_argument_text)
+            return self.prompt(template.render(messages, **extra), add_special_tokens=False)
+        if requested is not None and requested.forced:
+            check_schemas(requested)
         if self.harmony.renderer is None:   # no o200k vocabulary: the model's own template, told the effort
             if tools:
                 raise InferenceError(400, f"'tools' need the harmony renderer, which is unavailable here: "
@@ -128,14 +144,26 @@ class PromptTokenizer:
             raise InferenceError(400, str(e), param=e.param) from None
         return ids, len(ids)
 
-    def chat_sampling(self) -> dict[str, Any]:
-        """Engine sampling fields every chat request adds: harmony's stop tokens for GPT-OSS."""
-        return {"stop_token_ids": self.harmony.stop_token_ids} if self.harmony is not None else {}
+    def chat_sampling(self, body: Any = None) -> dict[str, Any]:
+        """Engine sampling fields a chat request adds: harmony's stop tokens for GPT-OSS; for ``tool_choice``
+        "required" or a named function, the grammar of the calls (``structured``; harmony's own for GPT-OSS)."""
+        tools = tool_request(body) if body is not None else None
+        forced = tools is not None and tools.forced
+        if self.harmony is not None:
+            grammar = {"structured": {"grammar": checked_size(harmony_tool_grammar(tools))}} if forced else {}
+            return {"stop_token_ids": self.harmony.stop_token_ids, **grammar}
+        return {"structured": structured_field(tools, self.tool_format)} if forced else {}
+
+    def parses_output(self, body: Any) -> bool:
+        """Whether chat completions of ``body`` go through ``output_parser`` (harmony, or tools offered)."""
+        return self.harmony is not None or tool_request(body) is not None
 
     def output_parser(self, body: Any):
-        """A fresh parser of one chat completion's token ids (``harmony.TokenFeed``), None outside harmony."""
+        """A fresh parser of one chat completion: ``harmony.TokenFeed`` for GPT-OSS, a ``ToolCallFeed`` in the
+        family's format when tools were offered, else None."""
         if self.harmony is None:
-            return None
+            tools = tool_request(body)
+            return ToolCallFeed(self.tool_format, functions=tools.names) if tools is not None else None
         tools = self._chat_tools(body)
         return self.harmony.parser(functions=[_tool_name(t) for t in tools] if tools else None)
 

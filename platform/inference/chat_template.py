@@ -67,6 +67,17 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._template = _compile(self.source)
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads ``tools`` (then it renders the tools and tool turns itself)."""
+        return not self.is_fallback and "tools" in self.source
+
+    @property
+    def takes_argument_text(self) -> bool:
+        """Whether the template writes a tool call's ``arguments`` string as it is (Qwen's and Hermes' branch on
+        ``arguments is string``); others serialise them with ``tojson`` and need the object."""
+        return "arguments is string" in self.source
+
     @classmethod
     def from_pretrained(cls, folder: str) -> "ChatTemplate":
         """From a model/tokenizer folder (see the module docstring for the lookup order)."""

@@ -1,34 +1,44 @@
 """OpenAI protocol models: chat.completions and completions requests, responses, stream chunks, usage, models.
 
-Requests accept OpenAI's fields plus a few engine extensions the ``openai`` client sends through ``extra_body``
-(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``); unknown fields are ignored, as
-OpenAI's own API does for fields it does not know. ``sampling_params()`` turns a request into the engine's
-``SamplingParams`` fields, refusing what the gateway cannot honour yet with a message naming the parameter;
-``choice_plan()`` says how the ``n`` choices come out of the engine (``plan.py``).
+Requests accept the fields of ``parameters.py``'s table: OpenAI's, plus the engine extensions the ``openai`` client
+sends through ``extra_body`` (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``guided_*``); ``parse_request`` refuses an unknown or refused field with a 400 ``unsupported_parameter`` naming it
+before the body is validated. ``sampling_params()`` turns a request into the engine's ``SamplingParams`` fields
+(structured outputs: ``structured_request.py``; ``logit_bias``); ``choice_plan()`` says how the ``n`` choices come out
+of the engine (``plan.py``).
+
+Completions take a list of prompts (strings or token-id lists): each prompt is one engine request of ``n`` choices,
+answered as choices ``prompt_index * n + choice``.
 
 Choices and logprobs: ``n`` (both endpoints), chat ``logprobs`` + ``top_logprobs`` (0..20), completions
 ``logprobs`` (0..5), ``echo`` and ``best_of`` (>= n; the n best by cumulative logprob; not with ``stream``).
 
 Reasoning models (GPT-OSS, harmony): ``reasoning_effort`` (low | medium | high) on the request; the chain of
 thought comes back as ``reasoning_content`` on the message (``delta.reasoning_content`` when streaming), apart
-from ``content``; ``tools`` with ``tool_choice`` "auto" / "none" give ``tool_calls`` (finish reason
-"tool_calls"). Fields that are None (``reasoning_content``, ``tool_calls``) are left out of the JSON.
+from ``content``. ``tools`` (every family; ``platform/inference/tools/``) with ``tool_choice`` "auto", "none",
+"required" or a named function, and ``parallel_tool_calls``, give ``tool_calls`` (finish reason "tool_calls").
+Fields that are None (``reasoning_content``, ``tool_calls``) are left out of the JSON.
 """
 from __future__ import annotations
 
 import time
 import uuid
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from loraplex.platform.inference.errors import InferenceError
+from loraplex.platform.inference.parameters import Endpoint, check_parameters
 from loraplex.platform.inference.plan import MAX_N, ChoicePlan, plan_choices
+from loraplex.platform.inference.structured_request import ResponseFormat, StructuredRequest, structured_of
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 ReasoningEffort = Literal["low", "medium", "high"]
 MAX_INT32 = 2**31 - 1
 MAX_STOP_CHARS = 1024
+MAX_PROMPTS = 128          # prompts of one completions request (each is an engine request of n choices)
+MAX_LOGIT_BIAS = 1024
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
@@ -112,6 +122,29 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)
     ignore_eos: bool | None = None
+    response_format: ResponseFormat | None = None   # completions: an extension
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if len(bias or {}) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT32):
+                raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key[:20]!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {value}")
+        return bias
+
+    @cached_property
+    def structured(self) -> StructuredRequest | None:
+        """The output constraint (``response_format`` json_object / json_schema or a ``guided_*`` field), or None."""
+        return structured_of(self)
 
     @property
     def include_usage(self) -> bool:
@@ -129,6 +162,11 @@ class _SamplingFields(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 d[name] = value
+        structured = self.structured
+        if structured is not None:
+            d["structured"] = structured.spec.to_dict()
+        if self.logit_bias:
+            d["logit_bias"] = {str(int(k)): v for k, v in self.logit_bias.items()}
         return d
 
     def _with_plan(self, max_tokens: int) -> dict[str, Any]:
@@ -144,14 +182,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
-    response_format: dict | None = None
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> "ChatCompletionRequest":
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than 'text' is not supported")
-        return self
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -165,16 +199,14 @@ class ChatCompletionRequest(_SamplingFields):
                             stream=self.stream)
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
-        """Engine ``SamplingParams`` fields, ``max_tokens`` resolved by the caller (``resolve_max_tokens``)."""
-        if self.tool_choice not in (None, "auto", "none"):
-            raise InferenceError(400, "'tool_choice' takes \"auto\" or \"none\" here (the model decides whether to "
-                                      "call a tool); a required or named tool is not supported yet",
-                                 param="tool_choice", code="unsupported_parameter")
+        """Engine ``SamplingParams`` fields, ``max_tokens`` resolved by the caller (``resolve_max_tokens``); the
+        tools' grammar is added by the gateway's tokenizer (``PromptTokenizer.chat_sampling``)."""
         return self._with_plan(max_tokens)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | list[TokenId] | \
+        Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: int | None = Field(default=16, ge=1, le=MAX_INT32)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -182,23 +214,17 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     def prompts(self) -> list[str | list[int]]:
-        """One prompt per entry (text or token ids); a batch of several is refused (one choice per request)."""
+        """The prompts, one per entry: a string or a token-id list is one prompt; a list of them is several."""
         p = self.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+        if isinstance(p, str) or not p or all(isinstance(t, int) for t in p):
             return [p]
-        if isinstance(p, list) and len(p) == 1:
-            return [p[0]]
-        raise InferenceError(400, "send exactly one prompt per request (a string or a list of token ids)",
-                             param="prompt")
+        return list(p)
 
     def choice_plan(self) -> ChoicePlan:
         return plan_choices(n=self.n, best_of=self.best_of, temperature=self.temperature, logprobs=self.logprobs,
                             echo=self.echo, stream=self.stream)
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
-        if self.suffix is not None:
-            raise InferenceError(400, "'suffix' is not supported yet; leave it unset", param="suffix",
-                                 code="unsupported_parameter")
         return self._with_plan(max_tokens)
 
 
@@ -396,11 +422,15 @@ class ModelList(BaseModel):
 
 
 def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
-    """Validate a request body; the first problem becomes a 400 naming the parameter (OpenAI's style)."""
+    """Validate a request body; the first problem becomes a 400 naming the parameter (OpenAI's style): an unknown or
+    refused field (``parameters.py``) is ``unsupported_parameter``, a bad value ``invalid_value``."""
     from pydantic import ValidationError
 
     if not isinstance(data, dict):
         raise InferenceError(400, "the request body must be a JSON object")
+    endpoint: Endpoint = "chat" if model_cls is ChatCompletionRequest else "completion"
+    check_parameters(data, endpoint)
+    data = {k: v for k, v in data.items() if v is not None}   # null is "not sent" (its default), as OpenAI takes it
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:

@@ -274,6 +274,22 @@ class TokenFeed:
         self.decode = decode
         self._pending: list[int] = []   # ids whose text ends in an incomplete character
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.parser.tool_calls
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.parser.finish_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.parser.finished
+
+    def push_output(self, output) -> HarmonyDelta:
+        """Take an engine ``OutputDelta`` (its token ids)."""
+        return self.push(output.token_ids)
+
     def push(self, token_ids: Iterable[int]) -> HarmonyDelta:
         out = HarmonyDelta()
         for t in token_ids:

@@ -214,7 +214,8 @@ def test_bad_harmony_requests_are_400s(serve, tmp_path, gpt_oss_base, harmony_en
     user = [{"role": "user", "content": "hi"}]
     cases = [
         (dict(messages=user, reasoning_effort="max"), "reasoning_effort", "'low', 'medium' or 'high'"),
-        (dict(messages=user, tools=[WEATHER_TOOL], tool_choice="required"), "tool_choice", "\"auto\" or \"none\""),
+        (dict(messages=user, tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+         "tool_choice.function.name", "not in 'tools'"),
         (dict(messages=user + [{"role": "tool", "tool_call_id": "call_nope", "content": "x"}]),
          "messages.1.tool_call_id", "needs the tool_call_id of an earlier assistant tool call"),
         (dict(messages=user, tools=[{"type": "function", "function": {"name": "has space"}}]),
@@ -234,10 +235,10 @@ def test_other_families_keep_their_template(serve, tmp_path, tiny_base):
     raw = client.chat.completions.with_raw_response.create(model=model, messages=[{"role": "user", "content": "hi"}])
     body = json.loads(raw.http_response.text)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": raw.parse().choices[0].message.content}
-    for kw, param in ((dict(reasoning_effort="low"), "reasoning_effort"), (dict(tools=[WEATHER_TOOL]), "tools")):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **kw)
-        assert e.value.param == param and e.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as e:   # tools they have too: tests/platform/gateway/test_tool_calls.py
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                       reasoning_effort="low")
+    assert e.value.param == "reasoning_effort" and e.value.code == "unsupported_parameter"
 
 
 def test_real_tiny_engine_end_to_end(serve, tmp_path, gpt_oss_base, harmony_env, vocab_dir, tok):
@@ -278,3 +279,59 @@ def test_real_tiny_engine_end_to_end(serve, tmp_path, gpt_oss_base, harmony_env,
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == feed.parser.content
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == feed.parser.reasoning
+
+
+BOUNDED_TOOL = {"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "properties": {"mode": {"enum": ["fast", "slow"]}, "level": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}},
+    "required": ["mode", "level"], "additionalProperties": False}}}
+
+
+def test_forced_tool_call_grammar(serve, tmp_path, gpt_oss_base, harmony_env, tok):
+    """tool_choice "required" / named: the engine gets harmony's one-call grammar beside the stop tokens."""
+    engine = ScriptedEngine(tok, CALLED)
+    server, client, model = start(serve, tmp_path, gpt_oss_base, engine)
+    ask = [{"role": "user", "content": "Weather in SF?"}]
+    r = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL, BOUNDED_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == \
+        "get_weather"
+    sampling = engine.requests[-1].sampling
+    grammar = sampling["structured"]["grammar"]
+    assert sampling["stop_token_ids"] == tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    assert "commentary to=functions.get_weather " in grammar and "set_mode" not in grammar
+    client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL, BOUNDED_TOOL],
+                                   tool_choice="required")
+    grammar = engine.requests[-1].sampling["structured"]["grammar"]
+    assert "functions.get_weather " in grammar and "functions.set_mode " in grammar
+    client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL])
+    assert "structured" not in engine.requests[-1].sampling   # auto: parsed, not forced
+
+
+def test_forced_tool_call_on_the_real_tiny_engine(serve, tmp_path, gpt_oss_base, harmony_env):
+    import jsonschema
+
+    server = serve(settings_for(tmp_path, gpt_oss_base, engine_mode="embedded", engine_device="cpu",
+                                engine_dtype="float32"))
+    _, key = server.new_tenant()
+    client, model = server.openai(key), server.gateway.model_name
+    schema = BOUNDED_TOOL["function"]["parameters"]
+    for stream in (False, True):
+        for seed in (1, 2):
+            args = dict(model=model, messages=[{"role": "user", "content": "Go fast"}],
+                        tools=[WEATHER_TOOL, BOUNDED_TOOL], max_tokens=80, temperature=1.0, seed=seed,
+                        tool_choice={"type": "function", "function": {"name": "set_mode"}})
+            if stream:
+                parts = [(c.choices[0].delta, c.choices[0].finish_reason)
+                         for c in client.chat.completions.create(stream=True, **args) if c.choices]
+                calls = [t for d, _ in parts for t in d.tool_calls or ()]
+                assert calls[0].function.name == "set_mode" and calls[0].id.startswith("call_")
+                arguments = "".join(t.function.arguments or "" for t in calls)
+                reason = [r for _, r in parts if r][-1]
+            else:
+                r = client.chat.completions.create(**args)
+                (call,) = r.choices[0].message.tool_calls
+                assert call.function.name == "set_mode"
+                arguments, reason = call.function.arguments, r.choices[0].finish_reason
+            assert reason == "tool_calls"
+            jsonschema.validate(json.loads(arguments), schema)

@@ -25,7 +25,7 @@ def test_chat_request_to_engine_sampling():
     req = parse_request(ChatCompletionRequest, {
         "model": "bot:2", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 20,
         "temperature": 0.2, "top_p": 0.9, "stop": "END", "seed": 3, "stream": True,
-        "stream_options": {"include_usage": True}, "top_k": 5, "unknown_field": 1})
+        "stream_options": {"include_usage": True}, "top_k": 5, "user": "u-1"})
     assert req.requested_max_tokens == 20 and req.include_usage
     params = req.sampling_params(20)
     assert params == {"max_tokens": 20, "stop": ["END"], "temperature": 0.2, "top_p": 0.9, "seed": 3, "top_k": 5}
@@ -37,10 +37,14 @@ def test_completion_request_prompts():
     assert parse_request(CompletionRequest, {"model": "m", "prompt": [1, 2, 3]}).prompts() == [[1, 2, 3]]
     assert parse_request(CompletionRequest, {"model": "m", "prompt": ["one"]}).prompts() == ["one"]
     req = parse_request(CompletionRequest, {"model": "m", "prompt": ["a", "b"]})
-    with pytest.raises(InferenceError, match="exactly one prompt") as e:
-        req.prompts()
-    assert e.value.status_code == 400 and e.value.param == "prompt"
+    assert req.prompts() == ["a", "b"]
+    assert parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
     assert req.sampling_params(16)["max_tokens"] == 16
+    for empty in ([[]], [""]):   # one empty prompt is still a prompt (the gateway refuses it when tokenized)
+        assert parse_request(CompletionRequest, {"model": "m", "prompt": empty}).prompts() == empty
+    with pytest.raises(InferenceError, match="at most 128") as e:
+        parse_request(CompletionRequest, {"model": "m", "prompt": ["x"] * 129})
+    assert e.value.param == "prompt"
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -62,9 +66,12 @@ def test_bad_requests_name_the_parameter(body, param, message):
 
 
 def test_unsupported_parameters_are_400():
-    with pytest.raises(InferenceError, match="'suffix' is not supported yet") as e:
-        CompletionRequest(model="m", prompt="x", suffix="end").sampling_params(5)
+    with pytest.raises(InferenceError, match="'suffix' is not supported: insertion") as e:
+        parse_request(CompletionRequest, {"model": "m", "prompt": "x", "suffix": "end"})
     assert e.value.code == "unsupported_parameter" and e.value.param == "suffix"
+    with pytest.raises(InferenceError, match="Unrecognized request argument supplied: max_token;") as e:
+        parse_request(CompletionRequest, {"model": "m", "prompt": "x", "max_token": 5})
+    assert e.value.code == "unsupported_parameter" and e.value.param == "max_token"
 
 
 @pytest.mark.parametrize("cls, extra, param, message", [
