@@ -38,6 +38,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 DEFAULT_INPUT_WEIGHT = 1.0
 DEFAULT_OUTPUT_WEIGHT = 2.0
+DEFAULT_PREEMPT_GAP = 512.0  # counter lead over a waiting tenant beyond which running groups yield slots to it
 MAX_TENANT_WEIGHT = 1e6
 _PRUNE_SLACK = 256  # inactive records beyond those above the floor before a pruning pass
 
@@ -133,6 +134,12 @@ class VirtualTokenCounters:
         if not self._active:
             return self._last_left
         return min(s.counter for s in self._active.values())
+
+    def ceiling(self) -> float:
+        """The largest counter among active tenants (the floor while none is active)."""
+        if not self._active:
+            return self._last_left
+        return max(s.counter for s in self._active.values())
 
     def activate(self, tenant: Hashable, weight: float) -> TenantState:
         """A request of ``tenant`` arrived: count it, take ``weight`` as the tenant's weight from now on, and

@@ -87,11 +87,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from loraplex.engine.fairness import (DEFAULT_INPUT_WEIGHT, DEFAULT_OUTPUT_WEIGHT, TenantHeap, VirtualTokenCounters,
-                                      check_cost_weight)
+from loraplex.engine.fairness import (DEFAULT_INPUT_WEIGHT, DEFAULT_OUTPUT_WEIGHT, DEFAULT_PREEMPT_GAP, TenantHeap,
+                                      VirtualTokenCounters, check_cost_weight)
 from loraplex.engine.kv_cache import PREEMPTION_MODES, KVCacheManager, choose_preemption_mode
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from loraplex.engine.slot_yield import SlotYield
 from loraplex.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -108,7 +109,9 @@ class SchedulerConfig:
 
     ``policy``: "vtc" (tenant-fair, the default) or "fcfs" (module docstring). ``vtc_input_weight`` /
     ``vtc_output_weight``: what a prompt token and an output token add to their tenant's counter (before the
-    division by the tenant's weight); the default 1 : 2 prices an output token at two prompt tokens."""
+    division by the tenant's weight); the default 1 : 2 prices an output token at two prompt tokens.
+    ``vtc_preempt_gap``: how far (in counter units) a tenant's counter must exceed a waiting tenant's before its
+    running groups yield sequence slots to that tenant's request (engine/slot_yield.py); None: never."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -120,6 +123,7 @@ class SchedulerConfig:
     policy: str = "vtc"
     vtc_input_weight: float = DEFAULT_INPUT_WEIGHT
     vtc_output_weight: float = DEFAULT_OUTPUT_WEIGHT
+    vtc_preempt_gap: float | None = DEFAULT_PREEMPT_GAP
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -140,7 +144,17 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check_cost_weight("vtc_input_weight", self.vtc_input_weight)
         check_cost_weight("vtc_output_weight", self.vtc_output_weight)
+        check_preempt_gap(self.vtc_preempt_gap)
         self.eos_token_ids = list(self.eos_token_ids)
+
+
+def check_preempt_gap(gap: object) -> None:
+    """ValueError unless ``gap`` is None (no slot preemption) or a finite number >= 0."""
+    if gap is None:
+        return
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < float("inf"):
+        raise ValueError(f"vtc_preempt_gap must be None (never preempt for sequence slots) or a finite number >= 0, "
+                         f"got {gap!r}")
 
 
 class AdapterSlots(Protocol):
@@ -180,6 +194,8 @@ class Scheduler:
         self._beam_rows: dict[str, dict[int, Any]] = {}  # request id -> {seq_id: log-prob row} awaiting siblings
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_slot_preemptions = 0  # groups that yielded sequence slots to a tenant below them (fair policy)
+        self._fresh: set[str] = set()  # request ids admitted or swapped in during the current step
         self.counters: VirtualTokenCounters | None = None
         self._tenant_heap: TenantHeap | None = None  # tenants with waiting requests, smallest counter first
         if config.policy == "vtc":
@@ -308,6 +324,7 @@ class Scheduler:
         """Pick this step's sequences and token counts, allocating, swapping and copying their blocks."""
         cfg = self.config
         out = SchedulerOutput()
+        self._fresh.clear()
         fair = self.counters is not None and self.counters.num_active > 1
         prefills: list[Sequence] | None = [] if fair else None
         budget = self._schedule_running(out, cfg.max_num_batched_tokens, prefills)
@@ -392,6 +409,7 @@ class Scheduler:
                     or self._admissible(group, self._running_adapters(), False) != "admit"):
                 break
             self.swapped.remove(group)
+            self._fresh.add(group.request_id)
             reserved += group.sampling_params.num_sequences
             out.blocks_to_swap_in.extend(self.kv.swap_in(group))
             for s in seqs:
@@ -449,12 +467,17 @@ class Scheduler:
         """3. (fair policy, several active tenants) Prefill work shared between tenants: repeatedly the tenant
         of smallest (counter + this step's prompt tokens for it, priority of its next item) takes its next item,
         its oldest running prefill first, then its oldest waiting request. Admission as in FCFS otherwise: not
-        in a step that preempted nor while groups are swapped out, and a request that cannot get its sequence
-        slots or first blocks stops admission for the step."""
+        in a step that preempted nor while groups are swapped out, and a request that cannot get its first blocks
+        stops admission for the step. One that lacks sequence slots takes them from running groups of tenants
+        far above it (``_yield_slots``), else it stops admission too."""
         cfg = self.config
         admitting = bool(self.waiting) and not out.preempted and not self.swapped
         reserved = self._num_reserved_seqs() if admitting else 0
-        admitting = admitting and reserved < cfg.max_num_seqs
+        yielding = admitting and cfg.vtc_preempt_gap is not None
+        admitting = admitting and (reserved < cfg.max_num_seqs or yielding)
+        block_preempted = bool(out.preempted)
+        candidates: list[SlotYield | None] = [None]  # built the first time a request lacks slots
+        yielded: set[str] = set()  # groups that gave up their slots in this step: not admitted again in it
         work: dict[Hashable, deque[Sequence]] = {}  # each tenant's running prefills, FCFS
         for seq in prefills:
             work.setdefault(self._groups[seq.request_id].tenant, deque()).append(seq)
@@ -503,12 +526,21 @@ class Scheduler:
                 budget += refund - used
                 if preempted:
                     admitting = False
+                    block_preempted = True
                 if used:
                     gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(used)
                 continue
-            if reserved + group.sampling_params.num_sequences > cfg.max_num_seqs:
-                admitting = False
-                continue
+            num_slots = group.sampling_params.num_sequences
+            shortfall = reserved + num_slots - cfg.max_num_seqs
+            victims: list[SequenceGroup] = []
+            if shortfall > 0:
+                if not yielding or group.request_id in yielded:
+                    admitting = False
+                    continue
+                victims = self._yield_slots(group, mine[0][0], shortfall, candidates)
+                if not victims:
+                    admitting = False
+                    continue
             verdict = self._admissible(group, adapters, barrier)
             if verdict != "admit":
                 if verdict == "no_slot" and slot_head is None:
@@ -516,14 +548,24 @@ class Scheduler:
                     barrier = slot_head == self._slot_head
                 skipped.append((tenant, self._pop_group(tenant, group.request_id)))
                 continue
+            if victims:
+                candidates[0].take(victims)
+                for victim in victims:
+                    budget += self._preempt_group(victim, out, mode="recompute")
+                    reserved -= victim.sampling_params.num_sequences
+                    yielded.add(victim.request_id)
+                self.num_slot_preemptions += len(victims)
             admitted = self._admit_group(group, tenant, budget, out)
             if admitted is None:
                 admitting = False
                 continue
             budget -= admitted
-            reserved += group.sampling_params.num_sequences
+            reserved += num_slots
+            self._fresh.add(group.request_id)
+            if candidates[0] is not None:
+                candidates[0].admit(tenant, num_slots)
             gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(admitted)
-            if reserved >= cfg.max_num_seqs:
+            if reserved >= cfg.max_num_seqs and not yielding:
                 admitting = False
             if group.adapter is not None and group.adapter not in adapters:
                 adapters.append(group.adapter)
@@ -533,9 +575,29 @@ class Scheduler:
             self._tenant_heap.push(tenant)
         if len(self._tenant_heap) > 2 * self.waiting.num_keys + 64:
             self._tenant_heap.rebuild(self.waiting.keys())
-        if not out.preempted:
+        if not block_preempted:
             self._slot_head = slot_head
         return budget
+
+    def _yield_slots(self, group: SequenceGroup, counter: float, shortfall: int,
+                     candidates: list[SlotYield | None]) -> list[SequenceGroup]:
+        """Running groups to preempt so that waiting ``group`` (its tenant at ``counter`` in this step) gets
+        ``shortfall`` more sequence slots: those of tenants more than ``vtc_preempt_gap`` above it that keep at
+        least its weighted slot count (engine/slot_yield.py); [] if they do not free enough. ``candidates[0]``
+        is built on first use, once per step."""
+        gap = self.config.vtc_preempt_gap
+        if self.counters.ceiling() - counter <= gap:
+            return []  # nobody is far enough above: skip building the candidates
+        if candidates[0] is None:
+            seen: set[str] = set()
+            running = []
+            for s in self.running:
+                if s.request_id not in seen:
+                    seen.add(s.request_id)
+                    running.append(self._groups[s.request_id])
+            candidates[0] = SlotYield(running, gap, self._fresh)
+        return candidates[0].plan(group.tenant, counter, group.tenant_state.weight,
+                                  group.sampling_params.num_sequences, shortfall)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]],
                logprobs: dict[int, list] | None = None,
@@ -625,8 +687,8 @@ class Scheduler:
         computed (stream order makes that true for every later step) and gains a pending token (its sampled
         token, value still on the device). Sequences that finished since ``schedule()`` are left alone: their
         row of the step is discarded. Call once the previous step's pending tokens are resolved, so the full
-        blocks hashed here hold real tokens only. Nothing is charged yet: a pending token counts when it
-        resolves."""
+        blocks hashed here hold real tokens only. A pending token is not charged yet: it counts when it resolves
+        (the prompt position of a one-token prompt, computed by this step, is charged here)."""
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -635,6 +697,8 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} is not a plain decode with a known input token; it "
                                  f"cannot be overlapped")
             seq.num_computed_tokens += 1
+            if self.counters is not None and not seq.output_token_ids:
+                self._charge_prompt(seq)  # a one-token prompt's prefill looks like a decode: charged as it runs
             self.kv.cache_full_blocks(seq)
             seq.append_pending_token()
 
@@ -809,16 +873,16 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._priority)
         return used
 
-    def _preempt_group(self, group: SequenceGroup, out: SchedulerOutput) -> int:
-        """Preempt every unfinished sequence of ``group`` (``_victim``'s choice): swap its blocks to the CPU
-        pool, or drop them for recompute. Entries of the group already scheduled in this step are withdrawn;
-        returns their tokens (back into the budget)."""
+    def _preempt_group(self, group: SequenceGroup, out: SchedulerOutput, mode: str | None = None) -> int:
+        """Preempt every unfinished sequence of ``group`` (``_victim``'s or ``_yield_slots``' choice): swap its
+        blocks to the CPU pool, or drop them for recompute (``mode`` overrides ``preemption_mode``). Entries of
+        the group already scheduled in this step are withdrawn; returns their tokens (back into the budget)."""
         seqs = [s for s in self.running if s.request_id == group.request_id]
         refund = sum(s.num_new_tokens for s in out.scheduled if s.seq.request_id == group.request_id)
         out.scheduled = [s for s in out.scheduled if s.seq.request_id != group.request_id]
         for s in seqs:
             self.running.remove(s)
-        mode = choose_preemption_mode(self.config.preemption_mode, num_seqs=len(seqs),
+        mode = choose_preemption_mode(mode or self.config.preemption_mode, num_seqs=len(seqs),
                                       num_computed_tokens=sum(s.num_computed_tokens for s in seqs),
                                       can_swap_out=self.kv.can_swap_out(group))
         if mode == "swap":
