@@ -54,6 +54,15 @@ def check_cost_weight(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def check_preempt_gap(gap: object) -> None:
+    """ValueError unless ``gap`` (``vtc_preempt_gap``) is None (no slot preemption) or a finite number >= 0."""
+    if gap is None:
+        return
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < math.inf:
+        raise ValueError(f"vtc_preempt_gap must be None (never preempt for sequence slots) or a finite number >= 0, "
+                         f"got {gap!r}")
+
+
 class TenantState:
     """One tenant's counter and load. ``num_requests``: its unfinished requests (0: inactive);
     ``input_tokens`` / ``output_tokens``: tokens charged to it since its record was created.

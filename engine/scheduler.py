@@ -88,7 +88,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loraplex.engine.fairness import (DEFAULT_INPUT_WEIGHT, DEFAULT_OUTPUT_WEIGHT, DEFAULT_PREEMPT_GAP, TenantHeap,
-                                      VirtualTokenCounters, check_cost_weight)
+                                      VirtualTokenCounters, check_cost_weight, check_preempt_gap)
 from loraplex.engine.kv_cache import PREEMPTION_MODES, KVCacheManager, choose_preemption_mode
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -146,15 +146,6 @@ class SchedulerConfig:
         check_cost_weight("vtc_output_weight", self.vtc_output_weight)
         check_preempt_gap(self.vtc_preempt_gap)
         self.eos_token_ids = list(self.eos_token_ids)
-
-
-def check_preempt_gap(gap: object) -> None:
-    """ValueError unless ``gap`` is None (no slot preemption) or a finite number >= 0."""
-    if gap is None:
-        return
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < float("inf"):
-        raise ValueError(f"vtc_preempt_gap must be None (never preempt for sequence slots) or a finite number >= 0, "
-                         f"got {gap!r}")
 
 
 class AdapterSlots(Protocol):

@@ -1,6 +1,8 @@
 """Tenant-fair scheduling through the real LLMEngine on a tiny llama (CPU, float32): a light tenant's short request
 beside a heavy tenant's two n=64 requests finishes within a few steps of its arrival under "vtc" (behind the
-heavy ones under "fcfs") with the very tokens it gets alone; every token is charged once with overlapped steps;
+heavy ones under "fcfs") with the very tokens it gets alone; beside a heavy n=8 request holding every sequence
+slot it takes them by slot preemption, and the preempted request's tokens equal those of its run without the light
+tenant (plain and overlapped steps); every token is charged once with overlapped steps;
 the tenant and its weight reach the scheduler through AsyncEngine and the engine service; stats and metrics
 show the tenants with bounded labels."""
 from __future__ import annotations
@@ -68,6 +70,48 @@ def test_light_request_beside_two_n64_requests(tiny_checkpoint, policy):
         assert finished["light"] - ARRIVAL <= LIGHT_TOKENS + 2 and "heavy-0" not in finished
     else:
         assert finished["heavy-0"] < finished["light"]  # FCFS: behind heavy's second n=64 request
+
+
+def heavy_n8_run(path: str, light: bool, async_scheduling: bool):
+    """A heavy n=8 request (seeded sampling) in max_num_seqs=8, the light greedy request added before step
+    ARRIVAL when ``light``. Returns (heavy's 8 token lists, {request id: step it finished}, (light's tokens, its
+    tokens alone), (slot preemptions, overlapped steps))."""
+    engine = LLMEngine.from_pretrained(path, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
+                                       vtc_preempt_gap=24.0, async_scheduling=async_scheduling, **BASE)
+    vocab = engine.model_config.vocab_size
+    heavy = SamplingParams(n=8, max_tokens=3 * HEAVY_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
+    engine.add_request("heavy", prompt(vocab, 10, 1), heavy, tenant="heavy")
+    greedy = SamplingParams(max_tokens=LIGHT_TOKENS, temperature=0.0, ignore_eos=True)
+    finished: dict[str, int] = {}
+    outputs = {}
+    k = 0
+    while engine.has_unfinished_requests():
+        if k == ARRIVAL and light:
+            engine.add_request("light", prompt(vocab, 6, 2), greedy, tenant="light")
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id], outputs[out.request_id] = k, out
+        engine.kv_cache.check_invariants()
+        k += 1
+        assert k < 400
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    heavy_tokens = [c.output_token_ids for c in outputs["heavy"].outputs]
+    light_tokens = outputs["light"].output_token_ids if light else None
+    alone = engine.generate([prompt(vocab, 6, 2)], greedy)[0].output_token_ids
+    return heavy_tokens, finished, (light_tokens, alone), (engine.scheduler.num_slot_preemptions,
+                                                           engine.num_overlapped_steps)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_slot_preemption_of_an_n8_request_is_lossless(tiny_checkpoint, async_scheduling):
+    path = tiny_checkpoint("llama")
+    heavy, finished, (light, alone), (preemptions, overlapped) = heavy_n8_run(path, True, async_scheduling)
+    reference, _, _, (none, _) = heavy_n8_run(path, False, async_scheduling)
+    assert preemptions == 1 and none == 0 and (overlapped > 0) == async_scheduling
+    # heavy's 8 sequences add 16 to its counter per step: the gap of 24 is passed two steps after the arrival
+    assert finished["light"] - ARRIVAL <= 2 + LIGHT_TOKENS + 1 and finished["light"] < finished["heavy"]
+    assert light == alone and len(light) == LIGHT_TOKENS
+    assert heavy == reference and all(len(t) == 3 * HEAVY_TOKENS for t in heavy)
 
 
 def test_every_token_is_charged_once_with_overlapped_steps(tiny_checkpoint):
