@@ -186,6 +186,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_slot_preemptions = 0  # groups that yielded sequence slots to a tenant below them (fair policy)
+        self.num_budget_yields = 0  # decode entries withdrawn for a step's budget, for a tenant below them
         self._fresh: set[str] = set()  # request ids admitted or swapped in during the current step
         self.counters: VirtualTokenCounters | None = None
         self._tenant_heap: TenantHeap | None = None  # tenants with waiting requests, smallest counter first
@@ -330,7 +331,14 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: list[Sequence] | None) -> int:
         """1. Running sequences in FCFS order. With ``prefills`` (the fair policy), sequences with more than one
-        token left are collected there instead, for the shared pass."""
+        token left are collected there instead, for the shared pass; and with ``vtc_preempt_gap`` set, decodes
+        that need more than the budget go smallest tenant counter first (ties: arrival), so a tenant far ahead
+        is the one whose decodes wait a step."""
+        if prefills is not None and self.config.vtc_preempt_gap is not None:
+            decodes = self._split_running(prefills)
+            if sum(1 + len(s.spec_token_ids) for s in decodes) > budget:
+                decodes.sort(key=lambda s: (self._groups[s.request_id].tenant_state.counter, self._priority(s)))
+            return self._schedule_decodes(out, budget, decodes)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -346,6 +354,29 @@ class Scheduler:
             budget += refund - used
             # preemption may take groups anywhere in the list (the fair policy's victims): go on after seq
             i = bisect.bisect_right(self.running, self._priority(seq), key=self._priority) if preempted else i + 1
+        return budget
+
+    def _split_running(self, prefills: list[Sequence]) -> list[Sequence]:
+        """Running sequences to schedule, FCFS: those with more than one token left into ``prefills``, the decodes
+        returned (skipped: a beam waiting for its siblings' rows, a pending token that is the last one)."""
+        decodes = []
+        for seq in self.running:
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left == 0 or (seq.num_pending_tokens and self._reaches_length_limit(seq)):
+                continue
+            (prefills if left > 1 else decodes).append(seq)
+        return decodes
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int, decodes: list[Sequence]) -> int:
+        """Schedule ``decodes`` in their order while the budget lasts, preempting for blocks as the FCFS pass does
+        (a victim's sequences later in the list are skipped, its entries earlier in it withdrawn)."""
+        for seq in decodes:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for another's blocks in this step
+            used, refund, _ = self._schedule_seq(seq, budget, out)
+            budget += refund - used
         return budget
 
     def _schedule_seq(self, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, int, bool]:
@@ -468,6 +499,7 @@ class Scheduler:
         admitting = admitting and (reserved < cfg.max_num_seqs or yielding)
         block_preempted = bool(out.preempted)
         candidates: list[SlotYield | None] = [None]  # built the first time a request lacks slots
+        decodes: list[list[ScheduledSequence] | None] = [None]  # built the first time a request lacks budget
         yielded: set[str] = set()  # groups that gave up their slots in this step: not admitted again in it
         work: dict[Hashable, deque[Sequence]] = {}  # each tenant's running prefills, FCFS
         for seq in prefills:
@@ -499,7 +531,7 @@ class Scheduler:
         slot_head: str | None = None
         barrier = False
         theirs = self._tenant_heap.peek(members) if admitting else None  # fixed until a tenant joins `members`
-        while budget > 0:
+        while budget > 0 or (yielding and admitting):
             mine = taken.peek()
             if theirs is not None and admitting and (mine is None or theirs[0] < mine[0]):
                 members.add(theirs[1])  # a waiting tenant joins this step's work
@@ -511,6 +543,9 @@ class Scheduler:
             tenant = mine[1]
             seq = next_item(tenant)
             group = self._groups[seq.request_id]
+            if budget <= 0 and (seq.status is SequenceStatus.RUNNING
+                                or self.counters.ceiling() - mine[0][0] <= cfg.vtc_preempt_gap):
+                break  # the budget is spent; only a waiting request far below a tenant takes its decodes' tokens
             if seq.status is SequenceStatus.RUNNING:  # its running prefill: a chunk
                 work[tenant].popleft()
                 used, refund, preempted = self._schedule_seq(seq, budget, out)
@@ -546,6 +581,12 @@ class Scheduler:
                     reserved -= victim.sampling_params.num_sequences
                     yielded.add(victim.request_id)
                 self.num_slot_preemptions += len(victims)
+            want = seq.num_tokens - seq.num_computed_tokens
+            if yielding and want > budget:
+                budget += self._yield_budget(mine[0][0], want - budget, out, decodes)
+                if budget <= 0:
+                    admitting = False
+                    continue
             admitted = self._admit_group(group, tenant, budget, out)
             if admitted is None:
                 admitting = False
@@ -569,6 +610,35 @@ class Scheduler:
         if not block_preempted:
             self._slot_head = slot_head
         return budget
+
+    def _yield_budget(self, counter: float, shortfall: int, out: SchedulerOutput,
+                      decodes: list[list[ScheduledSequence] | None]) -> int:
+        """Withdraw this step's decode entries of tenants more than ``vtc_preempt_gap`` above ``counter``
+        (largest counter first, latest first) for up to ``shortfall`` tokens, for a waiting request whose prompt
+        the budget cannot hold; returns the tokens withdrawn. The sequences stay running with their blocks
+        (nothing is preempted): they decode in the next step. ``decodes[0]`` is built on first use, once per
+        step: entries with one token left (decodes, with their drafts), not of groups admitted in this step."""
+        gap = self.config.vtc_preempt_gap
+        if self.counters.ceiling() - counter <= gap:
+            return 0
+        if decodes[0] is None:
+            found = [(self._groups[s.seq.request_id].tenant_state.counter, i, s) for i, s in enumerate(out.scheduled)
+                     if s.seq.num_tokens - s.seq.num_computed_tokens == 1 and s.seq.request_id not in self._fresh]
+            found.sort(key=lambda e: e[:2])
+            decodes[0] = [s for _, _, s in found]  # pop() gives the largest counter's latest entry
+        pool, drop, freed = decodes[0], set(), 0
+        while pool and freed < shortfall:
+            s = pool[-1]
+            if self._groups[s.seq.request_id].tenant_state.counter - counter <= gap:
+                break
+            pool.pop()
+            if s.seq.status is SequenceStatus.RUNNING:  # else preempted for slots in this step: entry gone already
+                drop.add(id(s))
+                freed += s.num_new_tokens
+        if drop:
+            out.scheduled = [s for s in out.scheduled if id(s) not in drop]
+            self.num_budget_yields += len(drop)
+        return freed
 
     def _yield_slots(self, group: SequenceGroup, counter: float, shortfall: int,
                      candidates: list[SlotYield | None]) -> list[SequenceGroup]:

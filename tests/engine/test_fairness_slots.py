@@ -78,6 +78,51 @@ def test_a_gap_not_yet_reached_preempts_nothing():
     assert order[:2] == ["light arrives", "heavy finished"] and sched.num_slot_preemptions == 0
 
 
+def budget_run(policy: str, gap: float | None, light: bool = True):
+    """Heavy's n=8 request decodes 8 tokens a step in a budget of 8 (slots to spare); light arrives before step
+    ARRIVAL. Returns (order of events, {request id: step it finished}, heavy's tokens, the scheduler)."""
+    sched = make(policy, max_num_seqs=16, max_num_batched_tokens=8, num_blocks=256, vtc_preempt_gap=gap)
+    heavy = group("heavy", 8, HEAVY_TOKENS, n=8, rid="heavy")
+    sched.add(heavy)
+    events: list[tuple[int, str]] = []
+    done: dict[str, int] = {}
+    k = 0
+    while sched.has_unfinished():
+        if k == ARRIVAL and light:
+            sched.add(group("light", 4, LIGHT_TOKENS, rid="light"))
+            events.append((k, "light arrives"))
+        out = sched.schedule()
+        if any(s.seq.request_id == "light" for s in out.scheduled) and not any(e[1] == "light runs" for e in events):
+            events.append((k, "light runs"))
+        for g in step(sched, out):
+            done[g.request_id] = k
+            events.append((k, f"{g.request_id} finished"))
+        sched.kv.check_invariants()
+        k += 1
+        assert k < 1000
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks and sched.num_preemptions == 0
+    return events, done, sorted(tuple(s.output_token_ids) for s in heavy.seqs), sched
+
+
+def test_light_request_takes_budget_from_the_heavy_decodes():
+    """No slot is short, the budget is: once heavy leads by the gap its latest decodes wait a step for light's
+    prompt, then light's decodes go first (smallest counter) while the budget cannot hold all of them."""
+    events, done, tokens, sched = budget_run("vtc", GAP)
+    order = [what for _, what in events]
+    assert order == ["light arrives", "light runs", "light finished", "heavy finished"]
+    ran = next(k for k, what in events if what == "light runs")
+    assert ran - ARRIVAL <= -(-GAP // 16) + 1 and done["light"] - ran == LIGHT_TOKENS - 1
+    assert sched.num_budget_yields == 4  # light's 4 prompt tokens, once
+    assert tokens == budget_run("vtc", GAP, light=False)[2]
+
+
+@pytest.mark.parametrize("policy, gap", [("fcfs", GAP), ("vtc", None)])
+def test_without_the_gap_knob_heavy_decodes_keep_the_budget(policy, gap):
+    events, done, tokens, sched = budget_run(policy, gap)
+    assert [what for _, what in events] == ["light arrives", "heavy finished", "light runs", "light finished"]
+    assert sched.num_budget_yields == 0
+
+
 def backlogged_pair(gap: float | None) -> tuple[int, float]:
     """Tenant a's six n=4 requests fill the 8 slots, then b's six arrive: (slot preemptions, the largest counter
     lead between them while both have requests waiting)."""
@@ -165,13 +210,15 @@ ARRIVAL_SPEC = st.tuples(st.integers(0, 60), st.sampled_from(["a", "b", "c"]), s
 
 @PROPERTY
 @given(arrivals=st.lists(ARRIVAL_SPEC, min_size=6, max_size=30), mode=st.sampled_from(["recompute", "swap"]),
-       gap=st.sampled_from([0.0, 8.0, 64.0]), overlap=st.booleans(), num_blocks=st.integers(28, 64))
-def test_slot_preemption_finishes_everything_and_charges_once(arrivals, mode, gap, overlap, num_blocks):
+       gap=st.sampled_from([0.0, 8.0, 64.0]), overlap=st.booleans(), num_blocks=st.integers(28, 64),
+       budget=st.sampled_from([3, 24]))
+def test_slot_preemption_finishes_everything_and_charges_once(arrivals, mode, gap, overlap, num_blocks, budget):
     """Tenants compete for 4 sequence slots with slot preemption on (a gap of 0 preempts as often as the rules
-    allow), in a pool tight enough for block preemption too: every request finishes with all its tokens, each
+    allow), in a pool tight enough for block preemption too, and a budget of 24 or of 3 (fewer than the
+    decodes: budget yields and decodes by counter): every request finishes with all its tokens, each
     tenant record is charged exactly the prompts and outputs of the requests it was charged for (once: recompute
     and swap-in charge nothing), no block leaks."""
-    sched = make(max_num_seqs=4, max_num_batched_tokens=24, num_blocks=num_blocks, block_size=4, num_cpu_blocks=24,
+    sched = make(max_num_seqs=4, max_num_batched_tokens=budget, num_blocks=num_blocks, block_size=4, num_cpu_blocks=24,
                  preemption_mode=mode, max_model_len=64, vtc_preempt_gap=gap)
     by_step: dict[int, list[SequenceGroup]] = {}
     groups = []
