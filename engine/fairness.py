@@ -26,6 +26,23 @@ to shares ``weight[t] / sum(weight)``.
       |___/ ___/       C arrives here -> lifted to min(A, B), not 0
       +----------------------------------------------------------> time
 
+Counters order admission and pick preemption victims; they also decide who yields sequence slots and budget.
+Slots (``max_num_seqs``) are held for a request's whole generation, so without more, a tenant holding them all
+(n=64 requests, say) keeps every other tenant waiting however far ahead its counter runs. ``vtc_preempt_gap``
+(``DEFAULT_PREEMPT_GAP`` = 512 counter units, e.g. 256 output tokens at weight 1; None: never) bounds that:
+
+    who yields:  running groups of tenant V, to a waiting request of tenant A, when
+                 counter[V] - counter[A] > vtc_preempt_gap and, for slots, V keeps at least A's slots / weight
+                 after the move (or A has none running and V more than A will)
+    how:         slots: V's latest whole groups are preempted by recompute (engine/slot_yield.py);
+                 budget (A's request would get no token): V's decode entries of the step are withdrawn
+
+A newcomer starts at the floor, level with a tenant that holds every slot, and the gap then builds at that
+tenant's service rate (a slot-holding tenant's 256 decoding sequences add 512 a step at weight 1): the newcomer
+waits about gap / that rate steps. A smaller gap admits it sooner and trades places more often between two
+backlogged tenants (each yield needs the lead to pass the gap again); the slot-share rule never lets a yield
+overshoot, so a group that yielded cannot take its slots straight back.
+
 The floor never falls (a newcomer joins at the floor, counters only grow, and a tenant leaving can only raise
 the minimum), so an inactive tenant whose counter is at or below the floor is forgotten: it would be lifted to
 the floor anyway. The records kept are the active tenants and the inactive ones still above the floor.

@@ -19,14 +19,28 @@ the latest-arrived running group. "vtc" (the default): tenant-fair, by the virtu
 engine/fairness.py (each tenant's weighted service over its weight). While one tenant is active it schedules
 exactly as FCFS. With several:
 
-    1. running sequences that decode (one token left) in FCFS order; prefill chunks wait for step 3
+    1. running sequences that decode (one token left) in FCFS order (smallest tenant counter first when the
+       budget cannot hold them all and ``vtc_preempt_gap`` is set); prefill chunks wait for step 3
     2. swapped groups, smallest tenant counter first
     3. prefill work shared between tenants: repeatedly the tenant with the smallest counter (plus the prompt
        tokens it was given in this step) takes its next item, its oldest running prefill chunk first, then
        its oldest waiting request, as much of it as the budget allows; a tenant whose request cannot be
-       admitted for lack of sequence slots or blocks stops admission for the step (running prefills go on)
+       admitted for lack of blocks stops admission for the step (running prefills go on)
     victim of a preemption: the latest running group of the tenant with the largest counter (ties: the
     latest arrival), never simply the latest arrival
+
+Slot and budget yields (``vtc_preempt_gap``, default engine/fairness.py DEFAULT_PREEMPT_GAP; None: off). A
+waiting request of tenant A that lacks sequence slots takes them from running groups of tenants whose counter
+exceeds A's by more than the gap (engine/slot_yield.py: largest counter first, each tenant's latest groups
+first, whole groups, only while the victim keeps at least A's slots over weight after the move (or A has none
+running), never a group admitted or swapped in during the step, all or nothing); they are preempted by recompute whatever ``preemption_mode``
+says (their full blocks stay in the prefix cache, so resuming is mostly prefix hits, and a swapped group would
+hold back admission). A waiting request that would get none of its prompt (budget spent; without chunked
+prefill, too little for the whole prompt) takes this step's decode entries of such tenants instead (they stay running and decode in the next step). Otherwise the request stops admission,
+as before. Never under "fcfs" nor with one active tenant, so both keep their schedules exactly.
+
+    slots: H H H H H H H H   (heavy, n=8, counter 90)   light (counter 40) waits, gap 32
+           -> heavy's latest group yields by recompute; light is admitted in the same step
 
 Progress under "vtc". Order running groups by key = (tenant counter, arrival). A preemption takes the group of
 largest key, so the group of smallest key is never taken by another's ask, and with the pool to itself it
@@ -36,6 +50,9 @@ is finite, so the system cannot go round in preemptions without finishing work:
 
     key ->   A(c=90)  B(c=40)  C(c=40, later)         C asks for a block: victim = A (largest counter)
              [ ....victim ]    [ never taken while its key is smallest: runs, its counter rises ]
+
+Slot yields keep this: a group yields only to a tenant more than the gap below its own, so the group of smallest
+key never yields, and recompute charges nothing, so the counters still rise only with first-time service.
 
 Admission cannot starve a request R of tenant T either: T's counter does not grow while R waits (only T's
 running requests, which finish, charge it); every other tenant served grows; a newcomer is lifted to the
@@ -582,7 +599,7 @@ class Scheduler:
                     yielded.add(victim.request_id)
                 self.num_slot_preemptions += len(victims)
             want = seq.num_tokens - seq.num_computed_tokens
-            if yielding and want > budget:
+            if yielding and (budget <= 0 or (want > budget and not cfg.enable_chunked_prefill)):
                 budget += self._yield_budget(mine[0][0], want - budget, out, decodes)
                 if budget <= 0:
                     admitting = False
@@ -614,8 +631,9 @@ class Scheduler:
     def _yield_budget(self, counter: float, shortfall: int, out: SchedulerOutput,
                       decodes: list[list[ScheduledSequence] | None]) -> int:
         """Withdraw this step's decode entries of tenants more than ``vtc_preempt_gap`` above ``counter``
-        (largest counter first, latest first) for up to ``shortfall`` tokens, for a waiting request whose prompt
-        the budget cannot hold; returns the tokens withdrawn. The sequences stay running with their blocks
+        (largest counter first, latest first) for up to ``shortfall`` tokens, for a waiting request that would
+        get none of its prompt (budget spent; without chunked prefill: too little left for the whole prompt);
+        returns the tokens withdrawn. The sequences stay running with their blocks
         (nothing is preempted): they decode in the next step. ``decodes[0]`` is built on first use, once per
         step: entries with one token left (decodes, with their drafts), not of groups admitted in this step."""
         gap = self.config.vtc_preempt_gap

@@ -5,8 +5,9 @@ A waiting request R of tenant A (counter c_A, weight w_A) needs m = R's ``num_se
 ``max_num_seqs`` are held. A running group G of tenant V (counter c_V, weight w_V, holding s_V slots) yields its
 g slots to R only if
 
-    gap:    c_V - c_A > vtc_preempt_gap     V received more service than A, by more than the knob
-    share:  s_V / w_V > (s_A + m) / w_A     V holds more slots (over its weight) than A will with R admitted
+    gap:    c_V - c_A > vtc_preempt_gap            V received more service than A, by more than the knob
+    share:  (s_V - g) / w_V >= (s_A + m) / w_A     after the move V keeps at least A's slots (over weight),
+            or s_A = 0 and s_V / w_V > m / w_A      or A holds none and V more than A will
     fresh:  G was not admitted or swapped in during this step
 
 Victims: tenants from the largest counter down while the gap holds, each tenant's latest groups first; a whole
@@ -14,13 +15,15 @@ group always (a forked n > 1 / best_of / beam request reserves all its slots tog
 nothing: if the qualifying groups cannot free enough slots, nothing is preempted.
 
     slots    V ########|##  (s_V, G last)        A ##|#  (s_A, then + m)
-             V yields G while it holds more than A will; s_V is recounted before each further group of V
+             V yields G while it keeps no fewer than A will have; s_V is recounted before each further group;
+             the exception lets a tenant with nothing running in beside one whole group that holds every slot
 
 Why it cannot thrash. The gap condition alone bounds preemptions between two tenants by their relative service
 (a reversal needs 2 * gap of it; recompute charges nothing). The share condition forbids the reversal outright
-until admissions into free slots change the balance: for G (g slots) to come back by preempting A's groups,
-V would need (s_V - g + g) / w_V < s_A' / w_A with s_A' = s_A + m, the opposite of what let G go. Equal shares
-never trade places (the inequality is strict).
+until admissions into free slots change the balance: for G (g slots) to come back, V would need
+(s_A + m - m') / w_A >= (s_V - g + g) / w_V for some group of A of m' >= 1 slots, but (s_A + m) / w_A <=
+(s_V - g) / w_V < s_V / w_V; by the exception, V would hold none, so g = s_V and m / w_A > s_V / w_V, the
+opposite of what let G go. Among tenants with equal shares, +-1 slot of difference never moves a group.
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ class SlotYield:
         """Groups to preempt so that ``tenant`` (at ``counter``, ``weight``) can admit a request of ``num_slots``
         sequences, ``shortfall`` of which are not free: they free at least ``shortfall`` slots, or the list is
         empty (nothing qualifies; module docstring). Changes nothing: ``take`` the plan to commit it."""
-        mine = (self._slots.get(tenant, 0) + num_slots) / weight
+        have = self._slots.get(tenant, 0)
+        mine = (have + num_slots) / weight
         chosen: list[SequenceGroup] = []
         freed = 0
         for victim in self._order:
@@ -71,7 +75,7 @@ class SlotYield:
             groups, held, w = self._groups[victim], self._slots[victim], self._weights[victim]
             for g in reversed(groups):
                 size = g.sampling_params.num_sequences
-                if freed >= shortfall or held / w <= mine:
+                if freed >= shortfall or not ((held - size) / w >= mine or (not have and held / w > mine)):
                     break
                 chosen.append(g)
                 held -= size

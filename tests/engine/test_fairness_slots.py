@@ -188,13 +188,19 @@ def test_planner_rules():
     # gap: m (40 above) qualifies, h (80 above) too; at 50 only h does
     assert [g.request_id for g in plan.plan("light", 50.0, 1.0, 1, 1)] == ["h3"]
     assert plan.plan("light", 70.0, 1.0, 1, 1) == []  # 30 below h: not more than the gap
-    # share: h holds 5, m 3. A request of 4 for a tenant holding none: h gives h3 (5 > 4), not h2 too (4 > 4
-    # fails); m gives nothing (3 > 4 fails): 1 of 4 slots, so nothing at all
+    # share: h holds 5, m 3. A request of 4 for a tenant holding none: h gives h3 (keeps 4 >= 4), not h2 too
+    # (would keep 2 < 4, and holds 4, not more than 4); m gives nothing: 1 of 4 slots, so nothing at all
     assert plan.plan("light", 0.0, 1.0, 4, 4) == []
-    assert plan.plan("m", 60.0, 1.0, 2, 2) == []  # m would hold 3 + 2 = 5, h holds 5: equal shares never trade
+    assert plan.plan("m", 60.0, 1.0, 2, 2) == []  # m would hold 3 + 2 = 5, h keep 4: no overshoot
     assert [g.request_id for g in plan.plan("light", 0.0, 1.0, 4, 1)] == ["h3"]  # 3 of them free already
     # weight: a tenant of weight 4 asking for 1 counts 1/4 against h's slots over weight 1
     assert [g.request_id for g in plan.plan("big", 0.0, 4.0, 1, 3)] == ["h3", "h2"]
+    # one whole group holding every slot yields to a tenant with nothing running, not to one with a request running
+    lone = VirtualTokenCounters()
+    whole = running_groups(lone, [("x", 4, 1.0), ("y", 1, 1.0)])
+    lone.get("x").counter = 100.0
+    assert [g.request_id for g in SlotYield(whole, 30.0, set()).plan("new", 0.0, 1.0, 1, 1)] == ["x0"]
+    assert SlotYield(whole, 30.0, set()).plan("y", 0.0, 1.0, 1, 1) == []
     # fresh groups (admitted this step) are never candidates; take() removes planned ones
     plan = SlotYield(groups, gap=30.0, fresh={"h3"})
     chosen = plan.plan("light", 0.0, 1.0, 1, 1)
