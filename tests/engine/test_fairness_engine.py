@@ -14,6 +14,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine import AsyncEngine, LLMEngine, SamplingParams
+from loraplex.engine.fairness import DEFAULT_PREEMPT_GAP
 from loraplex.engine.server.metrics import render_metrics
 from loraplex.engine.server.protocol import GenerateRequest, RequestFormatError
 from loraplex.engine.server.service import EngineService
@@ -112,6 +113,43 @@ def test_slot_preemption_of_an_n8_request_is_lossless(tiny_checkpoint, async_sch
     assert finished["light"] - ARRIVAL <= 2 + LIGHT_TOKENS + 1 and finished["light"] < finished["heavy"]
     assert light == alone and len(light) == LIGHT_TOKENS
     assert heavy == reference and all(len(t) == 3 * HEAVY_TOKENS for t in heavy)
+
+
+def test_default_gap_admits_the_light_request_beside_n64_requests_holding_every_slot(tiny_checkpoint):
+    """The benchmark's shape at a small scale: heavy's two n=64 requests hold all 128 slots (128 sequences add
+    256 to its counter a step); the light request is lifted level with heavy, waits for the default gap of 512 to
+    be passed, takes the slot of heavy's later group and finishes while heavy's first group still runs; heavy's
+    tokens equal those of its run without the light tenant."""
+    path = tiny_checkpoint("llama")
+    assert DEFAULT_PREEMPT_GAP == 512.0
+    heavy_params = SamplingParams(n=64, max_tokens=2 * HEAVY_TOKENS, temperature=1.0, seed=3, ignore_eos=True)
+    light_params = SamplingParams(max_tokens=LIGHT_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def run(light: bool):
+        engine = LLMEngine.from_pretrained(path, max_num_seqs=128, max_num_batched_tokens=256, num_kv_blocks=1024,
+                                           **BASE)
+        vocab = engine.model_config.vocab_size
+        for i in range(2):
+            engine.add_request(f"heavy-{i}", prompt(vocab, 12, i), heavy_params, tenant="heavy")
+        finished, outputs, k = {}, {}, 0
+        while engine.has_unfinished_requests():
+            if k == ARRIVAL and light:
+                engine.add_request("light", prompt(vocab, 8, 9), light_params, tenant="light")
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id], outputs[out.request_id] = k, out
+            k += 1
+            assert k < 200
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+        heavy = {r: [c.output_token_ids for c in outputs[r].outputs] for r in ("heavy-0", "heavy-1")}
+        return finished, heavy, engine.scheduler.num_slot_preemptions
+
+    finished, heavy, preemptions = run(True)
+    reference, none = run(False)[1:]
+    assert preemptions == 1 and none == 0
+    wait = -(-int(DEFAULT_PREEMPT_GAP) // (128 * 2)) + 1  # steps for the lead to pass the gap, then the step it runs
+    assert finished["light"] - ARRIVAL <= wait + LIGHT_TOKENS and finished["light"] < finished["heavy-0"]
+    assert heavy == reference
 
 
 def test_every_token_is_charged_once_with_overlapped_steps(tiny_checkpoint):
