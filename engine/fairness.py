@@ -29,7 +29,8 @@ to shares ``weight[t] / sum(weight)``.
 Counters order admission and pick preemption victims; they also decide who yields sequence slots and budget.
 Slots (``max_num_seqs``) are held for a request's whole generation, so without more, a tenant holding them all
 (n=64 requests, say) keeps every other tenant waiting however far ahead its counter runs. ``vtc_preempt_gap``
-(``DEFAULT_PREEMPT_GAP`` = 512 counter units, e.g. 256 output tokens at weight 1; None: never) bounds that:
+(``DEFAULT_PREEMPT_GAP`` = 1024 counter units: one long prompt, or 512 output tokens, at weight 1; None: never)
+bounds that:
 
     who yields:  running groups of tenant V, to a waiting request of tenant A, when
                  counter[V] - counter[A] > vtc_preempt_gap and, for slots, V keeps at least A's slots / weight
@@ -39,8 +40,10 @@ Slots (``max_num_seqs``) are held for a request's whole generation, so without m
 
 A newcomer starts at the floor, level with a tenant that holds every slot, and the gap then builds at that
 tenant's service rate (a slot-holding tenant's 256 decoding sequences add 512 a step at weight 1): the newcomer
-waits about gap / that rate steps. A smaller gap admits it sooner and trades places more often between two
-backlogged tenants (each yield needs the lead to pass the gap again); the slot-share rule never lets a yield
+waits about gap / that rate steps (2 to 3 here). A smaller gap admits it sooner but lets routine jumps of the
+counters (a prompt is charged at once when it is computed) trigger yields among backlogged tenants: with 16
+tenants backlogged beside 256 running sequences (benchmarks/engine/bench_scheduler_policy.py's load), a gap of 512
+moved a group every three to four steps, 1024 about once in a hundred. The slot-share rule never lets a yield
 overshoot, so a group that yielded cannot take its slots straight back.
 
 The floor never falls (a newcomer joins at the floor, counters only grow, and a tenant leaving can only raise
@@ -55,7 +58,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 DEFAULT_INPUT_WEIGHT = 1.0
 DEFAULT_OUTPUT_WEIGHT = 2.0
-DEFAULT_PREEMPT_GAP = 512.0  # counter lead over a waiting tenant beyond which running groups yield slots to it
+DEFAULT_PREEMPT_GAP = 1024.0  # counter lead over a waiting tenant beyond which running groups yield slots to it
 MAX_TENANT_WEIGHT = 1e6
 _PRUNE_SLACK = 256  # inactive records beyond those above the floor before a pruning pass
 

@@ -31,13 +31,14 @@ exactly as FCFS. With several:
 
 Slot and budget yields (``vtc_preempt_gap``, default engine/fairness.py DEFAULT_PREEMPT_GAP; None: off). A
 waiting request of tenant A that lacks sequence slots takes them from running groups of tenants whose counter
-exceeds A's by more than the gap (engine/slot_yield.py: largest counter first, each tenant's latest groups
-first, whole groups, only while the victim keeps at least A's slots over weight after the move (or A has none
-running), never a group admitted or swapped in during the step, all or nothing); they are preempted by recompute whatever ``preemption_mode``
-says (their full blocks stay in the prefix cache, so resuming is mostly prefix hits, and a swapped group would
-hold back admission). A waiting request that would get none of its prompt (budget spent; without chunked
-prefill, too little for the whole prompt) takes this step's decode entries of such tenants instead (they stay running and decode in the next step). Otherwise the request stops admission,
-as before. Never under "fcfs" nor with one active tenant, so both keep their schedules exactly.
+exceeds A's by more than the gap (engine/slot_yield.py: largest counter first, each tenant's latest groups first,
+whole groups, only while the victim keeps at least A's slots over weight after the move, or A has none running;
+never a group admitted or swapped in during the step; all or nothing). They are preempted by recompute whatever
+``preemption_mode`` says: their full blocks stay in the prefix cache, so resuming is mostly prefix hits, and a
+swapped group would hold back admission. A waiting request that would get none of its prompt (budget spent;
+without chunked prefill, too little for the whole prompt) takes this step's decode entries of such tenants
+instead: they stay running and decode in the next step. Otherwise the request stops admission, as before. Never
+under "fcfs" nor with one active tenant, so both keep their schedules exactly.
 
     slots: H H H H H H H H   (heavy, n=8, counter 90)   light (counter 40) waits, gap 32
            -> heavy's latest group yields by recompute; light is admitted in the same step
@@ -633,8 +634,8 @@ class Scheduler:
         """Withdraw this step's decode entries of tenants more than ``vtc_preempt_gap`` above ``counter``
         (largest counter first, latest first) for up to ``shortfall`` tokens, for a waiting request that would
         get none of its prompt (budget spent; without chunked prefill: too little left for the whole prompt);
-        returns the tokens withdrawn. The sequences stay running with their blocks
-        (nothing is preempted): they decode in the next step. ``decodes[0]`` is built on first use, once per
+        returns the tokens withdrawn. The sequences stay running with their blocks (nothing is preempted): they
+        decode in the next step. ``decodes[0]`` is built on first use, once per
         step: entries with one token left (decodes, with their drafts), not of groups admitted in this step."""
         gap = self.config.vtc_preempt_gap
         if self.counters.ceiling() - counter <= gap:
