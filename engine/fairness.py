@@ -40,7 +40,7 @@ bounds that:
 
 A newcomer starts at the floor, level with a tenant that holds every slot, and the gap then builds at that
 tenant's service rate (a slot-holding tenant's 256 decoding sequences add 512 a step at weight 1): the newcomer
-waits about gap / that rate steps (2 to 3 here). A smaller gap admits it sooner but lets routine jumps of the
+waits about gap / that rate + 1 steps (3 here). A smaller gap admits it sooner but lets routine jumps of the
 counters (a prompt is charged at once when it is computed) trigger yields among backlogged tenants: with 16
 tenants backlogged beside 256 running sequences (benchmarks/engine/bench_scheduler_policy.py's load), a gap of 512
 moved a group every three to four steps, 1024 about once in a hundred. The slot-share rule never lets a yield
