@@ -206,6 +206,7 @@ class Scheduler:
         self.num_slot_preemptions = 0  # groups that yielded sequence slots to a tenant below them (fair policy)
         self.num_budget_yields = 0  # decode entries withdrawn for a step's budget, for a tenant below them
         self._fresh: set[str] = set()  # request ids admitted or swapped in during the current step
+        self._ceiling: float | None = None  # the largest active counter, once per step (schedule() charges nothing)
         self.counters: VirtualTokenCounters | None = None
         self._tenant_heap: TenantHeap | None = None  # tenants with waiting requests, smallest counter first
         if config.policy == "vtc":
@@ -335,6 +336,7 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput()
         self._fresh.clear()
+        self._ceiling = None
         fair = self.counters is not None and self.counters.num_active > 1
         prefills: list[Sequence] | None = [] if fair else None
         budget = self._schedule_running(out, cfg.max_num_batched_tokens, prefills)
@@ -562,7 +564,7 @@ class Scheduler:
             seq = next_item(tenant)
             group = self._groups[seq.request_id]
             if budget <= 0 and (seq.status is SequenceStatus.RUNNING
-                                or self.counters.ceiling() - mine[0][0] <= cfg.vtc_preempt_gap):
+                                or self._counter_ceiling() - mine[0][0] <= cfg.vtc_preempt_gap):
                 break  # the budget is spent; only a waiting request far below a tenant takes its decodes' tokens
             if seq.status is SequenceStatus.RUNNING:  # its running prefill: a chunk
                 work[tenant].popleft()
@@ -629,6 +631,11 @@ class Scheduler:
             self._slot_head = slot_head
         return budget
 
+    def _counter_ceiling(self) -> float:
+        if self._ceiling is None:
+            self._ceiling = self.counters.ceiling()
+        return self._ceiling
+
     def _yield_budget(self, counter: float, shortfall: int, out: SchedulerOutput,
                       decodes: list[list[ScheduledSequence] | None]) -> int:
         """Withdraw this step's decode entries of tenants more than ``vtc_preempt_gap`` above ``counter``
@@ -638,7 +645,7 @@ class Scheduler:
         decode in the next step. ``decodes[0]`` is built on first use, once per
         step: entries with one token left (decodes, with their drafts), not of groups admitted in this step."""
         gap = self.config.vtc_preempt_gap
-        if self.counters.ceiling() - counter <= gap:
+        if self._counter_ceiling() - counter <= gap:
             return 0
         if decodes[0] is None:
             found = [(self._groups[s.seq.request_id].tenant_state.counter, i, s) for i, s in enumerate(out.scheduled)
@@ -666,7 +673,7 @@ class Scheduler:
         least its weighted slot count (engine/slot_yield.py); [] if they do not free enough. ``candidates[0]``
         is built on first use, once per step."""
         gap = self.config.vtc_preempt_gap
-        if self.counters.ceiling() - counter <= gap:
+        if self._counter_ceiling() - counter <= gap:
             return []  # nobody is far enough above: skip building the candidates
         if candidates[0] is None:
             seen: set[str] = set()
