@@ -17,6 +17,8 @@ adapter manager's locked ``residency()``). The platform's metrics poller turns i
       "gpu_slot_hit_rate": 0.93,         # slot_hits / (slot_hits + activations); None before any admission
       "adapter_disk_bytes": 61440, "adapter_disk_max_bytes": 21474836480,  # None: no cap
       "scheduling_policy": "vtc", "tenants_active": 2,
+      "slot_preemptions": 1, "budget_yields": 0,  # groups that gave up slots / decode entries that gave up a step's
+                                                  # budget to a tenant far below (vtc_preempt_gap), since start
       "tenants": [                       # the TENANT_STATS_LIMIT tenants holding the most sequences, most first
         {"tenant": "t1", "weight": 1.0, "requests": 2, "running": 64, "waiting": 1, "swapped": 0,
          "counter": 2410.0, "lead": 2380.0,          # lead: counter - the smallest active counter (vtc only)
@@ -105,12 +107,14 @@ def tenant_stats(scheduler: Any, limit: int = TENANT_STATS_LIMIT) -> dict:
         rows.append(row)
     rows.sort(key=lambda r: (-(r["running"] + r["waiting"] + r["swapped"]), -r.get("lead", 0.0), str(r["tenant"])))
     other = {"tenants": max(0, len(rows) - limit), **{k: sum(r[k] for r in rows[limit:]) for k in _LOADS}}
-    return {"scheduling_policy": scheduler.config.policy, "tenants_active": len(loads), "tenants": rows[:limit],
+    return {"scheduling_policy": scheduler.config.policy, "tenants_active": len(loads),
+            "slot_preemptions": getattr(scheduler, "num_slot_preemptions", 0),
+            "budget_yields": getattr(scheduler, "num_budget_yields", 0), "tenants": rows[:limit],
             "tenants_other": other}
 
 
 def _empty_tenants() -> dict:
-    return {"scheduling_policy": None, "tenants_active": 0, "tenants": [],
+    return {"scheduling_policy": None, "tenants_active": 0, "slot_preemptions": 0, "budget_yields": 0, "tenants": [],
             "tenants_other": {"tenants": 0, **{k: 0 for k in _LOADS}}}
 
 

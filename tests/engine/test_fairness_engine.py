@@ -141,11 +141,15 @@ def test_default_gap_admits_the_light_request_beside_n64_requests_holding_every_
             assert k < 200
         assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
         heavy = {r: [c.output_token_ids for c in outputs[r].outputs] for r in ("heavy-0", "heavy-1")}
-        return finished, heavy, engine.scheduler.num_slot_preemptions
+        return finished, heavy, (engine.scheduler.num_slot_preemptions, engine_stats(engine))
 
-    finished, heavy, preemptions = run(True)
-    reference, none = run(False)[1:]
+    finished, heavy, (preemptions, stats) = run(True)
+    reference, (none, _) = run(False)[1:]
     assert preemptions == 1 and none == 0
+    assert (stats["slot_preemptions"], stats["budget_yields"]) == (1, 0)
+    text = render_metrics(stats, model="tiny").decode()
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert values["loraplex_engine_server_slot_preemptions_total"] == 1.0
     wait = -(-int(DEFAULT_PREEMPT_GAP) // (128 * 2)) + 1  # steps for the lead to pass the gap, then the step it runs
     assert finished["light"] - ARRIVAL <= wait + LIGHT_TOKENS and finished["light"] < finished["heavy-0"]
     assert heavy == reference
