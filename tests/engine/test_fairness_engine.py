@@ -2,7 +2,7 @@
 beside a heavy tenant's two n=64 requests finishes within a few steps of its arrival under "vtc" (behind the
 heavy ones under "fcfs") with the very tokens it gets alone; beside a heavy n=8 request holding every sequence
 slot it takes them by slot preemption, and the preempted request's tokens equal those of its run without the light
-tenant (plain and overlapped steps); every token is charged once with overlapped steps;
+tenant (seeded sampling with plain and overlapped steps, and beam search); every token is charged once with overlapped steps;
 the tenant and its weight reach the scheduler through AsyncEngine and the engine service; stats and metrics
 show the tenants with bounded labels."""
 from __future__ import annotations
@@ -73,15 +73,19 @@ def test_light_request_beside_two_n64_requests(tiny_checkpoint, policy):
         assert finished["heavy-0"] < finished["light"]  # FCFS: behind heavy's second n=64 request
 
 
-def heavy_n8_run(path: str, light: bool, async_scheduling: bool):
-    """A heavy n=8 request (seeded sampling) in max_num_seqs=8, the light greedy request added before step
-    ARRIVAL when ``light``. Returns (heavy's 8 token lists, {request id: step it finished}, (light's tokens, its
+HEAVY_N8 = {"sampled": SamplingParams(n=8, max_tokens=3 * HEAVY_TOKENS, temperature=1.0, seed=7, ignore_eos=True),
+            "beam": SamplingParams(n=8, use_beam_search=True, beam_width=8, max_tokens=3 * HEAVY_TOKENS,
+                                   ignore_eos=True)}  # greedy n > 1: beam search (sampling refuses temperature 0)
+
+
+def heavy_n8_run(path: str, light: bool, async_scheduling: bool, kind: str = "sampled"):
+    """A heavy n=8 request (seeded sampling, or a beam search of width 8) in max_num_seqs=8, the light greedy
+    request added before step ARRIVAL when ``light``. Returns (heavy's 8 token lists, {request id: step it finished}, (light's tokens, its
     tokens alone), (slot preemptions, overlapped steps))."""
     engine = LLMEngine.from_pretrained(path, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
                                        vtc_preempt_gap=24.0, async_scheduling=async_scheduling, **BASE)
     vocab = engine.model_config.vocab_size
-    heavy = SamplingParams(n=8, max_tokens=3 * HEAVY_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
-    engine.add_request("heavy", prompt(vocab, 10, 1), heavy, tenant="heavy")
+    engine.add_request("heavy", prompt(vocab, 10, 1), HEAVY_N8[kind], tenant="heavy")
     greedy = SamplingParams(max_tokens=LIGHT_TOKENS, temperature=0.0, ignore_eos=True)
     finished: dict[str, int] = {}
     outputs = {}
@@ -103,11 +107,11 @@ def heavy_n8_run(path: str, light: bool, async_scheduling: bool):
                                                            engine.num_overlapped_steps)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_slot_preemption_of_an_n8_request_is_lossless(tiny_checkpoint, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, kind", [(False, "sampled"), (True, "sampled"), (False, "beam")])
+def test_slot_preemption_of_an_n8_request_is_lossless(tiny_checkpoint, async_scheduling, kind):
     path = tiny_checkpoint("llama")
-    heavy, finished, (light, alone), (preemptions, overlapped) = heavy_n8_run(path, True, async_scheduling)
-    reference, _, _, (none, _) = heavy_n8_run(path, False, async_scheduling)
+    heavy, finished, (light, alone), (preemptions, overlapped) = heavy_n8_run(path, True, async_scheduling, kind)
+    reference, _, _, (none, _) = heavy_n8_run(path, False, async_scheduling, kind)
     assert preemptions == 1 and none == 0 and (overlapped > 0) == async_scheduling
     # heavy's 8 sequences add 16 to its counter per step: the gap of 24 is passed two steps after the arrival
     assert finished["light"] - ARRIVAL <= 2 + LIGHT_TOKENS + 1 and finished["light"] < finished["heavy"]
