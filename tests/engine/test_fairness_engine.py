@@ -2,9 +2,9 @@
 beside a heavy tenant's two n=64 requests finishes within a few steps of its arrival under "vtc" (behind the
 heavy ones under "fcfs") with the very tokens it gets alone; beside a heavy n=8 request holding every sequence
 slot it takes them by slot preemption, and the preempted request's tokens equal those of its run without the light
-tenant (seeded sampling with plain and overlapped steps, and beam search); every token is charged once with overlapped steps;
-the tenant and its weight reach the scheduler through AsyncEngine and the engine service; stats and metrics
-show the tenants with bounded labels."""
+tenant (seeded sampling with plain and overlapped steps, and beam search); every token is charged once with
+overlapped steps; the tenant and its weight reach the scheduler through AsyncEngine and the engine service; stats
+and metrics show the tenants with bounded labels."""
 from __future__ import annotations
 
 import asyncio
@@ -80,8 +80,8 @@ HEAVY_N8 = {"sampled": SamplingParams(n=8, max_tokens=3 * HEAVY_TOKENS, temperat
 
 def heavy_n8_run(path: str, light: bool, async_scheduling: bool, kind: str = "sampled"):
     """A heavy n=8 request (seeded sampling, or a beam search of width 8) in max_num_seqs=8, the light greedy
-    request added before step ARRIVAL when ``light``. Returns (heavy's 8 token lists, {request id: step it finished}, (light's tokens, its
-    tokens alone), (slot preemptions, overlapped steps))."""
+    request added before step ARRIVAL when ``light``. Returns (heavy's 8 token lists, {request id: step it
+    finished}, (light's tokens, its tokens alone), (slot preemptions, overlapped steps))."""
     engine = LLMEngine.from_pretrained(path, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
                                        vtc_preempt_gap=24.0, async_scheduling=async_scheduling, **BASE)
     vocab = engine.model_config.vocab_size
