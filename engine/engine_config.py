@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from loraplex.engine.fairness import check_cost_weight
+from loraplex.engine.fairness import DEFAULT_PREEMPT_GAP, check_cost_weight, check_preempt_gap
 from loraplex.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -41,6 +41,8 @@ class EngineConfig:
     scheduling_policy: str = "vtc"
     vtc_input_weight: float = 1.0           # counter cost of a prompt token (before the tenant's weight divides it)
     vtc_output_weight: float = 2.0          # counter cost of an output token
+    vtc_preempt_gap: float | None = DEFAULT_PREEMPT_GAP  # counter lead beyond which running groups yield sequence
+                                            # slots to a waiting tenant's request; None: never
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None        # explicit pool size; else sized from memory
@@ -105,6 +107,7 @@ class EngineConfig:
                              "or fcfs")
         check_cost_weight("vtc_input_weight", self.vtc_input_weight)
         check_cost_weight("vtc_output_weight", self.vtc_output_weight)
+        check_preempt_gap(self.vtc_preempt_gap)
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode {self.preemption_mode!r} is not supported; choose recompute, swap "
                              "or auto")

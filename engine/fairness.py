@@ -26,6 +26,26 @@ to shares ``weight[t] / sum(weight)``.
       |___/ ___/       C arrives here -> lifted to min(A, B), not 0
       +----------------------------------------------------------> time
 
+Counters order admission and pick preemption victims; they also decide who yields sequence slots and budget.
+Slots (``max_num_seqs``) are held for a request's whole generation, so without more, a tenant holding them all
+(n=64 requests, say) keeps every other tenant waiting however far ahead its counter runs. ``vtc_preempt_gap``
+(``DEFAULT_PREEMPT_GAP`` = 1024 counter units: one long prompt, or 512 output tokens, at weight 1; None: never)
+bounds that:
+
+    who yields:  running groups of tenant V, to a waiting request of tenant A, when
+                 counter[V] - counter[A] > vtc_preempt_gap and, for slots, V keeps at least A's slots / weight
+                 after the move (or A has none running and V more than A will)
+    how:         slots: V's latest whole groups are preempted by recompute (engine/slot_yield.py);
+                 budget (A's request would get no token): V's decode entries of the step are withdrawn
+
+A newcomer starts at the floor, level with a tenant that holds every slot, and the gap then builds at that
+tenant's service rate (a slot-holding tenant's 256 decoding sequences add 512 a step at weight 1): the newcomer
+waits about gap / that rate + 1 steps (3 here). A smaller gap admits it sooner but lets routine jumps of the
+counters (a prompt is charged at once when it is computed) trigger yields among backlogged tenants: with 16
+tenants backlogged beside 256 running sequences (benchmarks/engine/bench_scheduler_policy.py's load), a gap of 512
+moved a group every three to four steps, 1024 about once in a hundred. The slot-share rule never lets a yield
+overshoot, so a group that yielded cannot take its slots straight back.
+
 The floor never falls (a newcomer joins at the floor, counters only grow, and a tenant leaving can only raise
 the minimum), so an inactive tenant whose counter is at or below the floor is forgotten: it would be lifted to
 the floor anyway. The records kept are the active tenants and the inactive ones still above the floor.
@@ -38,6 +58,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 DEFAULT_INPUT_WEIGHT = 1.0
 DEFAULT_OUTPUT_WEIGHT = 2.0
+DEFAULT_PREEMPT_GAP = 1024.0  # counter lead over a waiting tenant beyond which running groups yield slots to it
 MAX_TENANT_WEIGHT = 1e6
 _PRUNE_SLACK = 256  # inactive records beyond those above the floor before a pruning pass
 
@@ -51,6 +72,15 @@ def check_weight(weight: object) -> None:
 def check_cost_weight(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def check_preempt_gap(gap: object) -> None:
+    """ValueError unless ``gap`` (``vtc_preempt_gap``) is None (no slot preemption) or a finite number >= 0."""
+    if gap is None:
+        return
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < math.inf:
+        raise ValueError(f"vtc_preempt_gap must be None (never preempt for sequence slots) or a finite number >= 0, "
+                         f"got {gap!r}")
 
 
 class TenantState:
@@ -133,6 +163,12 @@ class VirtualTokenCounters:
         if not self._active:
             return self._last_left
         return min(s.counter for s in self._active.values())
+
+    def ceiling(self) -> float:
+        """The largest counter among active tenants (the floor while none is active)."""
+        if not self._active:
+            return self._last_left
+        return max(s.counter for s in self._active.values())
 
     def activate(self, tenant: Hashable, weight: float) -> TenantState:
         """A request of ``tenant`` arrived: count it, take ``weight`` as the tenant's weight from now on, and

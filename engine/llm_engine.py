@@ -170,7 +170,8 @@ class LLMEngine:
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                             eos_token_ids=eos, max_loras=config.max_loras if config.enable_lora else None,
                             preemption_mode=config.preemption_mode, policy=config.scheduling_policy,
-                            vtc_input_weight=config.vtc_input_weight, vtc_output_weight=config.vtc_output_weight),
+                            vtc_input_weight=config.vtc_input_weight, vtc_output_weight=config.vtc_output_weight,
+                            vtc_preempt_gap=config.vtc_preempt_gap),
             self.kv_cache, can_admit=self._grammar_ready, adapter_slots=self.adapters)
         self.structured: StructuredDecoding | None = None  # made on the first constrained request
         self._requests: dict[str, _RequestState] = {}

@@ -19,14 +19,29 @@ the latest-arrived running group. "vtc" (the default): tenant-fair, by the virtu
 engine/fairness.py (each tenant's weighted service over its weight). While one tenant is active it schedules
 exactly as FCFS. With several:
 
-    1. running sequences that decode (one token left) in FCFS order; prefill chunks wait for step 3
+    1. running sequences that decode (one token left) in FCFS order (smallest tenant counter first when the
+       budget cannot hold them all and ``vtc_preempt_gap`` is set); prefill chunks wait for step 3
     2. swapped groups, smallest tenant counter first
     3. prefill work shared between tenants: repeatedly the tenant with the smallest counter (plus the prompt
        tokens it was given in this step) takes its next item, its oldest running prefill chunk first, then
        its oldest waiting request, as much of it as the budget allows; a tenant whose request cannot be
-       admitted for lack of sequence slots or blocks stops admission for the step (running prefills go on)
+       admitted for lack of blocks stops admission for the step (running prefills go on)
     victim of a preemption: the latest running group of the tenant with the largest counter (ties: the
     latest arrival), never simply the latest arrival
+
+Slot and budget yields (``vtc_preempt_gap``, default engine/fairness.py DEFAULT_PREEMPT_GAP; None: off). A
+waiting request of tenant A that lacks sequence slots takes them from running groups of tenants whose counter
+exceeds A's by more than the gap (engine/slot_yield.py: largest counter first, each tenant's latest groups first,
+whole groups, only while the victim keeps at least A's slots over weight after the move, or A has none running;
+never a group admitted or swapped in during the step; all or nothing). They are preempted by recompute whatever
+``preemption_mode`` says: their full blocks stay in the prefix cache, so resuming is mostly prefix hits, and a
+swapped group would hold back admission. A waiting request that would get none of its prompt (budget spent;
+without chunked prefill, too little for the whole prompt) takes this step's decode entries of such tenants
+instead: they stay running and decode in the next step. Otherwise the request stops admission, as before. Never
+under "fcfs" nor with one active tenant, so both keep their schedules exactly.
+
+    slots: H H H H H H H H   (heavy, n=8, counter 90)   light (counter 40) waits, gap 32
+           -> heavy's latest group yields by recompute; light is admitted in the same step
 
 Progress under "vtc". Order running groups by key = (tenant counter, arrival). A preemption takes the group of
 largest key, so the group of smallest key is never taken by another's ask, and with the pool to itself it
@@ -36,6 +51,9 @@ is finite, so the system cannot go round in preemptions without finishing work:
 
     key ->   A(c=90)  B(c=40)  C(c=40, later)         C asks for a block: victim = A (largest counter)
              [ ....victim ]    [ never taken while its key is smallest: runs, its counter rises ]
+
+Slot yields keep this: a group yields only to a tenant more than the gap below its own, so the group of smallest
+key never yields, and recompute charges nothing, so the counters still rise only with first-time service.
 
 Admission cannot starve a request R of tenant T either: T's counter does not grow while R waits (only T's
 running requests, which finish, charge it); every other tenant served grows; a newcomer is lifted to the
@@ -87,11 +105,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from loraplex.engine.fairness import (DEFAULT_INPUT_WEIGHT, DEFAULT_OUTPUT_WEIGHT, TenantHeap, VirtualTokenCounters,
-                                      check_cost_weight)
+from loraplex.engine.fairness import (DEFAULT_INPUT_WEIGHT, DEFAULT_OUTPUT_WEIGHT, DEFAULT_PREEMPT_GAP, TenantHeap,
+                                      VirtualTokenCounters, check_cost_weight, check_preempt_gap)
 from loraplex.engine.kv_cache import PREEMPTION_MODES, KVCacheManager, choose_preemption_mode
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from loraplex.engine.slot_yield import SlotYield
 from loraplex.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -108,7 +127,9 @@ class SchedulerConfig:
 
     ``policy``: "vtc" (tenant-fair, the default) or "fcfs" (module docstring). ``vtc_input_weight`` /
     ``vtc_output_weight``: what a prompt token and an output token add to their tenant's counter (before the
-    division by the tenant's weight); the default 1 : 2 prices an output token at two prompt tokens."""
+    division by the tenant's weight); the default 1 : 2 prices an output token at two prompt tokens.
+    ``vtc_preempt_gap``: how far (in counter units) a tenant's counter must exceed a waiting tenant's before its
+    running groups yield sequence slots to that tenant's request (engine/slot_yield.py); None: never."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -120,6 +141,7 @@ class SchedulerConfig:
     policy: str = "vtc"
     vtc_input_weight: float = DEFAULT_INPUT_WEIGHT
     vtc_output_weight: float = DEFAULT_OUTPUT_WEIGHT
+    vtc_preempt_gap: float | None = DEFAULT_PREEMPT_GAP
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -140,6 +162,7 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check_cost_weight("vtc_input_weight", self.vtc_input_weight)
         check_cost_weight("vtc_output_weight", self.vtc_output_weight)
+        check_preempt_gap(self.vtc_preempt_gap)
         self.eos_token_ids = list(self.eos_token_ids)
 
 
@@ -180,6 +203,10 @@ class Scheduler:
         self._beam_rows: dict[str, dict[int, Any]] = {}  # request id -> {seq_id: log-prob row} awaiting siblings
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_slot_preemptions = 0  # groups that yielded sequence slots to a tenant below them (fair policy)
+        self.num_budget_yields = 0  # decode entries withdrawn for a step's budget, for a tenant below them
+        self._fresh: set[str] = set()  # request ids admitted or swapped in during the current step
+        self._ceiling: float | None = None  # the largest active counter, once per step (schedule() charges nothing)
         self.counters: VirtualTokenCounters | None = None
         self._tenant_heap: TenantHeap | None = None  # tenants with waiting requests, smallest counter first
         if config.policy == "vtc":
@@ -308,6 +335,8 @@ class Scheduler:
         """Pick this step's sequences and token counts, allocating, swapping and copying their blocks."""
         cfg = self.config
         out = SchedulerOutput()
+        self._fresh.clear()
+        self._ceiling = None
         fair = self.counters is not None and self.counters.num_active > 1
         prefills: list[Sequence] | None = [] if fair else None
         budget = self._schedule_running(out, cfg.max_num_batched_tokens, prefills)
@@ -322,7 +351,14 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefills: list[Sequence] | None) -> int:
         """1. Running sequences in FCFS order. With ``prefills`` (the fair policy), sequences with more than one
-        token left are collected there instead, for the shared pass."""
+        token left are collected there instead, for the shared pass; and with ``vtc_preempt_gap`` set, decodes
+        that need more than the budget go smallest tenant counter first (ties: arrival), so a tenant far ahead
+        is the one whose decodes wait a step."""
+        if prefills is not None and self.config.vtc_preempt_gap is not None:
+            decodes = self._split_running(prefills)
+            if sum(1 + len(s.spec_token_ids) for s in decodes) > budget:
+                decodes.sort(key=lambda s: (self._groups[s.request_id].tenant_state.counter, self._priority(s)))
+            return self._schedule_decodes(out, budget, decodes)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -338,6 +374,29 @@ class Scheduler:
             budget += refund - used
             # preemption may take groups anywhere in the list (the fair policy's victims): go on after seq
             i = bisect.bisect_right(self.running, self._priority(seq), key=self._priority) if preempted else i + 1
+        return budget
+
+    def _split_running(self, prefills: list[Sequence]) -> list[Sequence]:
+        """Running sequences to schedule, FCFS: those with more than one token left into ``prefills``, the decodes
+        returned (skipped: a beam waiting for its siblings' rows, a pending token that is the last one)."""
+        decodes = []
+        for seq in self.running:
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left == 0 or (seq.num_pending_tokens and self._reaches_length_limit(seq)):
+                continue
+            (prefills if left > 1 else decodes).append(seq)
+        return decodes
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int, decodes: list[Sequence]) -> int:
+        """Schedule ``decodes`` in their order while the budget lasts, preempting for blocks as the FCFS pass does
+        (a victim's sequences later in the list are skipped, its entries earlier in it withdrawn)."""
+        for seq in decodes:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for another's blocks in this step
+            used, refund, _ = self._schedule_seq(seq, budget, out)
+            budget += refund - used
         return budget
 
     def _schedule_seq(self, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, int, bool]:
@@ -392,6 +451,7 @@ class Scheduler:
                     or self._admissible(group, self._running_adapters(), False) != "admit"):
                 break
             self.swapped.remove(group)
+            self._fresh.add(group.request_id)
             reserved += group.sampling_params.num_sequences
             out.blocks_to_swap_in.extend(self.kv.swap_in(group))
             for s in seqs:
@@ -449,12 +509,18 @@ class Scheduler:
         """3. (fair policy, several active tenants) Prefill work shared between tenants: repeatedly the tenant
         of smallest (counter + this step's prompt tokens for it, priority of its next item) takes its next item,
         its oldest running prefill first, then its oldest waiting request. Admission as in FCFS otherwise: not
-        in a step that preempted nor while groups are swapped out, and a request that cannot get its sequence
-        slots or first blocks stops admission for the step."""
+        in a step that preempted nor while groups are swapped out, and a request that cannot get its first blocks
+        stops admission for the step. One that lacks sequence slots takes them from running groups of tenants
+        far above it (``_yield_slots``), else it stops admission too."""
         cfg = self.config
         admitting = bool(self.waiting) and not out.preempted and not self.swapped
         reserved = self._num_reserved_seqs() if admitting else 0
-        admitting = admitting and reserved < cfg.max_num_seqs
+        yielding = admitting and cfg.vtc_preempt_gap is not None
+        admitting = admitting and (reserved < cfg.max_num_seqs or yielding)
+        block_preempted = bool(out.preempted)
+        candidates: list[SlotYield | None] = [None]  # built the first time a request lacks slots
+        decodes: list[list[ScheduledSequence] | None] = [None]  # built the first time a request lacks budget
+        yielded: set[str] = set()  # groups that gave up their slots in this step: not admitted again in it
         work: dict[Hashable, deque[Sequence]] = {}  # each tenant's running prefills, FCFS
         for seq in prefills:
             work.setdefault(self._groups[seq.request_id].tenant, deque()).append(seq)
@@ -485,7 +551,7 @@ class Scheduler:
         slot_head: str | None = None
         barrier = False
         theirs = self._tenant_heap.peek(members) if admitting else None  # fixed until a tenant joins `members`
-        while budget > 0:
+        while budget > 0 or (yielding and admitting):
             mine = taken.peek()
             if theirs is not None and admitting and (mine is None or theirs[0] < mine[0]):
                 members.add(theirs[1])  # a waiting tenant joins this step's work
@@ -497,18 +563,30 @@ class Scheduler:
             tenant = mine[1]
             seq = next_item(tenant)
             group = self._groups[seq.request_id]
+            if budget <= 0 and (seq.status is SequenceStatus.RUNNING
+                                or self._counter_ceiling() - mine[0][0] <= cfg.vtc_preempt_gap):
+                break  # the budget is spent; only a waiting request far below a tenant takes its decodes' tokens
             if seq.status is SequenceStatus.RUNNING:  # its running prefill: a chunk
                 work[tenant].popleft()
                 used, refund, preempted = self._schedule_seq(seq, budget, out)
                 budget += refund - used
                 if preempted:
                     admitting = False
+                    block_preempted = True
                 if used:
                     gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(used)
                 continue
-            if reserved + group.sampling_params.num_sequences > cfg.max_num_seqs:
-                admitting = False
-                continue
+            num_slots = group.sampling_params.num_sequences
+            shortfall = reserved + num_slots - cfg.max_num_seqs
+            victims: list[SequenceGroup] = []
+            if shortfall > 0:
+                if not yielding or group.request_id in yielded:
+                    admitting = False
+                    continue
+                victims = self._yield_slots(group, mine[0][0], shortfall, candidates)
+                if not victims:
+                    admitting = False
+                    continue
             verdict = self._admissible(group, adapters, barrier)
             if verdict != "admit":
                 if verdict == "no_slot" and slot_head is None:
@@ -516,14 +594,30 @@ class Scheduler:
                     barrier = slot_head == self._slot_head
                 skipped.append((tenant, self._pop_group(tenant, group.request_id)))
                 continue
+            if victims:
+                candidates[0].take(victims)
+                for victim in victims:
+                    budget += self._preempt_group(victim, out, mode="recompute")
+                    reserved -= victim.sampling_params.num_sequences
+                    yielded.add(victim.request_id)
+                self.num_slot_preemptions += len(victims)
+            want = seq.num_tokens - seq.num_computed_tokens
+            if yielding and (budget <= 0 or (want > budget and not cfg.enable_chunked_prefill)):
+                budget += self._yield_budget(mine[0][0], want - budget, out, decodes)
+                if budget <= 0:
+                    admitting = False
+                    continue
             admitted = self._admit_group(group, tenant, budget, out)
             if admitted is None:
                 admitting = False
                 continue
             budget -= admitted
-            reserved += group.sampling_params.num_sequences
+            reserved += num_slots
+            self._fresh.add(group.request_id)
+            if candidates[0] is not None:
+                candidates[0].admit(tenant, num_slots)
             gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(admitted)
-            if reserved >= cfg.max_num_seqs:
+            if reserved >= cfg.max_num_seqs and not yielding:
                 admitting = False
             if group.adapter is not None and group.adapter not in adapters:
                 adapters.append(group.adapter)
@@ -533,9 +627,64 @@ class Scheduler:
             self._tenant_heap.push(tenant)
         if len(self._tenant_heap) > 2 * self.waiting.num_keys + 64:
             self._tenant_heap.rebuild(self.waiting.keys())
-        if not out.preempted:
+        if not block_preempted:
             self._slot_head = slot_head
         return budget
+
+    def _counter_ceiling(self) -> float:
+        if self._ceiling is None:
+            self._ceiling = self.counters.ceiling()
+        return self._ceiling
+
+    def _yield_budget(self, counter: float, shortfall: int, out: SchedulerOutput,
+                      decodes: list[list[ScheduledSequence] | None]) -> int:
+        """Withdraw this step's decode entries of tenants more than ``vtc_preempt_gap`` above ``counter``
+        (largest counter first, latest first) for up to ``shortfall`` tokens, for a waiting request that would
+        get none of its prompt (budget spent; without chunked prefill: too little left for the whole prompt);
+        returns the tokens withdrawn. The sequences stay running with their blocks (nothing is preempted): they
+        decode in the next step. ``decodes[0]`` is built on first use, once per
+        step: entries with one token left (decodes, with their drafts), not of groups admitted in this step."""
+        gap = self.config.vtc_preempt_gap
+        if self._counter_ceiling() - counter <= gap:
+            return 0
+        if decodes[0] is None:
+            found = [(self._groups[s.seq.request_id].tenant_state.counter, i, s) for i, s in enumerate(out.scheduled)
+                     if s.seq.num_tokens - s.seq.num_computed_tokens == 1 and s.seq.request_id not in self._fresh]
+            found.sort(key=lambda e: e[:2])
+            decodes[0] = [s for _, _, s in found]  # pop() gives the largest counter's latest entry
+        pool, drop, freed = decodes[0], set(), 0
+        while pool and freed < shortfall:
+            s = pool[-1]
+            if self._groups[s.seq.request_id].tenant_state.counter - counter <= gap:
+                break
+            pool.pop()
+            if s.seq.status is SequenceStatus.RUNNING:  # else preempted for slots in this step: entry gone already
+                drop.add(id(s))
+                freed += s.num_new_tokens
+        if drop:
+            out.scheduled = [s for s in out.scheduled if id(s) not in drop]
+            self.num_budget_yields += len(drop)
+        return freed
+
+    def _yield_slots(self, group: SequenceGroup, counter: float, shortfall: int,
+                     candidates: list[SlotYield | None]) -> list[SequenceGroup]:
+        """Running groups to preempt so that waiting ``group`` (its tenant at ``counter`` in this step) gets
+        ``shortfall`` more sequence slots: those of tenants more than ``vtc_preempt_gap`` above it that keep at
+        least its weighted slot count (engine/slot_yield.py); [] if they do not free enough. ``candidates[0]``
+        is built on first use, once per step."""
+        gap = self.config.vtc_preempt_gap
+        if self._counter_ceiling() - counter <= gap:
+            return []  # nobody is far enough above: skip building the candidates
+        if candidates[0] is None:
+            seen: set[str] = set()
+            running = []
+            for s in self.running:
+                if s.request_id not in seen:
+                    seen.add(s.request_id)
+                    running.append(self._groups[s.request_id])
+            candidates[0] = SlotYield(running, gap, self._fresh)
+        return candidates[0].plan(group.tenant, counter, group.tenant_state.weight,
+                                  group.sampling_params.num_sequences, shortfall)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]],
                logprobs: dict[int, list] | None = None,
@@ -625,8 +774,8 @@ class Scheduler:
         computed (stream order makes that true for every later step) and gains a pending token (its sampled
         token, value still on the device). Sequences that finished since ``schedule()`` are left alone: their
         row of the step is discarded. Call once the previous step's pending tokens are resolved, so the full
-        blocks hashed here hold real tokens only. Nothing is charged yet: a pending token counts when it
-        resolves."""
+        blocks hashed here hold real tokens only. A pending token is not charged yet: it counts when it resolves
+        (the prompt position of a one-token prompt, computed by this step, is charged here)."""
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -635,6 +784,8 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} is not a plain decode with a known input token; it "
                                  f"cannot be overlapped")
             seq.num_computed_tokens += 1
+            if self.counters is not None and not seq.output_token_ids:
+                self._charge_prompt(seq)  # a one-token prompt's prefill looks like a decode: charged as it runs
             self.kv.cache_full_blocks(seq)
             seq.append_pending_token()
 
@@ -809,16 +960,16 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._priority)
         return used
 
-    def _preempt_group(self, group: SequenceGroup, out: SchedulerOutput) -> int:
-        """Preempt every unfinished sequence of ``group`` (``_victim``'s choice): swap its blocks to the CPU
-        pool, or drop them for recompute. Entries of the group already scheduled in this step are withdrawn;
-        returns their tokens (back into the budget)."""
+    def _preempt_group(self, group: SequenceGroup, out: SchedulerOutput, mode: str | None = None) -> int:
+        """Preempt every unfinished sequence of ``group`` (``_victim``'s or ``_yield_slots``' choice): swap its
+        blocks to the CPU pool, or drop them for recompute (``mode`` overrides ``preemption_mode``). Entries of
+        the group already scheduled in this step are withdrawn; returns their tokens (back into the budget)."""
         seqs = [s for s in self.running if s.request_id == group.request_id]
         refund = sum(s.num_new_tokens for s in out.scheduled if s.seq.request_id == group.request_id)
         out.scheduled = [s for s in out.scheduled if s.seq.request_id != group.request_id]
         for s in seqs:
             self.running.remove(s)
-        mode = choose_preemption_mode(self.config.preemption_mode, num_seqs=len(seqs),
+        mode = choose_preemption_mode(mode or self.config.preemption_mode, num_seqs=len(seqs),
                                       num_computed_tokens=sum(s.num_computed_tokens for s in seqs),
                                       can_swap_out=self.kv.can_swap_out(group))
         if mode == "swap":

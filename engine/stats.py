@@ -22,6 +22,8 @@ adapter manager's locked ``residency()``). The platform's metrics poller turns i
         "cpu": {"buckets": [[0.001, 0], ..., [60.0, 9]], "count": 9, "sum": 3.2},   # and CPU -> GPU copies
         "gpu": {"buckets": [[0.001, 40], ...], "count": 52, "sum": 0.06}},         # (engine/lora/latency.py)
       "scheduling_policy": "vtc", "tenants_active": 2,
+      "slot_preemptions": 1, "budget_yields": 0,  # groups that gave up slots / decode entries that gave up a step's
+                                                  # budget to a tenant far below (vtc_preempt_gap), since start
       "tenants": [                       # the TENANT_STATS_LIMIT tenants holding the most sequences, most first
         {"tenant": "t1", "weight": 1.0, "requests": 2, "running": 64, "waiting": 1, "swapped": 0,
          "counter": 2410.0, "lead": 2380.0,          # lead: counter - the smallest active counter (vtc only)
@@ -117,12 +119,14 @@ def tenant_stats(scheduler: Any, limit: int = TENANT_STATS_LIMIT) -> dict:
         rows.append(row)
     rows.sort(key=lambda r: (-(r["running"] + r["waiting"] + r["swapped"]), -r.get("lead", 0.0), str(r["tenant"])))
     other = {"tenants": max(0, len(rows) - limit), **{k: sum(r[k] for r in rows[limit:]) for k in _LOADS}}
-    return {"scheduling_policy": scheduler.config.policy, "tenants_active": len(loads), "tenants": rows[:limit],
+    return {"scheduling_policy": scheduler.config.policy, "tenants_active": len(loads),
+            "slot_preemptions": getattr(scheduler, "num_slot_preemptions", 0),
+            "budget_yields": getattr(scheduler, "num_budget_yields", 0), "tenants": rows[:limit],
             "tenants_other": other}
 
 
 def _empty_tenants() -> dict:
-    return {"scheduling_policy": None, "tenants_active": 0, "tenants": [],
+    return {"scheduling_policy": None, "tenants_active": 0, "slot_preemptions": 0, "budget_yields": 0, "tenants": [],
             "tenants_other": {"tenants": 0, **{k: 0 for k in _LOADS}}}
 
 

@@ -5,6 +5,7 @@ every step, prompts chunked under the token budget.
 
     python3 benchmarks/engine/bench_scheduler_policy.py
     python3 benchmarks/engine/bench_scheduler_policy.py --running 256 --waiting 4000 --steps 400 --tenants 1,16,256,1024
+    python3 benchmarks/engine/bench_scheduler_policy.py --vtc-preempt-gap none   # vtc without slot/budget yields
 
 Pure bookkeeping (no torch, no model): a fake model samples a fixed token, the KV pool is large enough that
 nothing is preempted. Variants: ``fcfs`` (one queue) and ``vtc`` with 1 and more tenants (requests spread
@@ -27,6 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from loraplex.engine.fairness import DEFAULT_PREEMPT_GAP  # noqa: E402
 from loraplex.engine.kv_cache import KVCacheManager  # noqa: E402
 from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -44,7 +46,8 @@ class Workload:
         max_len = args.max_prompt + args.max_tokens
         blocks = (args.running + 64) * ((max_len + BLOCK - 1) // BLOCK)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=args.running, max_num_batched_tokens=args.budget,
-                                               max_model_len=max_len + 1, policy=policy, eos_token_ids=[0]),
+                                               max_model_len=max_len + 1, policy=policy, eos_token_ids=[0],
+                                               vtc_preempt_gap=args.vtc_preempt_gap),
                                KVCacheManager(blocks, BLOCK, enable_prefix_caching=False))
         self.zipf = [1.0 / (i + 1) for i in range(tenants)]
         self.ids = iter(range(10**9))
@@ -87,6 +90,7 @@ class Workload:
             return statistics.quantiles(x, n=10)[-1]
 
         return {"policy": self.policy, "tenants": self.tenants, "running": self.sched.num_running,
+                "slot_preemptions": self.sched.num_slot_preemptions, "budget_yields": self.sched.num_budget_yields,
                 "waiting": self.sched.num_waiting, "admitted_per_step": statistics.mean(self.admitted),
                 "schedule_us_p50": statistics.median(self.t_sched), "schedule_us_p90": p90(self.t_sched),
                 "update_us_p50": statistics.median(self.t_update), "step_us_p50": statistics.median(total),
@@ -105,6 +109,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--vtc-preempt-gap", type=lambda t: None if t.lower() == "none" else float(t),
+                   default=DEFAULT_PREEMPT_GAP, help="vtc's slot/budget yield gap ('none': no yields)")
     args = p.parse_args()
     loads = [Workload("fcfs", 1, args)] + [Workload("vtc", int(t), args) for t in args.tenants.split(",")]
     for k in range(args.warmup + args.steps):  # in lockstep, the order rotating: machine noise hits all alike
@@ -112,11 +118,12 @@ def main() -> int:
             w.step(timed=k >= args.warmup)
     rows = [w.row(loads[0]) for w in loads]
     print(f"{'policy':6} {'tenants':>7} {'running':>7} {'waiting':>7} {'adm/step':>8} {'sched p50':>9} "
-          f"{'sched p90':>9} {'upd p50':>8} {'step p50':>8} {'step p90':>8} {'vs fcfs':>8}")
+          f"{'sched p90':>9} {'upd p50':>8} {'step p50':>8} {'step p90':>8} {'vs fcfs':>8} {'yields':>6}")
     for r in rows:
         print(f"{r['policy']:6} {r['tenants']:7d} {r['running']:7d} {r['waiting']:7d} {r['admitted_per_step']:8.2f} "
               f"{r['schedule_us_p50']:9.1f} {r['schedule_us_p90']:9.1f} {r['update_us_p50']:8.1f} "
-              f"{r['step_us_p50']:8.1f} {r['step_us_p90']:8.1f} {r['vs_fcfs_us_p50']:+8.1f}")
+              f"{r['step_us_p50']:8.1f} {r['step_us_p90']:8.1f} {r['vs_fcfs_us_p50']:+8.1f} "
+              f"{r['slot_preemptions'] + r['budget_yields']:6d}")
     out = os.path.join(os.environ.get("OUT", "."), "bench_scheduler_policy.json")
     with open(out, "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)

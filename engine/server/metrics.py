@@ -90,6 +90,8 @@ COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
     ("num_preemptions", "preemptions", "Sequences preempted"),
+    ("slot_preemptions", "slot_preemptions", "Sequence groups preempted to give their slots to a tenant far below"),
+    ("budget_yields", "budget_yields", "Decode entries that gave a step's budget to a tenant far below"),
     ("adapter_cold_starts", "adapter_cold_starts", "Adapter loads from disk or the blob store"),
 )
 

@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from loraplex.engine.fairness import DEFAULT_PREEMPT_GAP, check_preempt_gap
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("engine", help="engine processes (internal API for the platform's router)")
@@ -53,6 +55,9 @@ def register(subparsers) -> None:
                         "replay CUDA graphs)")
     s.add_argument("--scheduling-policy", choices=("vtc", "fcfs"), default="vtc",
                    help="vtc: tenant-fair (virtual token counters, each request's tenant_weight); fcfs: arrival order")
+    s.add_argument("--vtc-preempt-gap", type=_preempt_gap, default=DEFAULT_PREEMPT_GAP,
+                   help="vtc: counter lead over a waiting tenant beyond which running requests give up their "
+                        f"sequence slots to its request (default {DEFAULT_PREEMPT_GAP:g}; 'none': never)")
     _speculative_flags(s)
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (AdapterManager + slots)")
     s.add_argument("--max-loras", type=int, default=None,
@@ -145,6 +150,17 @@ def _quantization(choice: str) -> str | None:
     return None if choice == "none" else choice
 
 
+def _preempt_gap(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        gap = float(text)
+        check_preempt_gap(gap)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 or 'none', got {text!r}") from None
+    return gap
+
+
 def _size(text: str) -> int | None:
     from loraplex.engine.lora.disk_cache import parse_size
 
@@ -175,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
                       tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                       cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
                       quantization=_quantization(args.quantization), async_scheduling=args.async_scheduling,
-                      scheduling_policy=args.scheduling_policy,
+                      scheduling_policy=args.scheduling_policy, vtc_preempt_gap=args.vtc_preempt_gap,
                       cuda_graph_capture_budget_s=args.cuda_graph_capture_budget_s)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

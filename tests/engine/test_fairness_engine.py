@@ -1,8 +1,10 @@
 """Tenant-fair scheduling through the real LLMEngine on a tiny llama (CPU, float32): a light tenant's short request
 beside a heavy tenant's two n=64 requests finishes within a few steps of its arrival under "vtc" (behind the
-heavy ones under "fcfs") with the very tokens it gets alone; every token is charged once with overlapped steps;
-the tenant and its weight reach the scheduler through AsyncEngine and the engine service; stats and metrics
-show the tenants with bounded labels."""
+heavy ones under "fcfs") with the very tokens it gets alone; beside a heavy n=8 request holding every sequence
+slot it takes them by slot preemption, and the preempted request's tokens equal those of its run without the light
+tenant (seeded sampling with plain and overlapped steps, and beam search); every token is charged once with
+overlapped steps; the tenant and its weight reach the scheduler through AsyncEngine and the engine service; stats
+and metrics show the tenants with bounded labels."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +14,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine import AsyncEngine, LLMEngine, SamplingParams
+from loraplex.engine.fairness import DEFAULT_PREEMPT_GAP
 from loraplex.engine.server.metrics import render_metrics
 from loraplex.engine.server.protocol import GenerateRequest, RequestFormatError
 from loraplex.engine.server.service import EngineService
@@ -68,6 +71,92 @@ def test_light_request_beside_two_n64_requests(tiny_checkpoint, policy):
         assert finished["light"] - ARRIVAL <= LIGHT_TOKENS + 2 and "heavy-0" not in finished
     else:
         assert finished["heavy-0"] < finished["light"]  # FCFS: behind heavy's second n=64 request
+
+
+HEAVY_N8 = {"sampled": SamplingParams(n=8, max_tokens=3 * HEAVY_TOKENS, temperature=1.0, seed=7, ignore_eos=True),
+            "beam": SamplingParams(n=8, use_beam_search=True, beam_width=8, max_tokens=3 * HEAVY_TOKENS,
+                                   ignore_eos=True)}  # greedy n > 1: beam search (sampling refuses temperature 0)
+
+
+def heavy_n8_run(path: str, light: bool, async_scheduling: bool, kind: str = "sampled"):
+    """A heavy n=8 request (seeded sampling, or a beam search of width 8) in max_num_seqs=8, the light greedy
+    request added before step ARRIVAL when ``light``. Returns (heavy's 8 token lists, {request id: step it
+    finished}, (light's tokens, its tokens alone), (slot preemptions, overlapped steps))."""
+    engine = LLMEngine.from_pretrained(path, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
+                                       vtc_preempt_gap=24.0, async_scheduling=async_scheduling, **BASE)
+    vocab = engine.model_config.vocab_size
+    engine.add_request("heavy", prompt(vocab, 10, 1), HEAVY_N8[kind], tenant="heavy")
+    greedy = SamplingParams(max_tokens=LIGHT_TOKENS, temperature=0.0, ignore_eos=True)
+    finished: dict[str, int] = {}
+    outputs = {}
+    k = 0
+    while engine.has_unfinished_requests():
+        if k == ARRIVAL and light:
+            engine.add_request("light", prompt(vocab, 6, 2), greedy, tenant="light")
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id], outputs[out.request_id] = k, out
+        engine.kv_cache.check_invariants()
+        k += 1
+        assert k < 400
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    heavy_tokens = [c.output_token_ids for c in outputs["heavy"].outputs]
+    light_tokens = outputs["light"].output_token_ids if light else None
+    alone = engine.generate([prompt(vocab, 6, 2)], greedy)[0].output_token_ids
+    return heavy_tokens, finished, (light_tokens, alone), (engine.scheduler.num_slot_preemptions,
+                                                           engine.num_overlapped_steps)
+
+
+@pytest.mark.parametrize("async_scheduling, kind", [(False, "sampled"), (True, "sampled"), (False, "beam")])
+def test_slot_preemption_of_an_n8_request_is_lossless(tiny_checkpoint, async_scheduling, kind):
+    path = tiny_checkpoint("llama")
+    heavy, finished, (light, alone), (preemptions, overlapped) = heavy_n8_run(path, True, async_scheduling, kind)
+    reference, _, _, (none, _) = heavy_n8_run(path, False, async_scheduling, kind)
+    assert preemptions == 1 and none == 0 and (overlapped > 0) == async_scheduling
+    # heavy's 8 sequences add 16 to its counter per step: the gap of 24 is passed two steps after the arrival
+    assert finished["light"] - ARRIVAL <= 2 + LIGHT_TOKENS + 1 and finished["light"] < finished["heavy"]
+    assert light == alone and len(light) == LIGHT_TOKENS
+    assert heavy == reference and all(len(t) == 3 * HEAVY_TOKENS for t in heavy)
+
+
+def test_default_gap_admits_the_light_request_beside_n64_requests_holding_every_slot(tiny_checkpoint):
+    """The benchmark's shape at a small scale: heavy's two n=64 requests hold all 128 slots (128 sequences add
+    256 to its counter a step); the light request is lifted level with heavy, waits for the default gap to be
+    passed, takes the slot of heavy's later group and finishes while heavy's first group still runs; heavy's
+    tokens equal those of its run without the light tenant."""
+    path = tiny_checkpoint("llama")
+    heavy_params = SamplingParams(n=64, max_tokens=2 * HEAVY_TOKENS, temperature=1.0, seed=3, ignore_eos=True)
+    light_params = SamplingParams(max_tokens=LIGHT_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def run(light: bool):
+        engine = LLMEngine.from_pretrained(path, max_num_seqs=128, max_num_batched_tokens=256, num_kv_blocks=1024,
+                                           **BASE)
+        vocab = engine.model_config.vocab_size
+        for i in range(2):
+            engine.add_request(f"heavy-{i}", prompt(vocab, 12, i), heavy_params, tenant="heavy")
+        finished, outputs, k = {}, {}, 0
+        while engine.has_unfinished_requests():
+            if k == ARRIVAL and light:
+                engine.add_request("light", prompt(vocab, 8, 9), light_params, tenant="light")
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id], outputs[out.request_id] = k, out
+            k += 1
+            assert k < 200
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+        heavy = {r: [c.output_token_ids for c in outputs[r].outputs] for r in ("heavy-0", "heavy-1")}
+        return finished, heavy, (engine.scheduler.num_slot_preemptions, engine_stats(engine))
+
+    finished, heavy, (preemptions, stats) = run(True)
+    reference, (none, _) = run(False)[1:]
+    assert preemptions == 1 and none == 0
+    assert (stats["slot_preemptions"], stats["budget_yields"]) == (1, 0)
+    text = render_metrics(stats, model="tiny").decode()
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert values["loraplex_engine_server_slot_preemptions_total"] == 1.0
+    wait = -(-int(DEFAULT_PREEMPT_GAP) // (128 * 2)) + 1  # steps for the lead to pass the gap, then the step it runs
+    assert finished["light"] - ARRIVAL <= wait + LIGHT_TOKENS and finished["light"] < finished["heavy-0"]
+    assert heavy == reference
 
 
 def test_every_token_is_charged_once_with_overlapped_steps(tiny_checkpoint):

@@ -32,3 +32,26 @@ def test_graph_and_quantization_flags_reach_the_engine_config(monkeypatch):
         EngineConfig(model="/m", **{k: v for k, v in kw.items() if k != "model_name"})
     with pytest.raises(SystemExit):
         main(["engine", "serve", "--model", "/m", "--quantization", "int4"])
+
+
+def test_vtc_preempt_gap_flag_reaches_the_engine_config(monkeypatch, capsys):
+    import loraplex.commands.engine as engine_cmd
+    import loraplex.engine.server.serve as serve_mod
+    from loraplex.cli import main
+    from loraplex.engine.fairness import DEFAULT_PREEMPT_GAP
+
+    seen = []
+    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)
+    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
+    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
+    for flags in ([], ["--vtc-preempt-gap", "256"], ["--vtc-preempt-gap", "none"]):
+        main(["engine", "serve", "--model", "/m", *flags])
+    assert [kw["vtc_preempt_gap"] for kw in seen] == [DEFAULT_PREEMPT_GAP, 256.0, None]
+    for kw in seen:
+        assert EngineConfig(model="/m", **{k: v for k, v in kw.items() if k != "model_name"}).vtc_preempt_gap == \
+            kw["vtc_preempt_gap"]
+    with pytest.raises(SystemExit):
+        main(["engine", "serve", "--model", "/m", "--vtc-preempt-gap", "-1"])
+    assert "expected a finite number >= 0 or 'none', got '-1'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="vtc_preempt_gap must be None"):
+        EngineConfig(model="/m", vtc_preempt_gap=float("nan"))
