@@ -11,6 +11,11 @@
          (counters per adapter, proposer.observe)
       6. after_update()             proposer state of sequences that left the running set is dropped
 
+Forced replay (benchmarks): a step holding a sampling entry without drafts of a sequence on its recording (the
+prefill's last chunk, a decode with no room or no proposal) also runs through ``execute``, which keeps the
+recording's token in place of the target's own (drawn, compared: ``replay_agreement``, discarded); with the
+verifier keeping the planned tokens of verify entries, such a sequence never leaves its recording.
+
 A candidate: a running sequence with one token left to compute and no pending token, of a request with
 ``SamplingParams.speculative`` on, one sequence (no n > 1, best_of, beam search), and room for a draft
 (k_i = min(k, max_tokens - outputs - 1, max_model_len - tokens) >= 1). Steps holding a sequence that may speculate
@@ -211,7 +216,7 @@ class SpecDecoder:
         if outcomes:
             self.stats.verify_steps += 1
             self.stats.verify_s += time.perf_counter() - t0
-            self.stats.graph_steps = self.executor.num_graph_steps
+            self.stats.graph_steps += int(self.executor.last_on_graphs)  # verify steps only
             self._observe(outcomes, request_of)
         accepted = {o.seq_id: o.num_accepted for o in outcomes}
         for seq_id, (start, rows) in hidden.items():
