@@ -354,15 +354,15 @@ def serve_stage(args, work: str, quantization: str | None, deadline: float, repo
 
 
 def table(report: dict) -> str:
-    rows = ["| variant | OTPS / request | TTFT ms | TPOT ms | steps | decode step ms | verify step ms | tokens / verify step | "
-            "acceptance length | proposer ms / step | verify steps on graphs |", "|" + "---|" * 11]
+    rows = ["| variant | OTPS / request | TTFT ms | TPOT ms | steps | decode step ms | verify step ms | "
+            "tokens / verify step | acceptance length | proposer ms / step | verify steps on graphs |", "|" + "---|" * 11]
     for v in report["variants"]:
         def f(key, fmt="{:.2f}"):
             return fmt.format(v[key]) if v.get(key) is not None else "-"
         graphs = f"{v['verify_steps_on_graphs']}/{v['verify_steps_total']}" if v.get("verify_steps_total") else "-"
         rows.append(f"| {v['variant']}{' (replayed)' if v.get('replayed') else ''} | {f('otps_per_request', '{:.1f}')}"
-                    f" | {f('ttft_ms', '{:.1f}')} | {f('tpot_ms')} | {v['steps']} | {f('decode_step_ms')} | {f('verify_step_ms')} | "
-                    f"{f('tokens_per_verify_step')} | {f('acceptance_length')} | {f('propose_ms_per_step', '{:.3f}')}"
+                    f" | {f('ttft_ms', '{:.1f}')} | {f('tpot_ms')} | {v['steps']} | {f('decode_step_ms')} | "
+                    f"{f('verify_step_ms')} | {f('tokens_per_verify_step')} | {f('acceptance_length')} | {f('propose_ms_per_step', '{:.3f}')}"
                     f" | {graphs} |")
     return "\n".join(rows)
 
