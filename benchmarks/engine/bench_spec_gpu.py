@@ -20,14 +20,24 @@ Stages:
         replay L (graphs)  L = 2.0, 2.5, 3.0 with k = 2, 3, 3 drafts (per-draft acceptance rate r with
                            1 + r + ... + r^k = L), verify steps through CUDA graphs (the decode graphs' rows)
         replay 3.0 eager   the same at L = 3.0 with every verify step eager
+     Before the first measured variant, a warm-up of the same shapes (all C requests, prompts of ``--input-len``,
+     12 output tokens, speculation off, then replayed at each k, eager and graphs): first-time JIT compiles and
+     autotuning stay out of every variant's times.
      The replay proposer proposes the recording's next tokens with a wrong one planted after a Bernoulli(r) run,
      and the verifier keeps what the plan says (the target's own verdict is computed, sampled and discarded):
-     every cost is real, the acceptance is set. Outputs then equal the recording token for token (checked).
+     every cost is real, the acceptance is set. Every token a sequence gets is the recording's (the one after a
+     rejected or at the bonus position, and those sampled without drafts: after the prefill, the last one), so
+     in bf16 on dummy weights, where the target's own argmax differs from the recording's, no sequence leaves its
+     recording and steps drop to about output_len / L. A replay variant whose outputs differ from the recording
+     or whose measured acceptance length is more than 10% off the set one (3 standard errors where that is
+     wider: a small run) is a FAIL: the script exits 1.
 
-Reported per variant: OTPS per request (mean of output tokens / end-to-end latency), TPOT (mean), the mean step
-time of pure decode steps (plain) or pure verify steps (replay) and tokens per such step, measured acceptance
-length, proposer ms per step, verify steps through graphs. Prints a table; writes ``$OUT/bench_spec_gpu.json``
-(rewritten after every variant, so a run stopped by ``--total-time`` keeps what it measured).
+Reported per variant: OTPS per request (mean of output tokens / end-to-end latency), TTFT and TPOT (means per
+request; TPOT = (end-to-end - TTFT) / (output tokens - 1), so it counts the several tokens of a verify step), the
+engine steps, the mean step time of pure decode steps (plain) or pure verify steps (replay) and tokens per such
+step, measured acceptance length, proposer ms per step, verify steps through graphs. Prints a table; writes
+``$OUT/bench_spec_gpu.json`` (rewritten after every variant, so a run stopped by ``--total-time`` keeps what it
+measured).
 """
 from __future__ import annotations
 
@@ -197,22 +207,27 @@ def run_variant(engine, refs, prompts, args, label: str, speculative: bool, reco
     spec1 = engine.spec.snapshot()
     kinds = kinds[:len(step_ms)]
     by_kind = {k: [t for t, kk in zip(step_ms, kinds) if kk == k] for k in ("decode", "verify", "mixed")}
-    otps, tpot = [], []
+    otps, tpot, ttft, e2e = [], [], [], []
     for o in finals.values():
         m, n = o.metrics, len(o.output_token_ids)
-        otps.append(n / (m.finished_time - m.arrival_time))
-        if n > 1:
-            tpot.append((m.finished_time - m.first_token_time) / (n - 1) * 1e3)
+        e2e_s, ttft_s = m.finished_time - m.arrival_time, m.first_token_time - m.arrival_time
+        otps.append(n / e2e_s)
+        ttft.append(ttft_s * 1e3)
+        e2e.append(e2e_s * 1e3)
+        if n > 1:  # per request: the time after the first token over the tokens after it (speculation included)
+            tpot.append((e2e_s - ttft_s) / (n - 1) * 1e3)
     d = {k: spec1[k] - spec0[k] for k in ("proposed", "accepted", "verified", "emitted", "verify_steps",
                                              "graph_steps", "propose_ms", "verify_ms")}
     res = dict(variant=label, requests=len(finals), output_len=args.output_len, wall_s=wall,
-               otps_per_request=statistics.fmean(otps), tpot_ms=statistics.fmean(tpot), steps=len(step_ms),
+               otps_per_request=statistics.fmean(otps), tpot_ms=statistics.fmean(tpot) if tpot else None,
+               ttft_ms=statistics.fmean(ttft), e2e_ms=statistics.fmean(e2e), steps=len(step_ms),
                **{f"{k}_steps": len(v) for k, v in by_kind.items()},
                **{f"{k}_step_ms": statistics.fmean(v) if v else None for k, v in by_kind.items()},
                acceptance_length=(d["accepted"] + d["verified"]) / d["verified"] if d["verified"] else None,
                tokens_per_verify_step=d["emitted"] / d["verify_steps"] if d["verify_steps"] else None,
                propose_ms_per_step=d["propose_ms"] / d["verify_steps"] if d["verify_steps"] else None,
                verify_steps_on_graphs=d["graph_steps"], verify_steps_total=d["verify_steps"],
+               verifications=d["verified"],
                replayed=speculative,
                all_tokens=all(len(o.output_token_ids) == args.output_len for o in finals.values()))
     if record is not None:
@@ -223,6 +238,59 @@ def run_variant(engine, refs, prompts, args, label: str, speculative: bool, reco
             for o in finals.values():
                 record[tuple(o.prompt_token_ids)] = list(o.output_token_ids)
     return res
+
+
+def warm_up(engine, refs, args, config: dict, phase: str, graphs: tuple) -> None:
+    """The measured shapes once before the first measured variant (first-time JIT compiles and autotuning land
+    here, not in a variant's times): all C requests with prompts of ``--input-len`` (other tokens than the measured
+    ones), a few output tokens, speculation off, then replayed at every variant's k, verify eager and through
+    graphs."""
+    from loraplex.bench.workload import request_plan
+    from loraplex.engine.spec_decode import acceptance_rate_for
+
+    plan = request_plan(num_requests=args.concurrency, num_adapters=args.adapters, mix="even",
+                        input_len=args.input_len, vocab=config["vocab_size"], seed=1)
+    prompts = [p.prompt for p in plan]
+    short = argparse.Namespace(**{**vars(args), "output_len": min(12, args.output_len)})
+    spec, replay = engine.spec, engine.spec.proposer
+    record: dict = {}
+    run_variant(engine, refs, prompts, short, f"{phase}-warm", False, record)
+    for p, toks in record.items():
+        replay.record(list(p), toks)
+    for k in sorted({k for _, k, _ in VARIANTS}):
+        for use_graphs in sorted({g for _, kk, g in VARIANTS if kk == k}):
+            spec.num_speculative_tokens = replay.k = k
+            replay.rate = acceptance_rate_for(min(k + 1.0, 3.0), k)
+            if not use_graphs:
+                spec.executor.verify_graphs = spec.executor.decode_graphs = None
+            try:
+                run_variant(engine, refs, prompts, short, f"{phase}-warm-k{k}-{int(use_graphs)}", True)
+            finally:
+                spec.executor.verify_graphs, spec.executor.decode_graphs = graphs
+
+
+def acceptance_tolerance(length: float, k: int, rate: float, verified: int) -> float:
+    """How far a measured acceptance length may be off the set one: 10%, or 3 standard errors of the mean over
+    ``verified`` verifications where that is wider (a small run: the accepted count per verification is 0..k,
+    P(a) = rate^a (1 - rate) for a < k, rate^k for a = k)."""
+    p = [rate ** a * (1 - rate) for a in range(k)] + [rate ** k]
+    mean = sum(a * q for a, q in enumerate(p))
+    sd = sum((a - mean) ** 2 * q for a, q in enumerate(p)) ** 0.5
+    return max(0.1 * length, 3 * sd / max(verified, 1) ** 0.5)
+
+
+def replay_failures(res: dict) -> list[str]:
+    """What makes a replay variant's figures meaningless: outputs off the recording, or a measured acceptance
+    length off the set one by more than ``acceptance_tolerance`` (10% on a full run)."""
+    bad = []
+    if not res.get("matches_recording"):
+        bad.append("outputs differ from the recording")
+    got, want = res.get("acceptance_length"), res["set_acceptance_length"]
+    tol = res["acceptance_tolerance"]
+    if got is None or abs(got - want) > tol:
+        bad.append(f"acceptance length {got if got is None else round(got, 3)} is more than {tol:.3f} off the set "
+                   f"{want}")
+    return [f"{res['variant']}: {b}" for b in bad]
 
 
 def serve_stage(args, work: str, quantization: str | None, deadline: float, report: dict, emit) -> None:
@@ -239,24 +307,18 @@ def serve_stage(args, work: str, quantization: str | None, deadline: float, repo
     plan = request_plan(num_requests=args.concurrency, num_adapters=args.adapters, mix="even",
                         input_len=args.input_len, vocab=config["vocab_size"], seed=0)
     prompts = [p.prompt for p in plan]
-    warm = [p[: max(8, args.input_len // 4)] for p in prompts]
     spec = engine.spec
     replay = spec.proposer
-    # warm-up: Triton compiles at the plain, eager-verify and graph-verify shapes
-    short = argparse.Namespace(**{**vars(args), "output_len": min(16, args.output_len)})
-    rec_warm: dict = {}
-    run_variant(engine, refs, warm, short, f"{phase}-warm", False, rec_warm)
-    for p, toks in rec_warm.items():
-        replay.record(list(p), toks)
     graphs = (spec.executor.verify_graphs, spec.executor.decode_graphs)
-    for eager in (True, False):
-        if eager:
-            spec.executor.verify_graphs = spec.executor.decode_graphs = None
-        run_variant(engine, refs, warm, short, f"{phase}-warm-spec{int(eager)}", True)
-        spec.executor.verify_graphs, spec.executor.decode_graphs = graphs
+    t0 = time.perf_counter()
+    warm_up(engine, refs, args, config, phase, graphs)
+    info["warm_up_s"] = time.perf_counter() - t0
+    print(f"[bench] {phase}: warm-up {info['warm_up_s']:.1f} s", flush=True)
     record: dict = {}
     res = run_variant(engine, refs, prompts, args, f"{phase} plain", False, record)
     report["variants"].append(dict(res, phase=phase))
+    print(f"[bench] {phase} plain: {res['otps_per_request']:.1f} OTPS/request, TPOT {res['tpot_ms']:.2f} ms, "
+          f"{res['steps']} steps, mixed step {res['mixed_step_ms'] or float('nan'):.1f} ms", flush=True)
     emit()
     for p, toks in record.items():
         replay.record(list(p), toks)
@@ -274,11 +336,13 @@ def serve_stage(args, work: str, quantization: str | None, deadline: float, repo
         finally:
             spec.executor.verify_graphs, spec.executor.decode_graphs = graphs
         res.update(phase=phase, set_acceptance_length=length, k=k, rate=replay.rate, verify="graphs" if use_graphs
-                   else "eager", label="replayed proposals at a set acceptance rate (dummy weights)")
+                   else "eager", label="replayed proposals at a set acceptance rate (dummy weights)",
+                   acceptance_tolerance=acceptance_tolerance(length, k, replay.rate, res["verifications"]))
         report["variants"].append(res)
+        report["failures"] += replay_failures(res)
         print(f"[bench] {name}: {res['otps_per_request']:.1f} OTPS/request, TPOT {res['tpot_ms']:.2f} ms, verify "
-              f"step {res['verify_step_ms'] or float('nan'):.2f} ms, acceptance {res['acceptance_length']:.2f}",
-              flush=True)
+              f"step {res['verify_step_ms'] or float('nan'):.2f} ms, acceptance {res['acceptance_length'] or 0:.2f} "
+              f"(set {length}), {res['steps']} steps, matches recording: {res['matches_recording']}", flush=True)
         emit()
     engine.close()
     del engine
@@ -290,15 +354,15 @@ def serve_stage(args, work: str, quantization: str | None, deadline: float, repo
 
 
 def table(report: dict) -> str:
-    rows = ["| variant | OTPS / request | TPOT ms | decode step ms | verify step ms | tokens / verify step | "
-            "acceptance length | proposer ms / step | verify steps on graphs |", "|" + "---|" * 9]
+    rows = ["| variant | OTPS / request | TTFT ms | TPOT ms | steps | decode step ms | verify step ms | "
+            "tokens / verify step | acceptance length | proposer ms / step | verify steps on graphs |", "|" + "---|" * 11]
     for v in report["variants"]:
         def f(key, fmt="{:.2f}"):
             return fmt.format(v[key]) if v.get(key) is not None else "-"
         graphs = f"{v['verify_steps_on_graphs']}/{v['verify_steps_total']}" if v.get("verify_steps_total") else "-"
         rows.append(f"| {v['variant']}{' (replayed)' if v.get('replayed') else ''} | {f('otps_per_request', '{:.1f}')}"
-                    f" | {f('tpot_ms')} | {f('decode_step_ms')} | {f('verify_step_ms')} | "
-                    f"{f('tokens_per_verify_step')} | {f('acceptance_length')} | {f('propose_ms_per_step', '{:.3f}')}"
+                    f" | {f('ttft_ms', '{:.1f}')} | {f('tpot_ms')} | {v['steps']} | {f('decode_step_ms')} | "
+                    f"{f('verify_step_ms')} | {f('tokens_per_verify_step')} | {f('acceptance_length')} | {f('propose_ms_per_step', '{:.3f}')}"
                     f" | {graphs} |")
     return "\n".join(rows)
 
@@ -326,7 +390,7 @@ def main() -> None:
 
     env = dict(python=sys.version.split()[0], torch=torch.__version__,
                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
-    report = dict(env=env, args=vars(args), check=[], engines={}, variants=[], skipped=[],
+    report = dict(env=env, args=vars(args), check=[], engines={}, variants=[], skipped=[], failures=[],
                   note="replay variants: proposals replayed from the plain run at a set acceptance rate; dummy "
                        "weights, so acceptance is set, not measured; every cost (propose, verify forward, "
                        "acceptance, KV rollback) is real")
@@ -353,7 +417,11 @@ def main() -> None:
         print("check:", "PASS" if all(c["ok"] for c in report["check"]) else "FAIL")
     if report["skipped"]:
         print("skipped:", ", ".join(report["skipped"]))
+    for line in report["failures"]:
+        print("FAIL:", line)
     print(f"elapsed {report['elapsed_s']:.0f} s; {path}")
+    if report["failures"] or (report["check"] and not all(c["ok"] for c in report["check"])):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@
          (counters per adapter, proposer.observe)
       6. after_update()             proposer state of sequences that left the running set is dropped
 
+Forced replay (benchmarks): a step holding a sampling entry without drafts of a sequence on its recording (the
+prefill's last chunk, a decode with no room or no proposal) also runs through ``execute``, which keeps the
+recording's token in place of the target's own (drawn, compared: ``replay_agreement``, discarded); with the
+verifier keeping the planned tokens of verify entries, such a sequence never leaves its recording.
+
 A candidate: a running sequence with one token left to compute and no pending token, of a request with
 ``SamplingParams.speculative`` on, one sequence (no n > 1, best_of, beam search), and room for a draft
 (k_i = min(k, max_tokens - outputs - 1, max_model_len - tokens) >= 1). Steps holding a sequence that may speculate
@@ -168,10 +173,24 @@ class SpecDecoder:
         sequence in it."""
         for seq in self._drafted.values():
             seq.spec_token_ids = []
-        if any(s.draft_token_ids for s in out.scheduled):
+        if any(s.draft_token_ids for s in out.scheduled) or self._forced_rows(out, request_of):
             return True
         return self.proposer.needs_hidden_states and any(self._may_speculate(s.seq, request_of)
                                                          for s in out.scheduled)
+
+    def _forced_rows(self, out: SchedulerOutput, request_of: RequestLookup) -> dict[int, int]:
+        """Forced replay (benchmarks): {seq_id: the recording's token} of this step's sampling entries without
+        drafts (a prefill's last chunk, a decode with no room or no proposal) of speculating requests on their
+        recording; empty for every other proposer."""
+        if self.config.method != "replay" or not self.config.replay_forced:
+            return {}
+        forced = {}
+        for s in out.scheduled:
+            if s.sample and not s.draft_token_ids and self._may_speculate(s.seq, request_of):
+                token = self.proposer.recorded_token(s.seq)
+                if token is not None:
+                    forced[s.seq.seq_id] = token
+        return forced
 
     def _may_speculate(self, seq: Sequence, request_of: RequestLookup) -> bool:
         params = request_of(seq.request_id)[0]
@@ -184,13 +203,20 @@ class SpecDecoder:
         keep = None
         if self.proposer.needs_hidden_states:
             keep = {s.seq.seq_id for s in out.scheduled if self._may_speculate(s.seq, request_of)}
+        forced = self._forced_rows(out, request_of)  # before the step: the tokens it would append are not in yet
         result, outcomes, hidden = self.executor.execute(out, sampling, lora_slots, self._proposals, structured, keep)
+        for seq_id, token in forced.items():  # the target's token was drawn (a real cost) and is discarded
+            drawn = result.sampled.get(seq_id)
+            if drawn:
+                self.stats.replay_checked += 1
+                self.stats.replay_agreed += int(drawn == [token])
+                result.sampled[seq_id] = [token]
         # a sequence aborted during the step (e.g. from a logits hook) appends nothing
         outcomes = [o for o in outcomes if self._drafted[o.seq_id].status is SequenceStatus.RUNNING]
         if outcomes:
             self.stats.verify_steps += 1
             self.stats.verify_s += time.perf_counter() - t0
-            self.stats.graph_steps = self.executor.num_graph_steps
+            self.stats.graph_steps += int(self.executor.last_on_graphs)  # verify steps only
             self._observe(outcomes, request_of)
         accepted = {o.seq_id: o.num_accepted for o in outcomes}
         for seq_id, (start, rows) in hidden.items():

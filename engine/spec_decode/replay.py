@@ -11,6 +11,10 @@ length where acceptance itself means nothing (dummy weights).
     whatever the target's logits say (they are still computed, sampled and compared: ``agreement``), so the run
     reproduces the recording token for token at mean acceptance length 1 + rate + ... + rate^k; without it the
     target decides (lossless; on exact float32 numerics it agrees with the plan).
+    Forced replay also fixes every token a recorded sequence samples without drafts (the prefill's first token, a
+    decode with no room for a draft): ``recorded_token`` gives rec[j] and the decoder keeps it in place of the
+    target's own (still computed and discarded), so on a GPU, where bf16 numerics and near-flat dummy logits make
+    the target's argmax differ from the recording's, a sequence never leaves its recording.
 
 A sequence whose prompt is not in the recording, or that has left its recording, gets no proposal.
 """
@@ -39,6 +43,17 @@ class ReplayProposer(Proposer):
     @property
     def num_recorded(self) -> int:
         return len(self._recording)
+
+    def recorded_token(self, seq) -> int | None:
+        """Forced replay: the recording's token at ``seq``'s next output position while ``seq`` is on its recording
+        (None when not forced, not recorded, off the recording or past its end)."""
+        if not self.forced:
+            return None
+        rec = self._recording.get(tuple(seq.prompt_token_ids))
+        j = seq.num_output_tokens
+        if rec is None or len(rec) <= j or rec[:j] != seq.output_token_ids:
+            return None
+        return rec[j]
 
     def propose(self, batch: list[SpecSequence]) -> list[Proposal | None]:
         out: list[Proposal | None] = []

@@ -62,6 +62,7 @@ class VerifyExecutor:
         self.decode_graphs = decode_graphs
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.last_on_graphs = False  # the last step's forward ran through the padded decode path
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling: dict, lora_slots: dict[int, int] | None,
@@ -118,6 +119,7 @@ class VerifyExecutor:
             runner._check_lora_slots(out, lora_slots)
             hidden = graphs.run(step, lora_slots)
             self.num_graph_steps += 1
+            self.last_on_graphs = True
             first, row = [], 0
             for tokens, _, _ in entries:
                 first.append(row)
@@ -128,6 +130,7 @@ class VerifyExecutor:
         hidden = runner.model(batch.input_ids, batch.positions, batch.attn, runner.kv_caches)
         runner._prompt_logprobs(out, hidden, result)
         self.num_eager_steps += 1
+        self.last_on_graphs = False
         return hidden, batch.first_rows
 
     def _graph_step(self, out: SchedulerOutput, entries: list):

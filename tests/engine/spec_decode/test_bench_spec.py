@@ -63,7 +63,39 @@ def test_gpu_script_smoke(tmp_path):
     names = [v["variant"] for v in report["variants"]]
     assert names == ["float32 plain", "float32 replay L=2.0 k=2 graphs", "float32 replay L=2.5 k=3 graphs",
                      "float32 replay L=3.0 k=3 graphs", "float32 replay L=3.0 k=3 eager"]
+    assert report["failures"] == [] and "FAIL" not in done.stdout
+    plain = report["variants"][0]
+    assert plain["steps"] >= 16 and plain["ttft_ms"] > 0 and plain["tpot_ms"] > 0
     for v in report["variants"][1:]:
         assert v["matches_recording"] and v["all_tokens"] and v["acceptance_length"] > 1.0
+        assert abs(v["acceptance_length"] - v["set_acceptance_length"]) <= v["acceptance_tolerance"]
         assert (v["verify_steps_on_graphs"] > 0) == (v["verify"] == "graphs")
+        assert v["verify_steps_on_graphs"] <= v["verify_steps_total"]
+        assert v["steps"] < plain["steps"]  # speculating all the way: fewer steps than one per token
     assert "| float32 replay L=3.0 k=3 eager (replayed) |" in done.stdout
+
+
+def _gpu_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_spec_gpu", os.path.join(ROOT, "benchmarks", "engine",
+                                                                                  "bench_spec_gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_script_failures():
+    """A replay variant off its recording, or off the set acceptance length by more than 10% on a full run (3
+    standard errors on a small one), is reported as a failure."""
+    script = _gpu_script()
+    rate = 0.6180339887498947  # k = 2, L = 2
+    full, small = script.acceptance_tolerance(2.0, 2, rate, 2400), script.acceptance_tolerance(2.0, 2, rate, 10)
+    assert full == pytest.approx(0.2) and small > 0.5
+    ok = dict(variant="v", matches_recording=True, acceptance_length=2.1, set_acceptance_length=2.0,
+              acceptance_tolerance=full)
+    assert script.replay_failures(ok) == []
+    off = script.replay_failures(dict(ok, acceptance_length=2.3))
+    assert len(off) == 1 and "more than 0.200 off the set 2.0" in off[0]
+    diverged = script.replay_failures(dict(ok, matches_recording=False, acceptance_length=None))
+    assert len(diverged) == 2 and "differ from the recording" in diverged[0]
