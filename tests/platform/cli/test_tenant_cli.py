@@ -71,6 +71,7 @@ def test_adapter_lifecycle_from_the_command_line(stack, tmp_path):
         s3.put_object(Bucket=bucket, Key=f"run/{n}", Body=b)
     settings = stack.server.app.state.settings
     settings.import_s3_endpoints = [endpoint]        # the operator allows this endpoint (the live app's settings)
+    settings.import_s3_buckets = [bucket]            # and this bucket (the stack allows none by default)
     out = cli(env, "adapters", "import", name, f"s3://{bucket}/run/", "--endpoint-url", endpoint, "--region",
               "us-east-1", "--aws-access-key-id", "testing", "--aws-secret-access-key", "testing").stdout
     assert "succeeded" in out and f"{name} v3" in out, out
