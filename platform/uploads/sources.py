@@ -77,6 +77,20 @@ def _unavailable(message: str) -> UploadError:
     return UploadError(503, message + "; nothing was stored — retry the import later", code="source_unavailable")
 
 
+def _write_capped(chunks, dest: str, max_bytes: int, what: str, on_bytes: Callable[[int], None], deadline) -> None:
+    """Streams ``chunks`` into ``dest``, counting every byte against ``max_bytes`` (413 naming ``what`` past it) and
+    the import's deadline after each chunk."""
+    got = 0
+    with open(dest, "wb") as out:
+        for chunk in chunks:
+            got += len(chunk)
+            if got > max_bytes:
+                raise too_large(max_bytes, what)
+            out.write(chunk)
+            on_bytes(len(chunk))
+            deadline.left()
+
+
 def parse_source(uri: str) -> Source:
     """``s3://bucket/prefix/`` or ``http(s)://host[:port]/path/``; refused: other schemes, user:password@, a
     query or fragment (credentials go in ``credentials``, never in the URI, which is stored)."""
@@ -215,15 +229,8 @@ def fetch_http(url: str, dest: str, *, max_bytes: int, settings: Settings, deadl
                     declared = r.headers.get("content-length")
                     if declared and declared.isdigit() and int(declared) > max_bytes:
                         raise too_large(max_bytes, f"{os.path.basename(dest)} at the source")
-                    got = 0
-                    with open(dest, "wb") as out:
-                        for chunk in r.iter_raw(CHUNK):
-                            got += len(chunk)
-                            if got > max_bytes:
-                                raise too_large(max_bytes, f"{os.path.basename(dest)} at the source")
-                            out.write(chunk)
-                            on_bytes(len(chunk))
-                            deadline.left()
+                    _write_capped(r.iter_raw(CHUNK), dest, max_bytes, f"{os.path.basename(dest)} at the source",
+                                  on_bytes, deadline)
                     return
         except httpx.TimeoutException:
             raise _unavailable(f"the source {netloc} timed out") from None
@@ -296,15 +303,7 @@ def fetch_s3(source: Source, name: str, dest: str, *, max_bytes: int, settings: 
         if int(head.get("ContentLength", 0)) > max_bytes:
             raise too_large(max_bytes, f"{name} at the source")
         body = client.get_object(Bucket=source.host, Key=key)["Body"]
-        got = 0
-        with open(dest, "wb") as out:
-            for chunk in body.iter_chunks(CHUNK):
-                got += len(chunk)
-                if got > max_bytes:
-                    raise too_large(max_bytes, f"{name} at the source")
-                out.write(chunk)
-                on_bytes(len(chunk))
-                deadline.left()
+        _write_capped(body.iter_chunks(CHUNK), dest, max_bytes, f"{name} at the source", on_bytes, deadline)
     except NoCredentialsError:
         raise UploadError(403, "no S3 credentials: send aws_access_key_id and aws_secret_access_key",
                           code="source_access_denied") from None

@@ -16,10 +16,9 @@ import json
 from datetime import date
 from typing import Iterator
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.platform.db.models import Tenant, UsageRecord
+from loraplex.platform.usage.queries import usage_query
 
 COLUMNS = ("day", "tenant_id", "tenant", "adapter", "requests", "prompt_tokens", "completion_tokens", "total_tokens")
 BATCH = 1000
@@ -27,20 +26,8 @@ BATCH = 1000
 
 def usage_rows(*, session: Session, tenant_id: str | None, start: date | None, end: date | None) -> Iterator[dict]:
     """The export's rows, read ``BATCH`` at a time."""
-    prompt = func.sum(UsageRecord.prompt_tokens)
-    completion = func.sum(UsageRecord.completion_tokens)
-    query = (select(UsageRecord.day, UsageRecord.tenant_id, Tenant.name, UsageRecord.adapter_name, func.count(),
-                    prompt, completion)
-             .join(Tenant, Tenant.id == UsageRecord.tenant_id)
-             .group_by(UsageRecord.day, UsageRecord.tenant_id, Tenant.name, UsageRecord.adapter_name)
-             .order_by(UsageRecord.day, Tenant.name, UsageRecord.adapter_name))
-    if tenant_id is not None:
-        query = query.where(UsageRecord.tenant_id == tenant_id)
-    if start is not None:
-        query = query.where(UsageRecord.day >= start)
-    if end is not None:
-        query = query.where(UsageRecord.day <= end)
-    for day, tid, name, adapter, n, p, c in session.execute(query.execution_options(yield_per=BATCH)):
+    query = usage_query(tenant_id, start, end).execution_options(yield_per=BATCH)
+    for tid, name, day, adapter, n, p, c in session.execute(query):
         p, c = int(p or 0), int(c or 0)
         yield {"day": day.isoformat() if day else None, "tenant_id": tid, "tenant": name, "adapter": adapter,
                "requests": int(n), "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
