@@ -271,13 +271,16 @@ def moe_inputs(s: Shapes, m: int, device: str, gen_seed: int, dtype: torch.dtype
 
 
 def lora_inputs(s: Shapes, m: int, ids: torch.Tensor, max_loras: int, rank: int, device: str, dtype: torch.dtype):
+    from loraplex.kernels.reference_lora import as_expert_table
+
     h, e, i = s.hidden, s.num_experts, s.inter
     idx = (torch.arange(m, device=device) % max_loras).to(torch.int32)
     mk = lambda k, n: ((torch.randn(max_loras, e, rank, k, device=device) / k ** 0.5).to(dtype),  # noqa: E731
                        (torch.randn(max_loras, e, n, rank, device=device) / rank ** 0.5).to(dtype))
     pairs = int((idx.long()[:, None] * e + ids).unique().numel())
-    return dict(idx=idx, scaling=torch.full((max_loras,), 2.0, device=device), w13_lora=mk(h, 2 * i),
-                w2_lora=mk(i, h), pairs=pairs)
+    # as the engine passes them: LoRATables built once (a stacked pair is copied into a table on every call)
+    return dict(idx=idx, scaling=torch.full((max_loras,), 2.0, device=device), w13_lora=as_expert_table(mk(h, 2 * i)),
+                w2_lora=as_expert_table(mk(i, h)), pairs=pairs)
 
 
 # ------------------------------------------------------------------------------------------- phases

@@ -1,0 +1,65 @@
+"""Where the time of the expert layer with expert LoRA goes, per expert format: per-kernel device time (torch
+profiler, plain launches) of ``moe_experts_lora`` next to the same layer without LoRA, bf16 weights and MXFP4 in
+the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
+
+    python3 benchmarks/kernels/probe_moe_lora.py --m 1,16,64     # H200: about 30 s
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from loraplex.kernels.tuning_cases import bench_time_ms  # noqa: E402
+from mxfp4_gemm_gpu import GPT_OSS_20B, lora_inputs, moe_inputs  # noqa: E402
+from probe_lora import kernel_times_us  # noqa: E402
+
+
+def variants(inp: dict, lo: dict) -> dict:
+    """label -> a call of the expert layer (bf16 / MXFP4 kernel layout, without and with LoRA)."""
+    from loraplex.kernels.fused_moe import fused_moe
+    from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+    from loraplex.kernels.moe_experts_lora import moe_experts_lora
+
+    x, ids, wts = inp["x"], inp["ids"], inp["weights"]
+    kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
+    lkw = dict(kw, w13_lora=lo["w13_lora"], w2_lora=lo["w2_lora"])
+    w13, s13, w2, s2 = inp["kernel"]
+    return {
+        "bf16": lambda: fused_moe(x, inp["w13"], inp["w2"], wts, ids, **kw),
+        "bf16 + LoRA": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"], **lkw),
+        "mxfp4": lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, **kw),
+        "mxfp4 + LoRA": lambda: moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13,
+                                                 w2_scale=s2, **lkw),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--m", default="1,16,64")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--rank", type=int, default=32)
+    args = p.parse_args()
+    s = GPT_OSS_20B
+    print("| layer | M | call us | sum of kernels us | kernels (us each) |")
+    print("|---|---:|---:|---:|---|")
+    for m in (int(v) for v in args.m.split(",")):
+        inp = moe_inputs(s, m, "cuda", 3000 + m)
+        lo = lora_inputs(s, m, inp["ids"], args.max_loras, args.rank, "cuda", torch.bfloat16)
+        for label, fn in variants(inp, lo).items():
+            call = bench_time_ms(fn) * 1e3
+            parts = kernel_times_us(fn)
+            detail = ", ".join(f"{name} {us:.1f}" for name, us in sorted(parts.items(), key=lambda kv: -kv[1]))
+            print(f"| {label} | {m} | {call:.1f} | {sum(parts.values()):.1f} | {detail} |", flush=True)
+        del inp, lo
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
