@@ -394,6 +394,8 @@ class LLMEngine:
         matchers. Returns (requests that got a token, requests finished, outputs of requests failed)."""
         inflight, self._inflight = self._inflight, None
         accepted, finished = self.scheduler.update_resolved(inflight.out, inflight.tokens.wait())
+        if self.spec is not None and finished:  # a sequence may finish in an overlapped step: its drafter's state
+            self.spec.release_stopped()
         sampled, done = [seq.request_id for seq in accepted], {g.request_id for g in finished}
         return sampled, done, self._advance_grammars(sampled, done)
 

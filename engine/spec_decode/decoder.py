@@ -240,9 +240,13 @@ class SpecDecoder:
         self.proposer.observe(verified)
 
     def after_update(self) -> None:
-        """End of a step: drop proposer state of sequences that are no longer running (finished, aborted,
-        preempted)."""
+        """End of a step: this step's proposals dropped, and the state of sequences no longer running."""
         self._proposals, self._drafted = {}, {}
+        self.release_stopped()
+
+    def release_stopped(self) -> None:
+        """Drop proposer state (a draft model's KV blocks too) of sequences that are no longer running (finished,
+        aborted, preempted); also after an overlapped step's tokens are resolved, where no verify step ran."""
         for seq_id, seq in list(self._tracked.items()):
             if seq.status is not SequenceStatus.RUNNING:
                 self.release(seq_id)

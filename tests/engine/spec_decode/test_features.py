@@ -124,6 +124,19 @@ def test_opt_out_and_overlapped_scheduling(llama):
     assert_all_free(engine)
 
 
+def test_overlapped_steps_free_the_draft_models_blocks(llama, perturbed_checkpoint):
+    """With a draft model and async scheduling, a request whose last token comes from an overlapped step (no room
+    for drafts) still frees its draft-model KV blocks and proposer state; the tokens are the non-speculative ones."""
+    prompts = prompt_list((6, 9, 4, 11, 7, 5), seed=3)
+    requests = [(f"r{i}", p, SamplingParams(max_tokens=14 + i, **GREEDY), None) for i, p in enumerate(prompts)]
+    want = outputs(drive(make_engine(llama), requests))
+    spec = dict(method="draft", draft_model=perturbed_checkpoint(llama, 0.1), num_speculative_tokens=3)
+    engine = make_engine(llama, spec, async_scheduling=True)
+    assert outputs(drive(engine, requests)) == want
+    assert engine.num_overlapped_steps > 0 and engine.spec.snapshot()["verified"] > 0
+    assert_all_free(engine)
+
+
 class _HiddenProbe(Proposer):
     """Asks for the target's hidden states, records what it is given, proposes the recorded next tokens."""
 
