@@ -1,49 +1,44 @@
 """MXFP4 expert kernels at small, awkward shapes on the device (float32 and bf16 activations): both layouts'
 ``fused_moe_mxfp4`` and ``moe_experts_lora`` (expert LoRA on both targets, mixed adapters and base tokens) against
-the torch reference, eager and through a CUDA graph. Prints one line per case with its relative error.
+the torch reference, eager and through a CUDA graph. One PASS / FAIL line per case with its relative error (bound
+1e-4 in float32, 1e-2 in bf16); exits 1 if any case fails.
 
     PYTHONPATH=$PWD python3 benchmarks/kernels/check_mxfp4_small_gpu.py     # H200: about 30 s
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/kernels/check_mxfp4_small_gpu.py --device cpu  # smoke run
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the GEMM benchmark's inputs
 
 import torch  # noqa: E402
 
+from mxfp4_gemm_gpu import Shapes, lora_inputs, moe_inputs, rel_error  # noqa: E402
+
+BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error: float32 exact up to summation order; bf16
 SHAPES = ((6, 2, 64, 32), (4, 2, 96, 64), (4, 2, 128, 64), (32, 4, 2880, 2880))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def case(e: int, a: int, h: int, i: int, m: int, dtype: torch.dtype, graph: bool) -> list[str]:
+def case(e: int, a: int, h: int, i: int, m: int, dtype: torch.dtype, graph: bool, dev: str) -> list[tuple[str, bool]]:
     from loraplex.kernels import reference_lora as ref
     from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
-    from loraplex.kernels.mxfp4 import prepare_for_kernel, quantize_mxfp4
 
-    dev = "cuda"
-    x = torch.randn(m, h, device=dev, dtype=dtype)
-    w13 = torch.randn(e, 2 * i, h, device=dev) * 0.05
-    w2 = torch.randn(e, h, i, device=dev) * 0.05
-    b13 = (torch.randn(e, 2 * i, device=dev) * 0.01).to(dtype)
-    b2 = (torch.randn(e, h, device=dev) * 0.01).to(dtype)
-    v, ids = torch.topk(torch.randn(m, e, device=dev), a, dim=-1)
-    wts = torch.softmax(v, -1)
-    q13, s13 = quantize_mxfp4(w13)
-    q2, s2 = quantize_mxfp4(w2)
-    kern = (*prepare_for_kernel(q13, s13), *prepare_for_kernel(q2, s2))
-    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
-    slots, r = 3, 8
-    idx = torch.tensor([(t % (slots + 1)) - 1 for t in range(m)], device=dev, dtype=torch.int32)  # -1: base
-    mk = lambda k, n: ref.as_expert_table(((torch.randn(slots, e, r, k, device=dev) / k ** 0.5).to(dtype),  # noqa
-                                           (torch.randn(slots, e, n, r, device=dev) / r ** 0.5).to(dtype)))
-    lkw = dict(kw, w13_lora=mk(h, 2 * i), w2_lora=mk(i, h))
-    scaling = torch.full((slots,), 2.0, device=dev)
+    shapes = Shapes("small", h, e, a, i)
+    inp = moe_inputs(shapes, m, dev, 1000 * e + m, dtype)
+    x, ids, wts = inp["x"], inp["ids"], inp["weights"]
+    q13, s13, q2, s2 = inp["plain"]
+    kern = inp["kernel"]
+    kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
+    slots = 3
+    lo = lora_inputs(shapes, m, ids, slots, 8, dev, dtype)
+    idx = torch.tensor([(t % (slots + 1)) - 1 for t in range(m)], device=dev, dtype=torch.int32)  # -1: base tokens
+    lkw = dict(kw, w13_lora=lo["w13_lora"], w2_lora=lo["w2_lora"])
+    scaling = lo["scaling"]
     want = ref.fused_moe_mxfp4(x, q13, s13, q2, s2, wts, ids, **kw)
     want_l = ref.moe_experts_lora(x, q13, q2, wts, ids, idx, scaling, w13_scale=s13, w2_scale=s2, **lkw)
     calls = {
@@ -55,8 +50,10 @@ def case(e: int, a: int, h: int, i: int, m: int, dtype: torch.dtype, graph: bool
         "moe_experts_lora checkpoint layout": (lambda: moe_experts_lora(x, q13, q2, wts, ids, idx, scaling,
                                                                         w13_scale=s13, w2_scale=s2, **lkw), want_l),
     }
+    bound = BOUNDS[dtype]
     lines = []
     for name, (fn, w) in calls.items():
+        head = f"E={e} A={a} H={h} I={i} M={m} {str(dtype)[6:]} {'graph' if graph else 'eager'} {name}"
         try:
             got = fn()
             if graph:
@@ -66,24 +63,31 @@ def case(e: int, a: int, h: int, i: int, m: int, dtype: torch.dtype, graph: bool
                 g.replay()
                 torch.cuda.synchronize()
                 got = out
-            lines.append(f"E={e} A={a} H={h} I={i} M={m} {str(dtype)[6:]} {'graph' if graph else 'eager'} {name}: "
-                         f"rel err {rel(got, w):.2e}")
-        except Exception as err:  # noqa: BLE001
-            lines.append(f"E={e} A={a} H={h} I={i} M={m} {str(dtype)[6:]} {name}: ERROR {type(err).__name__}: "
-                         f"{str(err)[:200]}")
+            err = rel_error(got, w)
+            lines.append((f"{'PASS' if err <= bound else 'FAIL'} {head}: rel err {err:.2e} (bound {bound:g})",
+                          err <= bound))
+        except Exception as exc:  # noqa: BLE001  (a case, not a crash)
+            lines.append((f"FAIL {head}: {type(exc).__name__}: {str(exc)[:200]}", False))
     return lines
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="cpu: the small shapes only, eager, float32 (TRITON_INTERPRET=1)")
+    args = p.parse_args()
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
-    for e, a, h, i in SHAPES:
+    cuda = args.device == "cuda"
+    ok = True
+    for e, a, h, i in SHAPES if cuda else SHAPES[:-1]:
         for m in (1, 5, 33):
-            for dtype in (torch.float32, torch.bfloat16):
-                for graph in (False, True):
-                    for line in case(e, a, h, i, m, dtype, graph):
+            for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
+                for graph in (False, True) if cuda else (False,):
+                    for line, passed in case(e, a, h, i, m, dtype, graph, args.device):
                         print(line, flush=True)
-    return 0
+                        ok = ok and passed
+    print("check: PASS" if ok else "check: FAIL")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
