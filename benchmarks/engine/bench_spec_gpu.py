@@ -37,7 +37,8 @@ request; TPOT = (end-to-end - TTFT) / (output tokens - 1), so it counts the seve
 engine steps, the mean step time of pure decode steps (plain) or pure verify steps (replay) and tokens per such
 step, measured acceptance length, proposer ms per step, verify steps through graphs. Prints a table; writes
 ``$OUT/bench_spec_gpu.json`` (rewritten after every variant, so a run stopped by ``--total-time`` keeps what it
-measured).
+measured). ``--variants 3.0/3/graphs`` runs one replay variant; ``--profile-steps N`` adds a torch profiler table of N
+decode and N verify steps per expert format (``StepProfile``: wall vs device busy per step, host phases).
 """
 from __future__ import annotations
 
@@ -52,6 +53,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 VARIANTS = ((2.0, 2, True), (2.5, 3, True), (3.0, 3, True), (3.0, 3, False))  # (length, k, graphs)
+
+
+def parse_variants(text: str) -> tuple:
+    """``--variants``: 'all', or comma-separated LENGTH/K/graphs|eager (e.g. 3.0/3/graphs) -> (length, k, graphs)."""
+    if text == "all":
+        return VARIANTS
+    out = []
+    for item in text.split(","):
+        length, k, path = item.strip().split("/")
+        if path not in ("graphs", "eager"):
+            raise ValueError(f"--variants: {item!r}: the verify path is 'graphs' or 'eager'")
+        out.append((float(length), int(k), path == "graphs"))
+    return tuple(out)
 
 
 # ---- 1. the check ------------------------------------------------------------------------------------------------
@@ -152,7 +166,7 @@ def start_engine(args, work: str, quantization: str | None):
         num_kv_blocks=-(-max_len // bs) * args.concurrency + 64, swap_space_bytes=0, enable_prefix_caching=False,
         enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, max_cpu_loras=max(16, args.adapters),
         adapter_cache_dir=os.path.join(work, "adapter-cache"), quantization=quantization,
-        speculative=dict(method="replay", num_speculative_tokens=max(k for _, k, _ in VARIANTS),
+        speculative=dict(method="replay", num_speculative_tokens=max(k for _, k, _ in args.variants),
                          replay_forced=True, verify_cuda_graphs=True))
     use_in_place_fetcher(engine)
     for ref in refs:
@@ -171,8 +185,10 @@ def step_kind(out) -> str:
     return "verify" if any(s.draft_token_ids for s in out.scheduled) else "decode"
 
 
-def run_variant(engine, refs, prompts, args, label: str, speculative: bool, record: dict | None = None) -> dict:
-    """All prompts at once (C = len(prompts)), to completion; per-step times by kind, per-request rates."""
+def run_variant(engine, refs, prompts, args, label: str, speculative: bool, record: dict | None = None,
+                profile: "StepProfile | None" = None) -> dict:
+    """All prompts at once (C = len(prompts)), to completion; per-step times by kind, per-request rates;
+    ``profile``: a torch profiler over some of its steps (``StepProfile``)."""
     import torch
 
     from loraplex.engine import SamplingParams
@@ -194,16 +210,22 @@ def run_variant(engine, refs, prompts, args, label: str, speculative: bool, reco
             engine.add_request(f"{label}-{i}", p, params, refs[i % len(refs)])
         t_start = time.perf_counter()
         while engine.has_unfinished_requests():
+            if profile is not None:
+                profile.before_step(len(step_ms))
             t0 = time.perf_counter()
             for o in engine.step():
                 if o.finished:
                     finals[int(o.request_id.rsplit("-", 1)[1])] = o
             step_ms.append((time.perf_counter() - t0) * 1e3)
+            if profile is not None:
+                profile.after_step(kinds[-1] if kinds else "none", step_ms[-1])
         if args.device == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t_start
     finally:
         engine.scheduler.schedule = schedule
+        if profile is not None:
+            profile.close()
     spec1 = engine.spec.snapshot()
     kinds = kinds[:len(step_ms)]
     by_kind = {k: [t for t, kk in zip(step_ms, kinds) if kk == k] for k in ("decode", "verify", "mixed")}
@@ -240,6 +262,104 @@ def run_variant(engine, refs, prompts, args, label: str, speculative: bool, reco
     return res
 
 
+class StepProfile:
+    """``--profile-steps N``: a torch profiler (CPU and CUDA activities) over N steps of one kind ('decode' in the
+    plain variant, 'verify' in a replay one), started ``start`` steps into the variant (past the prefills), with the
+    engine's host phases marked (``record_function``: spec.propose, scheduler.schedule, the step's execution,
+    scheduler.update; the rest of ``LLMEngine.step`` is output building). Writes ``$OUT/profile_<name>.txt``: per
+    step the wall time, the device's kernel and copy time (busy; wall - busy is device idle, host time not
+    overlapped) and each marked phase's host time (waits on the device included: an overlapped decode step's
+    update waits for the previous step's tokens), then the profiler's table sorted by device time; with
+    ``trace`` also a gzipped Chrome trace. Profiled steps run slower than unprofiled ones (the profiler's own host
+    cost): read the idle share and the phases, not the absolute wall."""
+
+    PHASES = ("engine.propose", "engine.schedule", "engine.execute", "engine.update")
+
+    def __init__(self, engine, kind: str, steps: int, path: str, *, start: int = 40, trace: bool = False) -> None:
+        self.engine, self.kind, self.steps, self.path, self.start, self.trace = engine, kind, steps, path, start, trace
+        self.prof = None
+        self.wall_ms: list[float] = []
+        self.summary: dict | None = None
+        self._undo: list = []
+
+    def _mark(self, obj, attr: str, label: str) -> None:
+        import torch
+
+        fn = getattr(obj, attr)
+
+        def marked(*a, **kw):
+            with torch.profiler.record_function(label):
+                return fn(*a, **kw)
+        self._undo.append((obj, attr, obj.__dict__.get(attr)))
+        setattr(obj, attr, marked)
+
+    def before_step(self, index: int) -> None:
+        import torch
+
+        if self.prof is not None or self.summary is not None or index < self.start:
+            return
+        e = self.engine
+        self._mark(e.spec, "propose", "engine.propose")
+        self._mark(e.scheduler, "schedule", "engine.schedule")
+        for obj, attr in ((e.spec, "execute"), (e.runner, "execute"), (e.runner, "launch_decode")):
+            self._mark(obj, attr, "engine.execute")
+        self._mark(e.scheduler, "update", "engine.update")
+        self._mark(e.scheduler, "update_resolved", "engine.update")
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+
+    def after_step(self, kind: str, wall_ms: float) -> None:
+        if self.prof is None:
+            return
+        if kind == self.kind:
+            self.wall_ms.append(wall_ms)
+        if len(self.wall_ms) >= self.steps:
+            self.close()
+
+    def close(self) -> None:
+        import torch
+
+        if self.prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        prof, self.prof = self.prof, None
+        for obj, attr, before in reversed(self._undo):
+            if before is None:
+                delattr(obj, attr)  # the class's method again
+            else:
+                setattr(obj, attr, before)  # a wrapper the benchmark had set (run_variant's step watcher)
+        self._undo.clear()
+        n = max(len(self.wall_ms), 1)
+        events = prof.key_averages()
+
+        def dev_us(e) -> float:
+            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+
+        busy_us = sum(dev_us(e) for e in events)
+        phases = {e.key: e.cpu_time_total / 1e3 / n for e in events if e.key in self.PHASES}
+        wall = statistics.fmean(self.wall_ms) if self.wall_ms else float("nan")
+        self.summary = dict(kind=self.kind, steps=len(self.wall_ms), wall_ms_per_step=wall,
+                            device_busy_ms_per_step=busy_us / 1e3 / n,
+                            device_idle_ms_per_step=wall - busy_us / 1e3 / n,
+                            host_phase_ms_per_step=phases)
+        lines = [f"{self.kind} steps: {len(self.wall_ms)} profiled (other steps in the window are included in the "
+                 f"table; in a steady run there are none)",
+                 f"wall ms / step {wall:.3f}   device busy ms / step {busy_us / 1e3 / n:.3f}   device idle ms / step "
+                 f"{wall - busy_us / 1e3 / n:.3f}",
+                 "host phases ms / step: " + ", ".join(f"{k.split('.')[1]} {v:.3f}" for k, v in phases.items()),
+                 "", events.table(sort_by="self_device_time_total" if torch.cuda.is_available()
+                                  else "self_cpu_time_total", row_limit=45, max_name_column_width=60)]
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        if self.trace:
+            prof.export_chrome_trace(self.path.replace(".txt", ".trace.json.gz"))  # gzip: files come back <= 16 MiB
+
+
 def warm_up(engine, refs, args, config: dict, phase: str, graphs: tuple) -> None:
     """The measured shapes once before the first measured variant (first-time JIT compiles and autotuning land
     here, not in a variant's times): all C requests with prompts of ``--input-len`` (other tokens than the measured
@@ -257,8 +377,8 @@ def warm_up(engine, refs, args, config: dict, phase: str, graphs: tuple) -> None
     run_variant(engine, refs, prompts, short, f"{phase}-warm", False, record)
     for p, toks in record.items():
         replay.record(list(p), toks)
-    for k in sorted({k for _, k, _ in VARIANTS}):
-        for use_graphs in sorted({g for _, kk, g in VARIANTS if kk == k}):
+    for k in sorted({k for _, k, _ in args.variants}):
+        for use_graphs in sorted({g for _, kk, g in args.variants if kk == k}):
             spec.num_speculative_tokens = replay.k = k
             replay.rate = acceptance_rate_for(min(k + 1.0, 3.0), k)
             if not use_graphs:
@@ -315,14 +435,28 @@ def serve_stage(args, work: str, quantization: str | None, deadline: float, repo
     info["warm_up_s"] = time.perf_counter() - t0
     print(f"[bench] {phase}: warm-up {info['warm_up_s']:.1f} s", flush=True)
     record: dict = {}
-    res = run_variant(engine, refs, prompts, args, f"{phase} plain", False, record)
+    out_dir = os.environ.get("OUT", ".")
+
+    def profile_for(kind: str, name: str) -> StepProfile | None:
+        if not args.profile_steps or report["profiled"].get(f"{phase} {kind}"):
+            return None
+        return StepProfile(engine, kind, args.profile_steps, os.path.join(out_dir, f"profile_{phase}_{kind}.txt"),
+                           start=min(40, args.output_len // 4), trace=args.profile_trace and kind == "verify")
+
+    def keep_profile(prof: StepProfile | None, res: dict) -> None:
+        if prof is not None and prof.summary is not None:
+            report["profiled"][f"{phase} {prof.kind}"] = res["profile"] = prof.summary
+
+    prof = profile_for("decode", "plain")
+    res = run_variant(engine, refs, prompts, args, f"{phase} plain", False, record, prof)
+    keep_profile(prof, res)
     report["variants"].append(dict(res, phase=phase))
     print(f"[bench] {phase} plain: {res['otps_per_request']:.1f} OTPS/request, TPOT {res['tpot_ms']:.2f} ms, "
           f"{res['steps']} steps, mixed step {res['mixed_step_ms'] or float('nan'):.1f} ms", flush=True)
     emit()
     for p, toks in record.items():
         replay.record(list(p), toks)
-    for length, k, use_graphs in VARIANTS:
+    for length, k, use_graphs in args.variants:
         name = f"{phase} replay L={length} k={k} {'graphs' if use_graphs else 'eager'}"
         if time.monotonic() > deadline:
             report["skipped"].append(f"{name} (--total-time)")
@@ -331,10 +465,12 @@ def serve_stage(args, work: str, quantization: str | None, deadline: float, repo
         replay.rate = acceptance_rate_for(length, k)
         if not use_graphs:
             spec.executor.verify_graphs = spec.executor.decode_graphs = None
+        prof = profile_for("verify", name) if use_graphs else None
         try:
-            res = run_variant(engine, refs, prompts, args, name, True, record)
+            res = run_variant(engine, refs, prompts, args, name, True, record, prof)
         finally:
             spec.executor.verify_graphs, spec.executor.decode_graphs = graphs
+        keep_profile(prof, res)
         res.update(phase=phase, set_acceptance_length=length, k=k, rate=replay.rate, verify="graphs" if use_graphs
                    else "eager", label="replayed proposals at a set acceptance rate (dummy weights)",
                    acceptance_tolerance=acceptance_tolerance(length, k, replay.rate, res["verifications"]))
@@ -381,7 +517,14 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--total-time", type=float, default=235.0, help="no new variant starts after this many seconds")
     ap.add_argument("--work-dir", default=None, help="model config and adapters (reused when already there)")
+    ap.add_argument("--variants", default="all", help="replay variants: 'all' or LENGTH/K/graphs|eager, comma "
+                    "separated (e.g. 3.0/3/graphs)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="torch profiler over this many decode steps (plain) "
+                    "and verify steps (first graphs replay variant) per expert format: $OUT/profile_*.txt (0: off)")
+    ap.add_argument("--profile-trace", action="store_true", help="with --profile-steps: also a Chrome trace of the "
+                    "verify steps ($OUT/profile_*_verify.trace.json.gz)")
     args = ap.parse_args()
+    args.variants = parse_variants(args.variants)
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.monotonic()
@@ -390,7 +533,7 @@ def main() -> None:
 
     env = dict(python=sys.version.split()[0], torch=torch.__version__,
                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
-    report = dict(env=env, args=vars(args), check=[], engines={}, variants=[], skipped=[], failures=[],
+    report = dict(env=env, args=vars(args), check=[], engines={}, variants=[], skipped=[], failures=[], profiled={},
                   note="replay variants: proposals replayed from the plain run at a set acceptance rate; dummy "
                        "weights, so acceptance is set, not measured; every cost (propose, verify forward, "
                        "acceptance, KV rollback) is real")
@@ -413,6 +556,10 @@ def main() -> None:
             serve_stage(args, work, None if q == "none" else q, deadline, report, emit)
     emit()
     print(table(report))
+    for name, p in report["profiled"].items():
+        print(f"profile {name}: {p['steps']} steps, wall {p['wall_ms_per_step']:.2f} ms, device busy "
+              f"{p['device_busy_ms_per_step']:.2f} ms, idle {p['device_idle_ms_per_step']:.2f} ms; host phases ms: "
+              + ", ".join(f"{k.split('.')[1]} {v:.2f}" for k, v in p["host_phase_ms_per_step"].items()))
     if report["check"]:
         print("check:", "PASS" if all(c["ok"] for c in report["check"]) else "FAIL")
     if report["skipped"]:

@@ -3,6 +3,8 @@
     python3 benchmarks/engine/bench_step_overhead.py                      # 16 and 64 sequences, all variants
     python3 benchmarks/engine/bench_step_overhead.py --batches 16 --variants greedy --steps 64
     python3 benchmarks/engine/bench_step_overhead.py --device cuda          # captured graphs, on a GPU
+    python3 benchmarks/engine/bench_step_overhead.py --batches 16 --variants greedy+lora --spec 3 \
+        --profile 25                                # decode vs verify steps (k = 3, L = 3), cProfile top 25
 
 A tiny random llama (hidden 72, vocab ``--vocab``, with its byte-level tokenizer) runs on CPU through
 ``LLMEngine.step`` with the padded decode path of the CUDA-graph runs (``init_decode_graphs(capture=False)``),
@@ -19,18 +21,31 @@ so the host-side work is the same as on the GPU. Every phase is timed with ``tim
     host       the sum of the phases' medians but "model": the host time a decode step adds to TPOT (on a GPU
                "sample" is mostly device work: argmax, or sort and softmax for sampled rows)
 
-A logits hook (timed as "model") makes every sequence write real text, so the detokenizer sees what a real
+Phase times are exclusive (a timed call inside another counts once, in its own phase). A logits hook (timed as
+"model") makes every sequence write real text, so the detokenizer sees what a real
 model emits. Only steps where every running sequence decodes one token count (median over ``--steps`` such
 steps, after ``--output-len`` tokens of warm-up history). Variants: greedy / sampled (temperature 0.8, top-p
 0.95, top-k 50), base / 8 adapters (PEFT, ranks 8 and 16, request i uses adapter i % 8). Numbers are µs per step. With
 ``--device cuda`` the decode graphs are captured and every model call synchronizes, so "model" holds the device
 time and the other phases are host time only (the engine itself overlaps a little of the two).
+
+``--spec K``: each variant is measured twice, as plain decode steps and as speculative verify steps with K drafts
+per sequence (replayed proposals of the plain run at acceptance length ``--spec-length``, forced, verify rows
+through the padded decode path as with ``verify_cuda_graphs``). Only steps where every running sequence verifies
+drafts count. Extra phases: "propose" (SpecDecoder.propose) and, for verify steps, "pack" holds the row building
+(VerifyExecutor._graph_step) and "sample" the acceptance (VerifyExecutor._verify). ``--profile N`` runs cProfile
+over the timed steps ("model" calls left out) and prints the N functions with the largest own time, µs per step.
+On CPU, vocabulary-sized work (argmax, gathers of logits rows) is host time but device work on a GPU: a small
+``--vocab`` (1024) keeps it near a kernel launch's cost.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import dataclasses
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -42,24 +57,36 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-PHASES = ("schedule", "pack", "model", "sample", "runner", "update", "output", "deliver", "host")
+PHASES = ("propose", "schedule", "pack", "model", "sample", "runner", "update", "output", "deliver", "host")
 
 
 class _Timer:
-    """Accumulates seconds per phase for the current step; ``wrap`` times a callable into a phase."""
+    """Accumulates seconds per phase for the current step; ``wrap`` times a callable into a phase. Times are
+    exclusive: a wrapped call inside another counts for its own phase only."""
 
     def __init__(self) -> None:
         self.cur: dict[str, float] = defaultdict(float)
+        self.profile: cProfile.Profile | None = None  # while set and on, "model" calls are left out of it
+        self._inner: list[float] = []  # per open wrapped call: seconds spent in wrapped calls inside it
 
     def wrap(self, phase: str, fn):
-        cur = self.cur
+        cur, inner = self.cur, self._inner
 
         def timed(*a, **kw):
+            prof = self.profile if phase == "model" else None
+            if prof is not None:
+                prof.disable()
+            inner.append(0.0)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                cur[phase] += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                cur[phase] += elapsed - inner.pop()
+                if inner:
+                    inner[-1] += elapsed
+                if prof is not None:
+                    prof.enable()
         return timed
 
 
@@ -142,13 +169,19 @@ def make_adapters(base: str, tmp: str, n: int) -> list[str]:
     return folders
 
 
-def measure(base: str, adapters: list[str], batch: int, sampled: bool, args) -> dict[str, float]:
+def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spec: bool = False) -> dict[str, float]:
     from loraplex.engine import LLMEngine, SamplingParams
     from loraplex.engine.lora.ref import AdapterRef
 
     kw = dict(device=args.device, dtype="float32", block_size=16,
               max_num_seqs=batch, max_num_batched_tokens=4096, progress=False, enable_prefix_caching=False,
               max_model_len=2048, num_kv_blocks=batch * 2048 // 16 + 16, num_cpu_blocks=0)
+    if spec:
+        from loraplex.engine.spec_decode import acceptance_rate_for
+
+        kw.update(speculative=dict(method="replay", num_speculative_tokens=args.spec, replay_forced=True,
+                                   replay_acceptance_rate=acceptance_rate_for(args.spec_length, args.spec),
+                                   verify_cuda_graphs=True))
     if adapters:
         kw.update(enable_lora=True, max_loras=len(adapters), max_lora_rank=16, max_cpu_loras=len(adapters),
                   adapter_cache_dir=os.path.join(args.tmp, "cache"))
@@ -176,18 +209,36 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args) -> 
     runner.sampler.forward = timer.wrap("sample", runner.sampler.forward)
     runner.model = _TimedModel(runner.model, timer, runner.device)
     runner.logits_hook = timer.wrap("model", _text_forcer(engine))
+    if spec:
+        sd = engine.spec
+        sd.propose = timer.wrap("propose", sd.propose)
+        sd.execute = timer.wrap("execute", sd.execute)
+        ex = sd.executor
+        ex._graphs_for = timer.wrap("pack", ex._graphs_for)
+        ex._run_rows = timer.wrap("pack", ex._run_rows)
+        ex._verify = timer.wrap("sample", ex._verify)
+        if ex.verify_graphs is not None:
+            ex.verify_graphs._write_inputs = timer.wrap("pack", ex.verify_graphs._write_inputs)
+            ex.verify_graphs._graphs = {b: _TimedGraph(graph, timer, runner.device)
+                                        for b, graph in ex.verify_graphs._graphs.items()}
 
     sink = _AsyncSink() if not args.no_async else None
     deliverer = sink.make(engine) if sink else None
+    max_tokens = args.output_len + (args.steps + 8) * (1 + (args.spec if spec else 0))
     if sampled:
-        params = SamplingParams(max_tokens=args.output_len + args.steps + 8, temperature=0.8, top_p=0.95, top_k=50,
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=50,
                                 ignore_eos=True, seed=None)
     else:
-        params = SamplingParams(max_tokens=args.output_len + args.steps + 8, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
-    for i in range(batch):
-        prompt = torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    if spec:  # the plain run's outputs are the replay proposer's recording
+        plain = dataclasses.replace(params, speculative=False)
+        outs = engine.generate(prompts, plain, [refs[i % len(refs)] if refs else None for i in range(batch)])
+        for p, o in zip(prompts, outs):
+            engine.spec.proposer.record(p, o.output_token_ids)
+    for i, prompt in enumerate(prompts):
         rid = f"r{i}"
         engine.add_request(rid, prompt, params, adapter=refs[i % len(refs)] if refs else None)
         if deliverer is not None:
@@ -196,24 +247,41 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args) -> 
     samples: dict[str, list[float]] = defaultdict(list)
     counted = 0
     step_no = 0
+    kinds: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        kinds.append(_step_kind(out))
+        return out
+    engine.scheduler.schedule = watched
+    warm_steps = args.output_len // (1 + args.spec) if spec else args.output_len
+    prof = cProfile.Profile() if args.profile else None
     while counted < args.steps and engine.has_unfinished_requests():
         cur.clear()
+        kinds.clear()
+        timed = step_no >= warm_steps
+        if prof is not None and timed:
+            timer.profile = prof
+            prof.enable()
         t0 = time.perf_counter()
         outs = engine.step()
         t1 = time.perf_counter()
         if deliverer is not None:
             _deliver_step(deliverer, outs)
         t2 = time.perf_counter()
+        if prof is not None and timed:
+            prof.disable()
+            timer.profile = None
         step_no += 1
         sched_n = len(outs)
-        if step_no <= args.output_len or sched_n != batch:
+        if not timed or sched_n != batch or kinds != ["verify" if spec else "decode"]:
             continue
         counted += 1
         step = t1 - t0
-        run_other = cur["execute"] - cur["pack"] - cur["model"] - cur["sample"]
-        row = dict(schedule=cur["schedule"], pack=cur["pack"], model=cur["model"], sample=cur["sample"],
-                   runner=run_other, update=cur["update"],
-                   output=step - cur["schedule"] - cur["execute"] - cur["update"], deliver=t2 - t1)
+        row = dict(propose=cur["propose"], schedule=cur["schedule"], pack=cur["pack"], model=cur["model"],
+                   sample=cur["sample"], runner=cur["execute"], update=cur["update"],
+                   output=step - sum(cur.values()), deliver=t2 - t1)
         for k, v in row.items():
             samples[k].append(v)
     if sink is not None:
@@ -227,7 +295,29 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args) -> 
         torch.cuda.empty_cache()
     result = {k: 1e6 * statistics.median(v) for k, v in samples.items()}
     result["host"] = sum(v for k, v in result.items() if k != "model")  # medians add up: steadier than a sum's median
+    if prof is not None and counted:
+        _print_profile(prof, counted, args.profile, f"{batch} sequences, {'verify' if spec else 'decode'} steps")
     return result
+
+
+def _step_kind(out) -> str:
+    """'decode' (every entry one token, no drafts), 'verify' (every entry a decode with drafts) or 'mixed'."""
+    if any(s.num_new_tokens != 1 + len(s.draft_token_ids) or not s.sample for s in out.scheduled):
+        return "mixed"
+    if all(s.draft_token_ids for s in out.scheduled):
+        return "verify"
+    return "decode" if not any(s.draft_token_ids for s in out.scheduled) else "mixed"
+
+
+def _print_profile(prof: cProfile.Profile, steps: int, top: int, title: str) -> None:
+    """The ``top`` functions by own time, µs per step ("model" calls left out; every timed step is profiled, also
+    the few that do not count: a mixed step, say)."""
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"cProfile, {title}: µs per step over {steps} steps (own time, cumulative, calls per step)")
+    for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+        where = f"{os.path.basename(file)}:{line}" if line else file
+        print(f"  {1e6 * tottime / steps:9.1f} {1e6 * cumtime / steps:9.1f} {ncalls / steps:8.1f}  {name} ({where})")
 
 
 _TEXT = ("The quick brown fox jumps over the lazy dog. Once upon a time there was a model that served many "
@@ -265,6 +355,9 @@ def main() -> None:
     ap.add_argument("--no-async", action="store_true", help="leave out the AsyncEngine hand-off")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (captured graphs; the model phase synchronizes)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier numbers)")
+    ap.add_argument("--spec", type=int, default=0, help="also measure verify steps with this many drafts (0: off)")
+    ap.add_argument("--spec-length", type=float, default=3.0, help="the replayed proposals' acceptance length")
+    ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions per step (0: off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import logging
@@ -276,11 +369,14 @@ def main() -> None:
         path = "eager prepare" if args.eager else "CUDA graphs" if args.device == "cuda" else "padded graph path"
         print(f"µs per decode step (median of {args.steps}; history {args.output_len} tokens; vocab {args.vocab}; "
               f"{args.device}, {path})")
-        print(f"{'batch':>5} {'variant':<14}" + "".join(f"{p:>10}" for p in PHASES))
+        print(f"{'batch':>5} {'variant':<18}" + "".join(f"{p:>10}" for p in PHASES))
         for batch in args.batches:
             for variant in args.variants:
-                r = measure(base, adapters if "lora" in variant else [], batch, variant.startswith("sampled"), args)
-                print(f"{batch:>5} {variant:<14}" + "".join(f"{r.get(p, 0.0):>10.0f}" for p in PHASES), flush=True)
+                for spec in (False, True) if args.spec else (False,):
+                    r = measure(base, adapters if "lora" in variant else [], batch, variant.startswith("sampled"),
+                                args, spec)
+                    name = f"{variant}{f' k={args.spec}' if spec else ''}"
+                    print(f"{batch:>5} {name:<18}" + "".join(f"{r.get(p, 0.0):>10.0f}" for p in PHASES), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ def verify_greedy(argmax: torch.Tensor, drafts: list[list[int]]) -> tuple[torch.
     token [S]) on the device."""
     device = argmax.device
     num_drafts = [len(d) for d in drafts]
+    k = num_drafts[0] if drafts else 0
+    if k and num_drafts.count(k) == len(drafts):  # every sequence k drafts: a [S, k + 1] grid, four kernels
+        grid = argmax.view(len(drafts), k + 1)
+        hits = grid[:, :k] == row_tensor(drafts, torch.int64, device)
+        accepted = hits.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        return accepted, grid.gather(1, accepted.unsqueeze(1)).squeeze(1)
     offs, seq_of, pos = _segments(num_drafts, device)
     flat = row_tensor([t for d in drafts for t in d], torch.int64, device)
     draft_rows = offs[seq_of] + pos

@@ -31,6 +31,7 @@ class ReplayProposer(Proposer):
     def __init__(self, k: int, rate: float, *, vocab_size: int, forced: bool = True, seed: int = 0) -> None:
         self.k, self.rate, self.forced, self.vocab_size = k, rate, forced, vocab_size
         self._recording: dict[tuple[int, ...], list[int]] = {}
+        self._cursor: dict[int, list] = {}  # seq_id -> [its recording, outputs already found on it]
         self._gen = torch.Generator().manual_seed(seed)
         self.num_planned_accepted = 0
         self.num_proposed = 0
@@ -39,6 +40,7 @@ class ReplayProposer(Proposer):
     def record(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
         """Keep a non-speculative run's output for ``prompt_token_ids`` (the last one recorded wins)."""
         self._recording[tuple(prompt_token_ids)] = list(output_token_ids)
+        self._cursor.clear()
 
     @property
     def num_recorded(self) -> int:
@@ -55,30 +57,52 @@ class ReplayProposer(Proposer):
             return None
         return rec[j]
 
+    def _on_recording(self, seq) -> list[int] | None:
+        """``seq``'s recording while its outputs are a prefix of it (else None). Each output token is compared
+        once: the cursor remembers how many were found on the recording (a step appends a few)."""
+        cur = self._cursor.get(seq.seq_id)
+        if cur is None:
+            cur = self._cursor[seq.seq_id] = [self._recording.get(tuple(seq.prompt_token_ids)), 0]
+        rec, checked = cur
+        out = seq.output_token_ids
+        j = len(out)
+        if rec is None or len(rec) <= j:
+            return None
+        if j < checked:  # outputs were dropped (a stop string): compare again from the start
+            checked = 0
+        if rec[checked:j] != out[checked:j]:
+            return None
+        cur[1] = j
+        return rec
+
     def propose(self, batch: list[SpecSequence]) -> list[Proposal | None]:
         out: list[Proposal | None] = []
-        for s in batch:
+        hits_all = (torch.rand(len(batch), self.k, generator=self._gen) < self.rate).tolist() if batch else []
+        for s, draws in zip(batch, hits_all):
             seq = s.seq
-            rec = self._recording.get(tuple(seq.prompt_token_ids))
-            j = seq.num_output_tokens
-            if rec is None or len(rec) <= j or rec[:j] != seq.output_token_ids:
+            rec = self._on_recording(seq)
+            if rec is None:
                 self.num_missing += 1
                 out.append(None)
                 continue
+            j = seq.num_output_tokens
             k = min(self.k, s.num_draft_tokens, len(rec) - j - 1)
             if k < 1:
                 out.append(None)
                 continue
-            hits = (torch.rand(k, generator=self._gen) < self.rate).tolist()
+            hits = draws[:k]
             planned = hits.index(False) if False in hits else k
-            drafts = list(rec[j:j + k])
+            drafts = rec[j:j + k]
             if planned < k:
                 drafts[planned] = (drafts[planned] + 1) % self.vocab_size  # a token the recording did not produce
             self.num_proposed += k
             self.num_planned_accepted += planned
             out.append(Proposal(drafts, planned_num_accepted=planned if self.forced else None,
-                                planned_tokens=list(rec[j:j + planned + 1]) if self.forced else None))
+                                planned_tokens=rec[j:j + planned + 1] if self.forced else None))
         return out
+
+    def release(self, seq_id: int) -> None:
+        self._cursor.pop(seq_id, None)
 
     def observe(self, verified: list[Verified]) -> None:
         pass

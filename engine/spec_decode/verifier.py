@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.logprobs import compute_logprobs
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampler import Sampler, row_tensor
 from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
 from loraplex.engine.spec_decode import rejection
-from loraplex.engine.spec_decode.batch_inputs import DecodeRow, RowStep, paged_batch
+from loraplex.engine.spec_decode.batch_inputs import paged_batch
 from loraplex.engine.spec_decode.proposer import Proposal
+from loraplex.engine.spec_decode.verify_graphs import can_run_rows, run_rows
 from loraplex.engine.structured.bitmask import apply_token_bitmask, bitmask_width
 
 
@@ -101,7 +102,12 @@ class VerifyExecutor:
                 index.append(f + len(tokens) - 1)
         if not index:
             return result, [], kept
-        logits = runner.model.compute_logits(hidden[torch.tensor(index, dtype=torch.int64, device=hidden.device)])
+        # every row kept in order (a step of verifies and decodes only): no gather. A gather's index goes up through
+        # pinned memory: a pageable copy would wait for the forward, and every launch after it would leave the
+        # device idle; so the host enqueues logits and acceptance while the forward runs and waits once, at the
+        # read-back
+        rows_t = None if index == list(range(hidden.shape[0])) else row_tensor(index, torch.int64, hidden.device)
+        logits = runner.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
         if runner.logits_hook is not None:
             row_seqs = [s.seq for s, _ in sorted(plain + verify, key=lambda e: e[1])
                         for _ in range(1 + len(s.draft_token_ids))]
@@ -114,10 +120,11 @@ class VerifyExecutor:
     # ---- the forward --------------------------------------------------------------------------------------
     def _forward(self, out: SchedulerOutput, entries: list, lora_slots, result: ModelStepOutput):
         runner = self.runner
-        graphs, step = self._graph_step(out, entries)
+        graphs = self._graphs_for(out, entries)
         if graphs is not None:
             runner._check_lora_slots(out, lora_slots)
-            hidden = graphs.run(step, lora_slots)
+            row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
+            hidden = self._run_rows(graphs, entries, row_slots, runner.lora)
             self.num_graph_steps += 1
             self.last_on_graphs = True
             first, row = [], 0
@@ -133,26 +140,25 @@ class VerifyExecutor:
         self.last_on_graphs = False
         return hidden, batch.first_rows
 
-    def _graph_step(self, out: SchedulerOutput, entries: list):
-        """(graphs, row step) when every entry is a decode or a verify that the padded decode path serves."""
+    _run_rows = staticmethod(run_rows)
+
+    def _graphs_for(self, out: SchedulerOutput, entries: list):
+        """The padded decode path (decode graphs when the rows fit them, else the verify graphs) when every entry
+        is a decode or a verify; None: the eager multi-token forward."""
         if self.verify_graphs is None and self.decode_graphs is None:
-            return None, None
+            return None
         if any(not s.sample or s.prompt_logprobs is not None or s.num_new_tokens != 1 + len(s.draft_token_ids)
                for s in out.scheduled):
-            return None, None
-        step = RowStep([DecodeRow(s.seq.seq_id, start + j, token, blocks)
-                        for s, (tokens, start, blocks) in zip(out.scheduled, entries)
-                        for j, token in enumerate(tokens)])
+            return None
         for graphs in (self.decode_graphs, self.verify_graphs):
-            if graphs is not None and graphs.can_run(step):
-                return graphs, step
-        return None, None
+            if graphs is not None and can_run_rows(graphs, entries):
+                return graphs
+        return None
 
     # ---- plain rows ---------------------------------------------------------------------------------------
     def _sample_plain(self, logits, plain, sampling, result, structured) -> None:
         runner = self.runner
-        rows = torch.tensor([j for _, j in plain], dtype=torch.int64, device=logits.device)
-        sub = logits[rows]
+        sub = logits[row_tensor([j for _, j in plain], torch.int64, logits.device)]
         seqs = [s.seq for s, _ in plain]
         by_id = {s.seq.seq_id: s for s, _ in plain}
         draw = [i for i, (s, _) in enumerate(plain) if not s.beam]
@@ -172,22 +178,25 @@ class VerifyExecutor:
         device = logits.device
         rows, params_rows, hist_rows = [], [], []
         seqs, drafts, params, gens, offs = [], [], [], [], []
+        history = False
         for s, j in verify:
             seq = s.seq
             p, g = sampling[seq.seq_id]
             d = list(s.draft_token_ids)
+            n = len(d) + 1
             offs.append(len(rows))
-            rows += range(j, j + len(d) + 1)
-            params_rows += [p] * (len(d) + 1)
+            rows += range(j, j + n)
+            params_rows += [p] * n
             if p.needs_token_history:
-                hist_rows += [_History(seq.prompt_token_ids, seq.output_token_ids + d[:i]) for i in range(len(d) + 1)]
+                history = True
+                hist_rows += [_History(seq.prompt_token_ids, seq.output_token_ids + d[:i]) for i in range(n)]
             else:
-                hist_rows += [seq] * (len(d) + 1)
+                hist_rows += [seq] * n
             seqs.append(seq)
             drafts.append(d)
             params.append(p)
             gens.append(g)
-        raw = logits[torch.tensor(rows, dtype=torch.int64, device=device)]
+        raw = logits if rows == list(range(logits.shape[0])) else logits[row_tensor(rows, torch.int64, device)]
         x = Sampler.apply_logit_bias(raw, params_rows)
         matchers = self._matchers(structured, seqs)
         if any(m is not None for m in matchers):
@@ -196,25 +205,33 @@ class VerifyExecutor:
                 if m is not None:
                     m.fill_draft_bitmasks(d, host, off)
             x = apply_token_bitmask(x, host.to(device))
-        x = runner.sampler.apply_penalties(x, params_rows, hist_rows)
-        accepted = torch.zeros(len(seqs), dtype=torch.int64, device=device)
-        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=device)
-        for greedy in (True, False):
-            group = [i for i, p in enumerate(params) if p.greedy == greedy]
-            if not group:
-                continue
-            grows = [offs[i] + r for i in group for r in range(len(drafts[i]) + 1)]
-            gx = x[torch.tensor(grows, dtype=torch.int64, device=device)]
-            gd = [drafts[i] for i in group]
-            if greedy:
-                a, t = rejection.verify_greedy(gx.argmax(dim=-1), gd)
-            else:
-                probs = Sampler.probs(gx, [params_rows[r] for r in grows])
-                q = [self._draft_probs(proposals.get(seqs[i].seq_id), len(drafts[i])) for i in group]
-                a, t = rejection.verify_sampled(probs, gd, q, [gens[i] for i in group],
-                                                runner.sampler._shared_generator(device))
-            idx = torch.tensor(group, dtype=torch.int64, device=device)
-            accepted[idx], tokens[idx] = a, t
+        if history:
+            x = runner.sampler.apply_penalties(x, params_rows, hist_rows)
+        greedy_flags = [p.greedy for p in params]
+        if all(greedy_flags):  # one group: no gathers, no scatters
+            accepted, tokens = rejection.verify_greedy(x.argmax(dim=-1), drafts)
+        else:
+            accepted = torch.zeros(len(seqs), dtype=torch.int64, device=device)
+            tokens = torch.zeros(len(seqs), dtype=torch.int64, device=device)
+            for greedy in (True, False):
+                group = [i for i, g in enumerate(greedy_flags) if g == greedy]
+                if not group:
+                    continue
+                grows = [offs[i] + r for i in group for r in range(len(drafts[i]) + 1)]
+                gx = x if len(grows) == len(rows) else x[row_tensor(grows, torch.int64, device)]
+                gd = [drafts[i] for i in group]
+                if greedy:
+                    a, t = rejection.verify_greedy(gx.argmax(dim=-1), gd)
+                else:
+                    probs = Sampler.probs(gx, [params_rows[r] for r in grows])
+                    q = [self._draft_probs(proposals.get(seqs[i].seq_id), len(drafts[i])) for i in group]
+                    a, t = rejection.verify_sampled(probs, gd, q, [gens[i] for i in group],
+                                                    runner.sampler._shared_generator(device))
+                if len(group) == len(seqs):
+                    accepted, tokens = a, t
+                else:
+                    idx = row_tensor(group, torch.int64, device)
+                    accepted[idx], tokens[idx] = a, t
         both = torch.stack([accepted, tokens]).tolist()  # the one read-back of the verify
         outcomes, lp_rows, lp_tokens, lp_top, lp_owner = [], [], [], [], []
         for i, seq in enumerate(seqs):
@@ -234,7 +251,7 @@ class VerifyExecutor:
                 lp_top += [params[i].logprobs] * len(out_tokens)
                 lp_owner += [seq.seq_id] * len(out_tokens)
         if lp_rows:
-            entries = compute_logprobs(raw[torch.tensor(lp_rows, dtype=torch.int64, device=device)], lp_tokens, lp_top)
+            entries = compute_logprobs(raw[row_tensor(lp_rows, torch.int64, device)], lp_tokens, lp_top)
             for owner, entry in zip(lp_owner, entries):
                 result.logprobs.setdefault(owner, []).append(entry)
         return outcomes

@@ -136,6 +136,22 @@ def test_greedy_rule_is_the_longest_matching_prefix():
     assert acc.tolist() == [2] and tok.tolist() == [3]              # all accepted: the bonus token
 
 
+def test_greedy_rule_uniform_k_grid_matches_the_prefix_rule():
+    gen = torch.Generator().manual_seed(5)
+    for k in (1, 2, 3, 5):
+        argmax = torch.randint(0, 3, (7 * (k + 1),), generator=gen)   # few ids: long prefixes happen
+        drafts = torch.randint(0, 3, (7, k), generator=gen).tolist()
+        want_acc, want_tok = [], []
+        for s, d in enumerate(drafts):
+            row = argmax[s * (k + 1):(s + 1) * (k + 1)].tolist()
+            a = next((j for j in range(k) if d[j] != row[j]), k)
+            want_acc.append(a)
+            want_tok.append(row[a])
+        acc, tok = rejection.verify_greedy(argmax, drafts)
+        assert acc.tolist() == want_acc and tok.tolist() == want_tok, k
+        assert 0 < sum(want_acc) < 7 * k or k == 1                   # the draws cover rejections and acceptances
+
+
 # ---- 2. the engine -----------------------------------------------------------------------------------------------
 @pytest.fixture
 def one_thread():
