@@ -4,8 +4,11 @@ group padded to the GEMM's BLOCK_M. Same contracts as ``reference_lora.moe_align
 One launch over a grid (experts, slots), no fills before it: each program histograms its slot's pairs over
 the experts (cheap at decode sizes, so every program does it rather than wait for a separate count pass),
 turns the counts into padded offsets, writes its expert's block ids, pads and pairs (token order, in-block
-prefix sums), and a share of the unused tail. Buffers have the static capacity of ``moe_align_capacity``: no
-host sync. At decode a launch costs more than the work, so one launch instead of five is the point.
+prefix sums), and a share of the unused tail. The LoRA variant's programs of a slot no token uses (most of a
+decode graph's table: it holds one slot per row of the batch) read only the token -> slot map, not the pairs,
+before writing their share of the slot's (all unused) row. Buffers have the static capacity of
+``moe_align_capacity``: no host sync. At decode a launch costs more than the work, so one launch instead of
+five is the point.
 """
 from __future__ import annotations
 
@@ -29,16 +32,27 @@ def _moe_align_kernel(
     expert = tl.program_id(0)
     lora = tl.program_id(1)
     lora64 = lora.to(tl.int64)
+    # ---- does any token use this slot? (a decode graph's table has many idle slots: they skip the histogram)
+    if HAS_LORA:
+        slot_tokens = 0
+        for start in range(0, num_pairs // TOP_K, BLOCK):
+            toks = start + tl.arange(0, BLOCK)
+            slot_tokens += tl.sum((tl.load(lora_ptr + toks, mask=toks < num_pairs // TOP_K, other=-1) == lora)
+                                  .to(tl.int32), 0)
+        used = slot_tokens > 0
+    else:
+        used = True
     # ---- this slot's pairs per expert
     hist = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, num_pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < num_pairs
-        e = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
-        hit = ok & (e >= 0) & (e < num_experts)
-        if HAS_LORA:
-            hit = hit & (tl.load(lora_ptr + offs // TOP_K, mask=ok, other=-1) == lora)
-        hist += tl.histogram(tl.where(hit, e, num_experts), BLOCK_E)
+    if used:
+        for start in range(0, num_pairs, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < num_pairs
+            e = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+            hit = ok & (e >= 0) & (e < num_experts)
+            if HAS_LORA:
+                hit = hit & (tl.load(lora_ptr + offs // TOP_K, mask=ok, other=-1) == lora)
+            hist += tl.histogram(tl.where(hit, e, num_experts), BLOCK_E)
     ev = tl.arange(0, BLOCK_E)
     counts = tl.where(ev < num_experts, hist, 0)
     padded = (counts + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE

@@ -6,6 +6,11 @@ at least (for achieved bandwidth), for tunable ops the config search space, and 
 benchmark and the GPU check also run: the one-kernel and PDL paths of the LoRA ops).
 Shape legend: M tokens, H hidden, E experts, A top-k, I expert intermediate, L adapter slots, R rank.
 
+Adapters: the LoRA cases' tokens use the adapters of an :class:`AdapterMix` (an int n stands for n adapters round
+robin). ``serving_mix(m)``, what ``loraplex tune`` uses by default, follows a multi-tenant replica: 32 adapters
+Zipf-distributed over the tokens from M = 64, read through a table as wide as the engine's decode graph of M rows;
+8 adapters round robin below.
+
 Byte model (``nbytes``, the least an op must move; bandwidth = nbytes / CUDA-graph replay time):
 - expert GEMMs: the weights (and int8 / MXFP4 scales) of the experts the batch activates, x read, the intermediate
   written and read, the output written (MXFP4: codes and E8M0 scales at 4.25 bits a weight, whatever the layout);
@@ -17,6 +22,7 @@ Byte model (``nbytes``, the least an op must move; bandwidth = nbytes / CUDA-gra
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,6 +74,54 @@ PRESETS = {
     "qwen3-30b-a3b": ModelShapes("qwen3-30b-a3b", hidden=2048, num_experts=128, top_k=8, moe_intermediate=768,
                                  num_heads=32, num_kv_heads=4, head_dim=128),
 }
+
+
+MAX_STEP_SLOTS = 256  # the engine's default max_num_seqs: a decode graph of b rows holds min(b, this) step slots
+SERVING_MIN_M = 64  # serving_mix: from this M on, the high-concurrency mix
+
+
+@dataclass(frozen=True)
+class AdapterMix:
+    """The adapters of a LoRA case's M tokens (step slots 0..k-1 of the k distinct adapters drawn).
+
+    ``dist`` "even": token t uses adapter t mod n (all n once M >= n); "zipf": each token draws adapter j with
+    P(j) proportional to 1 / (j + 1), as ``loraplex bench serve --mix zipf`` assigns requests (a seeded draw per M).
+    The kernels read a LoRA table of ``slots`` step slots: ``table_slots`` (0: n); slots no token uses have rank 0,
+    as in the engine's decode graphs, whose table holds min(batch bucket, max_step_slots) slots whatever the step
+    uses (the LoRA alignment and the slot search of every LoRA program run over all of them).
+    """
+
+    num_adapters: int
+    dist: str = "even"
+    table_slots: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_adapters < 1 or self.dist not in ("even", "zipf"):
+            raise ValueError(f"AdapterMix needs num_adapters >= 1 and dist 'even' or 'zipf', got "
+                             f"{self.num_adapters} and {self.dist!r}")
+        if self.table_slots and self.table_slots < self.num_adapters:
+            raise ValueError(f"table_slots {self.table_slots} < num_adapters {self.num_adapters}")
+
+    @property
+    def slots(self) -> int:
+        return max(self.table_slots, self.num_adapters)
+
+    def __str__(self) -> str:
+        return f"{self.num_adapters} adapters {self.dist}, table of {self.slots} slots"
+
+
+def as_mix(adapters: "int | AdapterMix") -> AdapterMix:
+    """An AdapterMix as is; an int n: n adapters round robin (every slot used once M >= n)."""
+    return adapters if isinstance(adapters, AdapterMix) else AdapterMix(int(adapters))
+
+
+def serving_mix(m: int, max_step_slots: int = MAX_STEP_SLOTS) -> AdapterMix:
+    """The mix of a multi-tenant batch of M tokens: from SERVING_MIN_M, 32 adapters Zipf through a table of
+    min(M, max_step_slots) slots (the engine's decode graph of M rows; at least 32); below, 8 adapters round robin
+    in a table of 8 (small batches of a few tenants)."""
+    if m >= SERVING_MIN_M:
+        return AdapterMix(32, "zipf", max(32, min(m, max_step_slots)))
+    return AdapterMix(8)
 
 
 @dataclass
@@ -224,9 +278,26 @@ def _routing(m: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor
     return torch.softmax(values, dim=-1), ids
 
 
-def _adapters(m: int, max_loras: int, device) -> torch.Tensor:
-    """Round-robin over every slot (all adapters active when M >= L), as a multi-tenant decode batch."""
-    return (torch.arange(m, device=device) % max_loras).to(torch.int32)
+def adapter_indices(m: int, adapters: "int | AdapterMix", device) -> torch.Tensor:
+    """token_lora_idx [M] int32 of ``adapters`` (``AdapterMix``): step slots 0..k-1, k the distinct adapters drawn."""
+    mix = as_mix(adapters)
+    if mix.dist == "even":
+        return (torch.arange(m, device=device) % mix.num_adapters).to(torch.int32)
+    weights = 1.0 / torch.arange(1, mix.num_adapters + 1, dtype=torch.float64)
+    draws = torch.multinomial(weights, m, replacement=True, generator=torch.Generator().manual_seed(m))
+    _, slots = torch.unique(draws, return_inverse=True)  # adapter j -> step slot by rank among those drawn
+    return slots.to(torch.int32).to(device)
+
+
+def widen_table(table, slots: int):
+    """``table`` (a LoRATable) over ``slots`` step slots, those past its own without weights (rank 0)."""
+    extra = slots - table.num_slots
+    if extra <= 0:
+        return table
+    pad = torch.zeros(extra, table.num_slices, 3, dtype=table.entries.dtype, device=table.entries.device)
+    own, lookup = table.num_slots, table.lookup
+    return dataclasses.replace(table, entries=torch.cat([table.entries, pad]),
+                               lookup=lambda l, s: lookup(l, s) if l < own else None)
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -308,10 +379,12 @@ def _mxfp4_case(s: ModelShapes, m: int, x, w13, w2, topk_weights, ids, kw: dict,
                 space=mxfp4_moe_space(m), variants=mxfp4_variants(tuned))
 
 
-def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device, *,
-                     shared_metadata: bool = False) -> list[Case]:
-    """qkv projection: 3 slices, K = hidden. ``shared_metadata``: shrink and expand given the step's
-    ``lora_segments`` (untuned op name, " kernel" label; see ``shared_metadata_cases``)."""
+def dense_lora_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: int, dtype, device, *,
+                     shared_metadata: bool = False, target: str = "qkv") -> list[Case]:
+    """Attention LoRA: ``target`` "qkv" (the fused q/k/v projection, 3 slices, K = hidden) or "o" (one slice,
+    K = heads x head_dim, N = hidden). ``max_loras``: the adapters (``AdapterMix``; an int n: n round robin).
+    ``shared_metadata``: shrink and expand given the step's ``lora_segments`` (untuned op name, " kernel" label;
+    see ``shared_metadata_cases``)."""
     from loraplex.kernels import lora_expand as ex
     from loraplex.kernels import lora_shrink as sh
     from loraplex.kernels import lora_shrink_expand as fu
@@ -319,17 +392,24 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, d
     from loraplex.kernels import tuning
     from loraplex.kernels.lora_table import LoRATable
 
-    slices = s.qkv_slices
-    n = sum(slices)
-    x = torch.randn(m, s.hidden, device=device, dtype=dtype)
-    # every slot at rank R, read through a LoRATable made once (outside the timed calls)
-    lora_a = (torch.randn(3, max_loras, rank, s.hidden, device=device) / s.hidden ** 0.5).to(dtype)
-    lora_b = (torch.randn(max_loras, n, rank, device=device) / rank ** 0.5).to(dtype)
-    table = LoRATable.from_stacked(lora_a, lora_b, output_slices=slices)
+    mix = as_mix(max_loras)
+    if target == "qkv":
+        slices, k_in = s.qkv_slices, s.hidden
+    elif target == "o":
+        slices, k_in = (s.hidden,), s.num_heads * s.head_dim
+    else:
+        raise ValueError(f"dense LoRA target {target!r}: expected 'qkv' or 'o'")
+    n, ns = sum(slices), len(slices)
+    x = torch.randn(m, k_in, device=device, dtype=dtype)
+    # every adapter at rank R, read through a LoRATable made once (outside the timed calls)
+    lora_a = (torch.randn(ns, mix.num_adapters, rank, k_in, device=device) / k_in ** 0.5).to(dtype)
+    lora_b = (torch.randn(mix.num_adapters, n, rank, device=device) / rank ** 0.5).to(dtype)
+    table = widen_table(LoRATable.from_stacked(lora_a, lora_b, output_slices=slices), mix.slots)
     lora_a = lora_b = table
+    max_loras = mix.slots
     scaling = torch.full((max_loras,), 2.0, device=device)
-    idx = _adapters(m, max_loras, device)
-    active = min(m, max_loras)
+    idx = adapter_indices(m, mix, device)
+    active = int(idx.unique().numel())  # adapters the batch reads
     buf = ref.lora_shrink(x, lora_a, idx, scaling)
     y = torch.randn(m, n, device=device, dtype=dtype)
 
@@ -352,12 +432,12 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, d
             return rel_error(got, want)
 
         return [
-            Case("", "lora_shrink[qkv] kernel", m, sh.shape_of(x, lora_a),
+            Case("", f"lora_shrink[{target}] kernel", m, sh.shape_of(x, lora_a),
                  lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg, segments=seg),
                  lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling, segments=seg), buf),
-                 nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * x.element_size(),
-                 default=sh.default_config(s.hidden)),
-            Case("", "lora_expand[qkv] kernel", m, ex.shape_of(y, buf, slices),
+                 nbytes=_nbytes(x, buf) + ns * active * rank * k_in * x.element_size(),
+                 default=sh.default_config(k_in)),
+            Case("", f"lora_expand[{target}] kernel", m, ex.shape_of(y, buf, slices),
                  lambda cfg: ex.lora_expand(y, buf, lora_b, idx, slices, config=cfg, segments=seg),
                  check_expand_shared,
                  nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * x.element_size(),
@@ -371,26 +451,27 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, d
         return rel_error(got, want)
 
     return [
-        Case("lora_shrink_expand", "lora_shrink_expand[qkv]", m, fu.shape_of(y, lora_a, slices),
+        Case("lora_shrink_expand", f"lora_shrink_expand[{target}]", m, fu.shape_of(y, lora_a, slices),
              lambda cfg: fu.lora_shrink_expand(y, x, table, None, idx, scaling, slices, config=cfg),
              check_fused,
-             nbytes=_nbytes(x) + 2 * _nbytes(y) + active * rank * (3 * s.hidden + n) * x.element_size(),
+             nbytes=_nbytes(x) + 2 * _nbytes(y) + active * rank * (ns * k_in + n) * x.element_size(),
              default=fu.DEFAULT_CONFIG, space=FUSED_LORA_SPACE),
-        Case("lora_shrink", "lora_shrink[qkv]", m, sh.shape_of(x, lora_a),
+        Case("lora_shrink", f"lora_shrink[{target}]", m, sh.shape_of(x, lora_a),
              lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg),
              lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling), ref.lora_shrink(x, lora_a, idx, scaling)),
-             nbytes=_nbytes(x, buf) + 3 * active * rank * s.hidden * x.element_size(),
-             default=sh.default_config(s.hidden), space=SHRINK_SPACE),
-        Case("lora_expand", "lora_expand[qkv]", m, ex.shape_of(y, buf, slices),
+             nbytes=_nbytes(x, buf) + ns * active * rank * k_in * x.element_size(),
+             default=sh.default_config(k_in), space=SHRINK_SPACE),
+        Case("lora_expand", f"lora_expand[{target}]", m, ex.shape_of(y, buf, slices),
              lambda cfg: ex.lora_expand(y, buf, lora_b, idx, slices, config=cfg), check_expand,
              nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * x.element_size(),
              default=ex.DEFAULT_CONFIG, space=EXPAND_SPACE, variants=expand_variants),
     ]
 
 
-def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device, *,
+def moe_lora_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: int, dtype, device, *,
                    shared_metadata: bool = False) -> list[Case]:
     """Expert LoRA on gate_up (K = H, N = 2I, token rows) and down (K = I, N = H, pair rows, weighted).
+    ``max_loras``: the adapters (``AdapterMix``; an int n: n round robin).
     ``shared_metadata``: given the layer's ``moe_align_lora`` (untuned op name, " kernels" label)."""
     from loraplex.kernels import fused_moe_lora as fl
     from loraplex.kernels import reference_lora as ref
@@ -399,17 +480,20 @@ def moe_lora_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, dev
     from loraplex.kernels.moe_align import moe_align_lora
 
     e, a = s.num_experts, s.top_k
+    mix = as_mix(max_loras)
+    max_loras = mix.slots
     weights, ids = _routing(m, e, a, device)
-    idx = _adapters(m, max_loras, device)
+    idx = adapter_indices(m, mix, device)
     scaling = torch.full((max_loras,), 2.0, device=device)
     pairs = (idx.long()[:, None] * e + ids).unique().numel()  # distinct (adapter, expert) weight sets read
     cases = []
     for target, k, n, per_pair in (("gate_up", s.hidden, 2 * s.moe_intermediate, False),
                                    ("down", s.moe_intermediate, s.hidden, True)):
         x = torch.randn(m * a if per_pair else m, k, device=device, dtype=dtype)
-        lora_a = LoRATable.from_stacked((torch.randn(max_loras, e, rank, k, device=device) / k ** 0.5).to(dtype),
-                                        (torch.randn(max_loras, e, n, rank, device=device) / rank ** 0.5).to(dtype),
-                                        experts=True)  # every slot at rank R; the table holds A and B
+        lora_a = widen_table(LoRATable.from_stacked(  # every adapter at rank R; the table holds A and B
+            (torch.randn(mix.num_adapters, e, rank, k, device=device) / k ** 0.5).to(dtype),
+            (torch.randn(mix.num_adapters, e, n, rank, device=device) / rank ** 0.5).to(dtype), experts=True),
+            max_loras)
         lora_b = None
         y = torch.randn(m * a, n, device=device, dtype=dtype)
         tw = weights if per_pair else None
@@ -522,7 +606,7 @@ def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) ->
     w = torch.randn(h, device=device, dtype=dtype)
     g = torch.randn(m * s.top_k, 2 * s.moe_intermediate, device=device, dtype=dtype) * 4
     _, ids = _routing(m, s.num_experts, s.top_k, device)
-    idx = _adapters(m, 8, device)
+    idx = adapter_indices(m, 8, device)
     # decode: M sequences of `context` tokens, blocks shuffled across the pool
     bs, kvh, d, qh = 16, s.num_kv_heads, s.head_dim, s.num_heads
     per_seq = context // bs
@@ -571,27 +655,43 @@ def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) ->
     ] + routing_and_rope_cases(s, m, dtype, device)
 
 
-def shared_metadata_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
+def shared_metadata_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: int, dtype,
+                          device) -> list[Case]:
     """The LoRA ops as a step should run them, metadata computed once and shared (``segments=`` per step for the
     dense ops, ``align=`` per MoE layer for gate_up and down): kernel time alone, for the benchmark; plus that
     metadata (``lora_segments``). Op names are empty (the tuner skips them); ``default`` is set so the
     benchmark still compares the tuned config (``run(None)``) with the default."""
     from loraplex.kernels.lora_shrink import lora_segments
 
-    idx = _adapters(m, max_loras, device)
-    want = torch.argsort(torch.where(idx < 0, max_loras, idx), stable=True)
-    segments = Case("", "lora_segments", m, {}, lambda cfg: lora_segments(idx, max_loras),
-                    lambda: 0.0 if torch.equal(lora_segments(idx, max_loras)[0][:m].long(), want) else 1.0,
+    idx = adapter_indices(m, max_loras, device)
+    slots = as_mix(max_loras).slots
+    want = torch.argsort(torch.where(idx < 0, slots, idx), stable=True)
+    segments = Case("", "lora_segments", m, {}, lambda cfg: lora_segments(idx, slots),
+                    lambda: 0.0 if torch.equal(lora_segments(idx, slots)[0][:m].long(), want) else 1.0,
                     nbytes=_nbytes(idx) * 2)
     return ([segments] + dense_lora_cases(s, m, max_loras, rank, dtype, device, shared_metadata=True)
             + moe_lora_cases(s, m, max_loras, rank, dtype, device, shared_metadata=True))
 
 
-def tunable_cases(s: ModelShapes, m: int, max_loras: int, rank: int, dtype, device) -> list[Case]:
-    return (moe_cases(s, m, dtype, device) + moe_cases(s, m, dtype, device, weights="int8")
-            + moe_cases(s, m, dtype, device, weights="mxfp4")
-            + dense_lora_cases(s, m, max_loras, rank, dtype, device)
-            + moe_lora_cases(s, m, max_loras, rank, dtype, device))
+TUNED_OPS = ("fused_moe", "fused_moe_int8", "fused_moe_mxfp4", "lora_shrink_expand", "lora_shrink", "lora_expand",
+             "fused_moe_lora")
+
+
+def tunable_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: int, dtype, device, *,
+                  ops: "set[str] | None" = None) -> list[Case]:
+    """The tuner's cases at M: every op of TUNED_OPS (``ops``: only these; the other inputs are not built). The
+    dense LoRA ops run on the qkv projection and on o; ``max_loras`` is the LoRA ops' ``AdapterMix``."""
+    want = lambda *names: ops is None or any(o in ops for o in names)  # noqa: E731
+    cases = []
+    for weights, op in (("float", "fused_moe"), ("int8", "fused_moe_int8"), ("mxfp4", "fused_moe_mxfp4")):
+        if want(op):
+            cases += moe_cases(s, m, dtype, device, weights=weights)
+    if want("lora_shrink_expand", "lora_shrink", "lora_expand"):
+        for target in ("qkv", "o"):
+            cases += dense_lora_cases(s, m, max_loras, rank, dtype, device, target=target)
+    if want("fused_moe_lora"):
+        cases += moe_lora_cases(s, m, max_loras, rank, dtype, device)
+    return [c for c in cases if ops is None or c.op in ops]
 
 
 _FLUSH: dict[str, Any] = {}  # device -> (buffer larger than L2, its read time in ms)

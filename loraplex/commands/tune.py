@@ -1,17 +1,22 @@
 """``loraplex tune``: search Triton launch configs for a model's shapes on the current GPU and write
 ``tuning_configs/<device>/<op>.json`` through ``kernels.tuning.write_configs`` (the loader's naming function).
 
-    loraplex tune --model gpt-oss-20b --max-loras 8 --rank 32 --m 1,16,64,256
+    loraplex tune --model gpt-oss-20b --rank 32 --m 1,16,64,128,256,512
+    loraplex tune --model gpt-oss-20b --ops fused_moe_lora,lora_shrink --m 128,512 --time-budget 90 --out /tmp/t
     loraplex tune --model /path/to/checkpoint --out /tmp/tuning      # any MoE config.json the engine reads
 
-For every tunable op (fused_moe, fused_moe_int8, lora_shrink, lora_expand, lora_shrink_expand,
-fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group size; for the LoRA ops also
-programmatic dependent launch, "PDL", and fused_moe_lora's one-kernel path, "FUSED") is timed by CUDA-graph
-replay with a cold L2 (``tuning_cases.bench_time_ms``) and the fastest wins. A candidate that fails to launch
-or to be captured in a graph is skipped; benchmarks/kernels/check_gpu.py then checks the tuned configs against
-the references. Compiles are shared across M (M is not a constexpr). ``--time-budget`` is shared out over the
-(op, M) cases in order, each getting its share plus what earlier cases left; a case past its share keeps the
-best so far (candidates are ordered best bets first).
+For every tunable op (fused_moe, fused_moe_int8, fused_moe_mxfp4, lora_shrink, lora_expand, lora_shrink_expand
+on the qkv and o projections, fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group
+size; for the LoRA ops also programmatic dependent launch, "PDL", and fused_moe_lora's one-kernel path, "FUSED")
+is timed by CUDA-graph replay with a cold L2 (``tuning_cases.bench_time_ms``) and the fastest wins. A candidate
+that fails to launch or to be captured in a graph is skipped; benchmarks/kernels/check_gpu.py then checks the
+tuned configs against the references. Compiles are shared across M (M is not a constexpr). ``--time-budget`` is
+shared out over the (op, M) cases in order, each getting its share plus what earlier cases left; a case past its
+share keeps the best so far (candidates are ordered best bets first); only the ``--ops`` cases' inputs are built.
+
+The LoRA cases' adapters follow the serving mix per M (``tuning_cases.serving_mix``): from M = 64, 32 adapters
+Zipf-distributed over the tokens through a table as wide as the engine's decode graph of M rows; below, 8 round
+robin. ``--max-loras N`` instead uses N adapters round robin at every M.
 """
 from __future__ import annotations
 
@@ -28,9 +33,10 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help="a preset (gpt-oss-20b, qwen3-30b-a3b) or a checkpoint folder with config.json")
-    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="N adapters round robin at every M (default: the serving mix per M, see above)")
     p.add_argument("--rank", type=int, default=32, help="max LoRA rank (adapters are padded to it)")
-    p.add_argument("--m", default="1,16,64,256", help="token counts to tune, comma-separated")
+    p.add_argument("--m", default="1,16,64,128,256,512", help="token counts to tune, comma-separated")
     p.add_argument("--ops", default="", help="only these ops (comma-separated tuning-file names)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--out", default=None, help="tuning folder (default: LORAPLEX_TUNING_DIR or tuning_configs/)")
@@ -97,7 +103,7 @@ def run(args) -> int:
 
     from loraplex.engine.progress import progress
     from loraplex.kernels import tuning
-    from loraplex.kernels.tuning_cases import tunable_cases
+    from loraplex.kernels.tuning_cases import serving_mix, tunable_cases
 
     if not torch.cuda.is_available():
         raise SystemExit("loraplex tune needs a CUDA GPU: the configs are specific to the device")
@@ -108,12 +114,14 @@ def run(args) -> int:
     device_name = torch.cuda.get_device_name()
     start = time.monotonic()
     results: dict[str, dict[str, dict[int, dict]]] = {}
-    print(f"tuning {shapes.name} on {device_name}: M={ms}, max_loras={args.max_loras}, rank={args.rank}")
+    mix_of = (lambda m: args.max_loras) if args.max_loras else serving_mix  # noqa: E731
+    mixes = ", ".join(f"M={m}: {mix_of(m)}" for m in ms) if args.max_loras is None else \
+        f"{args.max_loras} adapters round robin"
+    print(f"tuning {shapes.name} on {device_name}: M={ms}, rank={args.rank}; LoRA {mixes}")
     done, total = 0, None
     for m in ms:
         torch.manual_seed(m)
-        cases = [c for c in tunable_cases(shapes, m, args.max_loras, args.rank, dtype, "cuda")
-                 if not only or c.op in only]
+        cases = tunable_cases(shapes, m, mix_of(m), args.rank, dtype, "cuda", ops=only or None)
         total = total or len(cases) * len(ms)  # same ops at every M
         with progress(cases, desc=f"Tuning M={m}", unit="case") as bar:   # lines go above the bar
             for case in bar:

@@ -80,3 +80,21 @@ def test_lora_segments_one_launch_matches_grouping(poisoned_empty):
         assert toks == torch.where(idx == slot)[0].tolist()
     assert int(length.sum()) == int((idx >= 0).sum())
     assert (order[int(length.sum()):] == 1500).all()  # past the segments: the "no pair" marker
+
+
+@pytest.mark.parametrize("num_tokens,block_size", [(1, 16), (33, 4), (1100, 16)])
+def test_moe_align_lora_idle_slots_of_a_wide_table(poisoned_empty, num_tokens, block_size):
+    """A decode graph's table holds a slot per batch row, most of them idle: tokens use 3 scattered slots of 37
+    (1100 tokens: the token scan that finds idle slots spans two chunks; the last used slot appears only in the
+    second), and idle slots' rows are still written in full."""
+    topk_ids = _routing(num_tokens, 6, 2)
+    lora = torch.tensor([5, 36, -1], dtype=torch.int32).repeat(num_tokens // 3 + 1)[:num_tokens]
+    if num_tokens > 1024:
+        lora[:1024] = torch.where(lora[:1024] == 36, 5, lora[:1024])
+        lora[-1] = 20
+    got = moe_align_lora(topk_ids, lora, 6, 37, block_size)
+    want = ref.moe_align_lora(topk_ids, lora, 6, 37, block_size)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    used = {int(v) for v in lora.unique() if v >= 0}
+    assert {i for i in range(37) if int(got[2][i]) > 0} == used

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from loraplex.kernels import tuning
-from loraplex.kernels.tuning_cases import ModelShapes, misc_cases, shared_metadata_cases, tunable_cases
+from loraplex.kernels.tuning_cases import (AdapterMix, ModelShapes, misc_cases, serving_mix, shared_metadata_cases,
+                                           tunable_cases)
 
 TINY = ModelShapes("tiny", hidden=32, num_experts=4, top_k=2, moe_intermediate=16, num_heads=4, num_kv_heads=2,
                    head_dim=16, activation="swiglu_clamp", expert_bias=True)
@@ -17,7 +18,7 @@ def test_cases_run_and_match_references(m):
                                                                              context=32)
     labels = {c.label for c in cases}
     assert {"fused_moe", "fused_moe_int8", "lora_shrink[qkv]", "lora_expand[qkv]", "lora_shrink_expand[qkv]",
-            "fused_moe_lora[gate_up]",
+            "lora_shrink[o]", "lora_expand[o]", "lora_shrink_expand[o]", "fused_moe_lora[gate_up]",
             "fused_moe_lora[down]", "paged_attention[decode ctx=32]"} <= labels
     for case in cases:
         assert case.check() < 1e-4, case.label
@@ -27,7 +28,7 @@ def test_cases_run_and_match_references(m):
             assert case.space and all(set(case.default) == set(c) for c in case.space), case.label
         for name, cfg in case.variants.items():  # the one-kernel / PDL paths the benchmark and GPU check run
             assert case.check(cfg) < 1e-4, (case.label, name)
-    assert {c.label for c in cases if c.variants} == {"lora_expand[qkv]", "fused_moe_lora[gate_up]",
+    assert {c.label for c in cases if c.variants} == {"lora_expand[qkv]", "lora_expand[o]", "fused_moe_lora[gate_up]",
                                                       "fused_moe_lora[down]"}
 
 
@@ -132,3 +133,70 @@ def test_tune_reads_shapes_from_a_checkpoint_config(tmp_path):
             shapes.activation, shapes.expert_bias) == (preset.hidden, preset.num_experts, preset.top_k,
                                                         preset.moe_intermediate, preset.qkv_slices,
                                                         preset.activation, preset.expert_bias)
+
+
+def test_serving_mix_follows_the_engine_batch():
+    """32 adapters Zipf from M = 64 through a table as wide as the decode graph of M rows (capped by the
+    engine's max_num_seqs), 8 round robin below; the committed files' M keys stay tunable."""
+    assert serving_mix(16) == AdapterMix(8) and serving_mix(63).slots == 8
+    assert serving_mix(64) == AdapterMix(32, "zipf", 64)
+    assert serving_mix(128).slots == 128 and serving_mix(512).slots == 256
+    with pytest.raises(ValueError, match="table_slots 4 < num_adapters 8"):
+        AdapterMix(8, "even", 4)
+    with pytest.raises(ValueError, match="dist 'even' or 'zipf'"):
+        AdapterMix(8, "pareto")
+
+
+def test_zipf_adapters_are_compact_skewed_and_seeded():
+    from loraplex.kernels.tuning_cases import adapter_indices
+
+    idx = adapter_indices(512, AdapterMix(32, "zipf", 256), "cpu")
+    assert idx.dtype == torch.int32 and torch.equal(idx, adapter_indices(512, AdapterMix(32, "zipf"), "cpu"))
+    used = idx.unique()
+    assert torch.equal(used, torch.arange(used.numel(), dtype=torch.int32))  # step slots 0..k-1
+    assert 16 <= used.numel() <= 32
+    counts = torch.bincount(idx.long())
+    assert counts[0] == counts.max() and counts[0] > 4 * counts[-1]  # the head adapter dominates
+    assert torch.equal(adapter_indices(5, 3, "cpu"), torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32))
+
+
+def test_lora_cases_with_a_wide_table_of_zipf_adapters_match_references():
+    """5 adapters Zipf over 19 tokens through a 23-slot table (idle slots have rank 0), as a decode graph runs
+    them; the byte model counts only the adapters (pairs) the tokens use."""
+    mix = AdapterMix(5, "zipf", 23)
+    cases = tunable_cases(TINY, 19, mix, 16, torch.float32, "cpu",
+                          ops={"lora_shrink", "lora_expand", "lora_shrink_expand", "fused_moe_lora"})
+    assert {c.op for c in cases} == {"lora_shrink", "lora_expand", "lora_shrink_expand", "fused_moe_lora"}
+    assert len(cases) == 8
+    for case in cases:
+        assert case.check() < 1e-4, case.label
+        for name, cfg in case.variants.items():
+            assert case.check(cfg) < 1e-4, (case.label, name)
+    from loraplex.kernels.tuning_cases import adapter_indices
+
+    used = int(adapter_indices(19, mix, "cpu").unique().numel())
+    shrink = {c.label: c for c in cases}["lora_shrink[o]"]
+    k_in = TINY.num_heads * TINY.head_dim
+    assert shrink.nbytes == (19 * k_in * 4 + 19 * 16 * 4) + used * 16 * k_in * 4  # x, buf, A of the used
+
+
+def test_tunable_cases_build_only_the_requested_ops(monkeypatch):
+    import loraplex.kernels.tuning_cases as tc
+
+    def boom(*a, **kw):
+        raise AssertionError("expert GEMM inputs built although not requested")
+
+    monkeypatch.setattr(tc, "moe_cases", boom)
+    cases = tunable_cases(TINY, 3, 2, 16, torch.float32, "cpu", ops={"lora_expand"})
+    assert [c.label for c in cases] == ["lora_expand[qkv]", "lora_expand[o]"]
+
+
+def test_tune_defaults_cover_high_concurrency_m_with_the_serving_mix():
+    import argparse
+
+    from loraplex.commands import tune
+
+    parser = argparse.ArgumentParser()
+    tune.register(parser.add_subparsers())
+    args = parser.parse_args(["tune", "--model", "gpt-oss-20b"])
+    assert tune.parse_ms(args.m) == [1, 16, 64, 128, 256, 512] and args.max_loras is None
