@@ -5,8 +5,10 @@ Stage "tiny" (float32, tf32 off): two tiny GPT-OSS checkpoints in the published 
 with an index), each served by the engine on CUDA (CUDA graphs on, ``quantization`` left "auto": the experts load
 as MXFP4 codes) with two PEFT adapters (attention + experts, ranks 4 and 8, made on transformers' dequantised
 model) mixed with base requests; transformers + PEFT on the GPU in float32 (the MXFP4 experts dequantised by
-transformers' own loader) score each request's tokens by one teacher-forced forward. PASS: every request gives
-transformers' greedy tokens, worst relative logits error (max|d| / max|ref|) <= --tol.
+transformers' own loader, then upcast: ``hf_model``) score each request's tokens by one teacher-forced forward.
+PASS: every request gives transformers' greedy tokens, worst relative logits error (max|d| / max|ref|) <= --tol.
+Each case also reports the dtypes transformers' loader gave the dequantised experts (``hf_expert_dtypes``).
+``diagnose_mxfp4_gpu.py`` bisects a failure of this stage.
 
 Stage "20b": writes a GPT-OSS-20B-shaped MXFP4 checkpoint with random codes and scales (bf16 everything else,
 ``model.safetensors.index.json`` + shards of <= 5 GB, ~13.7 GB; random bytes drawn on the GPU) under --tmp, loads
@@ -40,6 +42,11 @@ sys.path.insert(0, ROOT)
 WEIGHTS_LIMIT_GIB = 14.0
 SHARD_BYTES = 5 * 10**9
 FULL_LAYERS = 24
+TINY_CASES = {  # stage tiny: name -> (make_tiny_mxfp4_checkpoint overrides, max_shard_size)
+    "single": (dict(), None),
+    "sharded": (dict(num_local_experts=4, hidden_size=96, intermediate_size=64), "40KB"),
+}
+TINY_ADAPTERS = ["a4", None, "a8", "a4", None, "a8"]  # stage tiny: each request's adapter (None: base)
 
 
 # ---- tiny: engine vs transformers (+ PEFT), float32 on the GPU -----------------------------------------------
@@ -57,16 +64,42 @@ def make_adapter(base: str, out: str, r: int, seed: int) -> str:
 
 
 def hf_model(path: str, device: str, adapter: str | None = None):
+    """transformers (+ PEFT ``adapter``) on ``device``, every parameter float32: the float model of the checkpoint.
+
+    ``Mxfp4Config(dequantize=True)`` decodes the experts; transformers 5.17 decodes them to bfloat16 whatever
+    ``dtype`` asks (``Mxfp4Dequantize`` leaves ``convert_moe_packed_tensors`` at its bf16 default; later versions
+    use the parameter's dtype), and its grouped_mm experts cast the activations to the weights' dtype, so the
+    reference would run its experts in bf16 (relative logits error ~0.1). ``.float()`` upcasts those weights
+    exactly: every MXFP4 value is a bf16 value."""
     import torch
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                 quantization_config=Mxfp4Config(dequantize=True))
+                                                 quantization_config=Mxfp4Config(dequantize=True)).float()
     if adapter is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter)
     return model.to(device).eval()
+
+
+def hf_expert_dtypes(path: str) -> list[str]:
+    """The dtypes transformers' own loader gives the dequantised experts of ``path`` (asked for float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True))
+    return sorted({str(p.dtype).removeprefix("torch.") for p in model.model.layers[0].mlp.experts.parameters()})
+
+
+def tiny_requests(seed: int = 0) -> list[tuple[str, str | None, list[int]]]:
+    """Stage tiny's requests: (request id, adapter name or None, prompt of 3..19 random ids)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"r{i}", name, torch.randint(3, 300, (int(torch.randint(3, 20, (1,), generator=gen)),),
+                                          generator=gen).tolist()) for i, name in enumerate(TINY_ADAPTERS)]
 
 
 def stage_tiny(args) -> dict:
@@ -79,11 +112,9 @@ def stage_tiny(args) -> dict:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    cases = {"single": (dict(), None),
-             "sharded": (dict(num_local_experts=4, hidden_size=96, intermediate_size=64), "40KB")}
     rows = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        for case, (overrides, shard) in cases.items():
+        for case, (overrides, shard) in TINY_CASES.items():
             base = make_tiny_mxfp4_checkpoint(os.path.join(tmp, case), max_shard_size=shard, **overrides)
             folders = {"a4": make_adapter(base, os.path.join(tmp, f"{case}-a4"), 4, 1),
                        "a8": make_adapter(base, os.path.join(tmp, f"{case}-a8"), 8, 2)}
@@ -96,14 +127,10 @@ def stage_tiny(args) -> dict:
             logits: dict[str, list] = {}
             engine.runner.logits_hook = lambda seqs, lg: [logits.setdefault(s.request_id, []).append(
                 lg[j].float().cpu()) for j, s in enumerate(seqs)]
-            gen = torch.Generator().manual_seed(0)
-            names = ["a4", None, "a8", "a4", None, "a8"]
-            requests = []
-            for i, name in enumerate(names):
-                prompt = torch.randint(3, 300, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen)
-                requests.append((f"r{i}", name, prompt.tolist()))
-                engine.add_request(f"r{i}", prompt.tolist(), SamplingParams(max_tokens=args.new_tokens,
-                                                                            temperature=0.0, ignore_eos=True),
+            requests = tiny_requests()
+            for rid, name, prompt in requests:
+                engine.add_request(rid, prompt, SamplingParams(max_tokens=args.new_tokens, temperature=0.0,
+                                                               ignore_eos=True),
                                    adapter=AdapterRef(f"t/{name}/1", f"file://{folders[name]}") if name else None)
             final = {}
             while engine.has_unfinished_requests():
@@ -125,7 +152,7 @@ def stage_tiny(args) -> dict:
                 worst = max(worst, ((g - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item())
             del models
             rows.append(dict(case=case, mxfp4_experts=mxfp4, requests=len(requests), hf_greedy_agree=agree,
-                             worst_rel_err_vs_hf=worst, graph_replays=graphs))
+                             worst_rel_err_vs_hf=worst, graph_replays=graphs, hf_expert_dtypes=hf_expert_dtypes(base)))
     ok = all(r["mxfp4_experts"] and r["hf_greedy_agree"] == r["requests"] and r["worst_rel_err_vs_hf"] <= args.tol
              for r in rows)
     return dict(stage="tiny", ok=ok, cases=rows)
@@ -336,7 +363,8 @@ def main() -> int:
     for r in results:
         if r["stage"] == "tiny" and "cases" in r:
             summary = "; ".join(f"{c['case']}: {c['hf_greedy_agree']}/{c['requests']} greedy = HF, worst rel err "
-                                f"{c['worst_rel_err_vs_hf']:.1e}" for c in r["cases"])
+                                f"{c['worst_rel_err_vs_hf']:.1e} (HF loads its experts as "
+                                f"{'/'.join(c['hf_expert_dtypes'])})" for c in r["cases"])
         elif r["stage"] == "20b" and "load_s" in r:
             summary = (f"weights {r['weights_allocated_gib']:.2f} GiB allocated ({r['layers_written']} layers; "
                        f"{r['layers_full']} layers: {r['weights_full_model_gib']:.2f} GiB"

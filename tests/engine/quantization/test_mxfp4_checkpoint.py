@@ -56,11 +56,12 @@ def mxfp4_checkpoint(tmp_path_factory):
 
 
 def _hf(path: str, adapter: str | None = None):
-    """transformers (dequantising the MXFP4 experts on load, float32, eager attention), + PEFT ``adapter``."""
+    """transformers (dequantising the MXFP4 experts on load, float32, eager attention), + PEFT ``adapter``. Upcast:
+    transformers 5.17 dequantises to bf16 whatever ``dtype`` says (check_mxfp4_checkpoint.py's ``hf_model``)."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                 quantization_config=Mxfp4Config(dequantize=True))
+                                                 quantization_config=Mxfp4Config(dequantize=True)).float()
     model.generation_config.eos_token_id = None
     if adapter is not None:
         from peft import PeftModel
