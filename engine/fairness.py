@@ -28,23 +28,28 @@ to shares ``weight[t] / sum(weight)``.
 
 Counters order admission and pick preemption victims; they also decide who yields sequence slots and budget.
 Slots (``max_num_seqs``) are held for a request's whole generation, so without more, a tenant holding them all
-(n=64 requests, say) keeps every other tenant waiting however far ahead its counter runs. ``vtc_preempt_gap``
-(``DEFAULT_PREEMPT_GAP`` = 1024 counter units: one long prompt, or 512 output tokens, at weight 1; None: never)
-bounds that:
+(n=64 requests, say) keeps every other tenant waiting however far ahead its counter runs. Two rules bound that
+(engine/slot_yield.py has them in full, with why they cannot thrash):
 
-    who yields:  running groups of tenant V, to a waiting request of tenant A, when
+    share rule:  a waiting request of a tenant A that holds no slot and asks at most its weighted share of the
+                 slots (max_num_seqs * weight[A] / the active tenants' weights) takes slots from tenants at or
+                 above its counter that hold more than their share in whole slots, and, while decodes alone fill
+                 the step, the budget for its prompt from their decodes: no gap
+    gap rule:    otherwise, running groups of tenant V yield to a waiting request of tenant A when
                  counter[V] - counter[A] > vtc_preempt_gap and, for slots, V keeps at least A's slots / weight
                  after the move (or A has none running and V more than A will)
     how:         slots: V's latest whole groups are preempted by recompute (engine/slot_yield.py);
                  budget (A's request would get no token): V's decode entries of the step are withdrawn
 
-A newcomer starts at the floor, level with a tenant that holds every slot, and the gap then builds at that
-tenant's service rate (a slot-holding tenant's 256 decoding sequences add 512 a step at weight 1): the newcomer
-waits about gap / that rate + 1 steps (3 here). A smaller gap admits it sooner but lets routine jumps of the
-counters (a prompt is charged at once when it is computed) trigger yields among backlogged tenants: with 16
-tenants backlogged beside 256 running sequences (benchmarks/engine/bench_scheduler_policy.py's load), a gap of 512
-moved a group every three to four steps, 1024 about once in a hundred. The slot-share rule never lets a yield
-overshoot, so a group that yielded cannot take its slots straight back.
+``vtc_preempt_gap`` (``DEFAULT_PREEMPT_GAP`` = 1024 counter units: one long prompt, or 512 output tokens, at weight
+1; None: no yields at all, neither rule) is the gap rule's knob. A newcomer starts at the floor, level with a tenant
+that holds every slot; by the gap rule alone it would wait until the gap builds at that tenant's service rate (a
+slot-holding tenant's 256 decoding sequences add 512 a step at weight 1): gap / that rate + 1 steps (3 here). The
+share rule admits it at the next schedule instead. A smaller gap lets routine jumps of the counters (a prompt is
+charged at once when it is computed) trigger yields among backlogged tenants that hold slots: with 16 tenants
+backlogged beside 256 running sequences (benchmarks/engine/bench_scheduler_policy.py's load), a gap of 512 moved a
+group every three to four steps, 1024 about once in a hundred. Neither rule lets a yield overshoot, so a group that
+yielded cannot take its slots straight back.
 
 The floor never falls (a newcomer joins at the floor, counters only grow, and a tenant leaving can only raise
 the minimum), so an inactive tenant whose counter is at or below the floor is forgotten: it would be lifted to
@@ -131,6 +136,10 @@ class TenantState:
         """The counter rise ``num_tokens`` prompt tokens would cause."""
         return num_tokens * self._input_cost
 
+    def output_cost(self, num_tokens: int) -> float:
+        """The counter rise ``num_tokens`` output tokens would cause."""
+        return num_tokens * self._output_cost
+
     def __repr__(self) -> str:
         return (f"TenantState({self.tenant!r}, weight={self.weight:g}, counter={self.counter:.1f}, "
                 f"requests={self.num_requests})")
@@ -148,12 +157,18 @@ class VirtualTokenCounters:
         self.output_weight = float(output_weight)
         self._tenants: dict[Hashable, TenantState] = {}
         self._active: dict[Hashable, TenantState] = {}
+        self._active_weight = 0.0  # the sum of the active tenants' weights
         self._last_left = 0.0  # the floor while no tenant is active
         self._prune_at = _PRUNE_SLACK  # inactive records kept before a pass forgets those at or below the floor
 
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    @property
+    def active_weight(self) -> float:
+        """The sum of the active tenants' weights (0 while none is active)."""
+        return self._active_weight
 
     def get(self, tenant: Hashable) -> TenantState | None:
         return self._tenants.get(tenant)
@@ -180,10 +195,13 @@ class VirtualTokenCounters:
             state = TenantState(tenant, weight, self.floor(), self.input_weight, self.output_weight)
             self._tenants[tenant] = state
         elif state.weight != weight:
+            if state.num_requests:
+                self._active_weight += weight - state.weight
             state.set_weight(weight, self.input_weight, self.output_weight)
         if state.num_requests == 0:
             state.counter = max(state.counter, self.floor())
             self._active[tenant] = state
+            self._active_weight += state.weight
         state.num_requests += 1
         return state
 
@@ -192,8 +210,10 @@ class VirtualTokenCounters:
         state.num_requests -= 1
         if state.num_requests == 0:
             self._active.pop(state.tenant, None)
+            self._active_weight -= state.weight
             if not self._active:
                 self._last_left = max(self._last_left, state.counter)
+                self._active_weight = 0.0  # no drift left over from the sums
 
     def _forget_below(self, floor: float) -> None:
         for tenant in [t for t, s in self._tenants.items() if not s.num_requests and s.counter <= floor]:

@@ -22,26 +22,36 @@ exactly as FCFS. With several:
     1. running sequences that decode (one token left) in FCFS order (smallest tenant counter first when the
        budget cannot hold them all and ``vtc_preempt_gap`` is set); prefill chunks wait for step 3
     2. swapped groups, smallest tenant counter first
-    3. prefill work shared between tenants: repeatedly the tenant with the smallest counter (plus the prompt
-       tokens it was given in this step) takes its next item, its oldest running prefill chunk first, then
+    3. prefill work shared between tenants: repeatedly the tenant with the smallest counter (plus this step's
+       service to it: one output token per decode entry of step 1, the prompt tokens given in this pass) takes
+       its next item, its oldest running prefill chunk first, then
        its oldest waiting request, as much of it as the budget allows; a tenant whose request cannot be
        admitted for lack of blocks stops admission for the step (running prefills go on)
     victim of a preemption: the latest running group of the tenant with the largest counter (ties: the
     latest arrival), never simply the latest arrival
 
 Slot and budget yields (``vtc_preempt_gap``, default engine/fairness.py DEFAULT_PREEMPT_GAP; None: off). A
-waiting request of tenant A that lacks sequence slots takes them from running groups of tenants whose counter
-exceeds A's by more than the gap (engine/slot_yield.py: largest counter first, each tenant's latest groups first,
-whole groups, only while the victim keeps at least A's slots over weight after the move, or A has none running;
-never a group admitted or swapped in during the step; all or nothing). They are preempted by recompute whatever
+waiting request of tenant A that lacks sequence slots takes them from running groups of other tenants
+(engine/slot_yield.py: largest counter first, each tenant's latest groups first, whole groups, never a group
+admitted or swapped in during the step, all or nothing) by one of two rules. Share rule, when A holds no slot
+and asks at most its weighted share of ``max_num_seqs`` among the active tenants: from tenants at or above A's
+counter (no gap) that hold more than their share in whole slots. Gap rule, otherwise: from tenants whose counter
+exceeds A's by more than the gap, while the victim keeps at least A's slots over weight after the move (or A has
+none running and the victim more than A will). They are preempted by recompute whatever
 ``preemption_mode`` says: their full blocks stay in the prefix cache, so resuming is mostly prefix hits, and a
 swapped group would hold back admission. A waiting request that would get none of its prompt (budget spent;
-without chunked prefill, too little for the whole prompt) takes this step's decode entries of such tenants
-instead: they stay running and decode in the next step. Otherwise the request stops admission, as before. Never
-under "fcfs" nor with one active tenant, so both keep their schedules exactly.
+without chunked prefill, too little for the whole prompt) takes this step's decode entries of tenants more than
+the gap above it instead, or, under the share rule and while no prefill work got tokens in this step (the decodes
+alone fill it), of tenants at or above it: they stay running and decode in the next step. Otherwise the request
+stops admission, as before. Never under "fcfs" nor with one active tenant, so both keep their schedules exactly.
 
-    slots: H H H H H H H H   (heavy, n=8, counter 90)   light (counter 40) waits, gap 32
-           -> heavy's latest group yields by recompute; light is admitted in the same step
+    slots: H H H H H H H H   (heavy, n=8: two n=4 groups, counter 90)   light (counter 90, arrived, holds none)
+           -> share 8 * 1 / 2 = 4 each: heavy's latest group yields by recompute; light is admitted in the same
+              step, the schedule() right after its arrival (step 3 ranks heavy, 8 decodes this step, behind it)
+
+A yield decided while an overlapped step is in flight takes effect in the step being scheduled: the yielding
+sequences' pending tokens resolve into them where they are then (waiting, for recompute), and the admitted
+prompt makes the step not overlappable, so the engine resolves the step in flight before running it.
 
 Progress under "vtc". Order running groups by key = (tenant counter, arrival). A preemption takes the group of
 largest key, so the group of smallest key is never taken by another's ask, and with the pool to itself it
@@ -52,8 +62,12 @@ is finite, so the system cannot go round in preemptions without finishing work:
     key ->   A(c=90)  B(c=40)  C(c=40, later)         C asks for a block: victim = A (largest counter)
              [ ....victim ]    [ never taken while its key is smallest: runs, its counter rises ]
 
-Slot yields keep this: a group yields only to a tenant more than the gap below its own, so the group of smallest
-key never yields, and recompute charges nothing, so the counters still rise only with first-time service.
+Gap-rule yields keep this: a group yields only to a tenant more than the gap below its own, so the group of
+smallest key never yields, and recompute charges nothing, so the counters still rise only with first-time
+service. A share-rule yield goes to a tenant that holds nothing, at or below the victim's counter, and admits its
+request within its share, after which that request is no share-rule victim while the active tenants stay the
+same (engine/slot_yield.py); a tenant gets slots this way only up to its share, so the yields stop once every
+tenant holding nothing has its request in or nobody holds more than its share.
 
 Admission cannot starve a request R of tenant T either: T's counter does not grow while R waits (only T's
 running requests, which finish, charge it); every other tenant served grows; a newcomer is lifted to the
@@ -110,7 +124,7 @@ from loraplex.engine.fairness import (DEFAULT_INPUT_WEIGHT, DEFAULT_OUTPUT_WEIGH
 from loraplex.engine.kv_cache import PREEMPTION_MODES, KVCacheManager, choose_preemption_mode
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from loraplex.engine.slot_yield import SlotYield
+from loraplex.engine.slot_yield import SlotYield, far_enough
 from loraplex.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -524,7 +538,10 @@ class Scheduler:
         work: dict[Hashable, deque[Sequence]] = {}  # each tenant's running prefills, FCFS
         for seq in prefills:
             work.setdefault(self._groups[seq.request_id].tenant, deque()).append(seq)
+        # counter rise of this step's decode entries, per tenant: it orders tenants only when several compete
+        decoded = self._decode_gains(out) if admitting or len(work) > 1 else {}
         gained: dict[Hashable, float] = {}  # counter rise of this step's prompt tokens, per tenant
+        prompt_given = False  # some prefill work got tokens in this pass
 
         def next_item(tenant: Hashable) -> Sequence | None:
             queue = work.get(tenant)
@@ -540,7 +557,8 @@ class Scheduler:
             if s is None:
                 return None
             group = self._groups[s.request_id]
-            return group.tenant_state.counter + gained.get(tenant, 0.0), self._group_priority(s.request_id)
+            return (group.tenant_state.counter + gained.get(tenant, 0.0) + decoded.get(tenant, 0.0),
+                    self._group_priority(s.request_id))
 
         taken = TenantHeap(rank)  # tenants with work in this step, lazily re-ranked as they are served
         members: set[Hashable] = set(work)
@@ -563,8 +581,12 @@ class Scheduler:
             tenant = mine[1]
             seq = next_item(tenant)
             group = self._groups[seq.request_id]
+            counter = group.tenant_state.counter + gained.get(tenant, 0.0)  # the gaps are measured from here
+            # a tenant holding nothing takes decodes' budget without the gap while no prefill got tokens this step
+            share_rule = seq.status is not SequenceStatus.RUNNING and not prompt_given and self._within_share(group)
             if budget <= 0 and (seq.status is SequenceStatus.RUNNING
-                                or self._counter_ceiling() - mine[0][0] <= cfg.vtc_preempt_gap):
+                                or not far_enough(self._counter_ceiling() - counter, cfg.vtc_preempt_gap,
+                                                  share_rule)):
                 break  # the budget is spent; only a waiting request far below a tenant takes its decodes' tokens
             if seq.status is SequenceStatus.RUNNING:  # its running prefill: a chunk
                 work[tenant].popleft()
@@ -575,6 +597,7 @@ class Scheduler:
                     block_preempted = True
                 if used:
                     gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(used)
+                    prompt_given = True
                 continue
             num_slots = group.sampling_params.num_sequences
             shortfall = reserved + num_slots - cfg.max_num_seqs
@@ -583,7 +606,7 @@ class Scheduler:
                 if not yielding or group.request_id in yielded:
                     admitting = False
                     continue
-                victims = self._yield_slots(group, mine[0][0], shortfall, candidates)
+                victims = self._yield_slots(group, counter, shortfall, candidates)
                 if not victims:
                     admitting = False
                     continue
@@ -603,7 +626,7 @@ class Scheduler:
                 self.num_slot_preemptions += len(victims)
             want = seq.num_tokens - seq.num_computed_tokens
             if yielding and (budget <= 0 or (want > budget and not cfg.enable_chunked_prefill)):
-                budget += self._yield_budget(mine[0][0], want - budget, out, decodes)
+                budget += self._yield_budget(counter, share_rule, want - budget, out, decodes)
                 if budget <= 0:
                     admitting = False
                     continue
@@ -617,6 +640,7 @@ class Scheduler:
             if candidates[0] is not None:
                 candidates[0].admit(tenant, num_slots)
             gained[tenant] = gained.get(tenant, 0.0) + group.tenant_state.input_cost(admitted)
+            prompt_given = prompt_given or admitted > 0
             if reserved >= cfg.max_num_seqs and not yielding:
                 admitting = False
             if group.adapter is not None and group.adapter not in adapters:
@@ -631,21 +655,50 @@ class Scheduler:
             self._slot_head = slot_head
         return budget
 
+    def _decode_gains(self, out: SchedulerOutput) -> dict[Hashable, float]:
+        """Per tenant, the counter rise of the output tokens this step's entries so far will sample (one per
+        sample): the shared pass ranks tenants by their counter plus it, so a tenant decoding many sequences ranks
+        behind one level with it that decodes none."""
+        samples: dict[Hashable, int] = {}
+        states = {}
+        last, tenant = None, None
+        for s in out.scheduled:
+            if s.sample:
+                if s.seq.request_id != last:
+                    last = s.seq.request_id
+                    state = self._groups[last].tenant_state
+                    tenant = state.tenant
+                    states[tenant] = state
+                samples[tenant] = samples.get(tenant, 0) + s.num_samples
+        return {t: states[t].output_cost(n) for t, n in samples.items()}
+
     def _counter_ceiling(self) -> float:
         if self._ceiling is None:
             self._ceiling = self.counters.ceiling()
         return self._ceiling
 
-    def _yield_budget(self, counter: float, shortfall: int, out: SchedulerOutput,
+    def _within_share(self, group: SequenceGroup) -> bool:
+        """The share rule applies to waiting ``group`` (engine/slot_yield.py): every unfinished request of its tenant
+        waits (none running or swapped: it holds no slot) and it asks at most the tenant's weighted share of
+        ``max_num_seqs`` among the active tenants."""
+        state = group.tenant_state
+        return (group.sampling_params.num_sequences * self.counters.active_weight
+                <= self.config.max_num_seqs * state.weight
+                and state.num_requests == self.waiting.num_requests(group.tenant))
+
+    def _yield_budget(self, counter: float, share_rule: bool, shortfall: int, out: SchedulerOutput,
                       decodes: list[list[ScheduledSequence] | None]) -> int:
-        """Withdraw this step's decode entries of tenants more than ``vtc_preempt_gap`` above ``counter``
-        (largest counter first, latest first) for up to ``shortfall`` tokens, for a waiting request that would
-        get none of its prompt (budget spent; without chunked prefill: too little left for the whole prompt);
-        returns the tokens withdrawn. The sequences stay running with their blocks (nothing is preempted): they
-        decode in the next step. ``decodes[0]`` is built on first use, once per
-        step: entries with one token left (decodes, with their drafts), not of groups admitted in this step."""
+        """Withdraw this step's decode entries of tenants far enough above ``counter`` (engine/slot_yield.py
+        ``far_enough``: more than ``vtc_preempt_gap`` above, or, with ``share_rule``, at or above it), largest counter
+        first, latest first, for up to ``shortfall`` tokens, for a waiting request that would get none of its prompt
+        (budget spent; without chunked prefill: too little left for the whole prompt); returns the tokens withdrawn.
+        ``share_rule``: the asker is within the share rule (``_within_share``) and no prefill work got tokens in this
+        step (the decodes filled it). The
+        sequences stay running with their blocks (nothing is preempted): they decode in the next step.
+        ``decodes[0]`` is built on first use, once per step: entries with one token left (decodes, with their
+        drafts), not of groups admitted in this step."""
         gap = self.config.vtc_preempt_gap
-        if self._counter_ceiling() - counter <= gap:
+        if not far_enough(self._counter_ceiling() - counter, gap, share_rule):
             return 0
         if decodes[0] is None:
             found = [(self._groups[s.seq.request_id].tenant_state.counter, i, s) for i, s in enumerate(out.scheduled)
@@ -655,7 +708,7 @@ class Scheduler:
         pool, drop, freed = decodes[0], set(), 0
         while pool and freed < shortfall:
             s = pool[-1]
-            if self._groups[s.seq.request_id].tenant_state.counter - counter <= gap:
+            if not far_enough(self._groups[s.seq.request_id].tenant_state.counter - counter, gap, share_rule):
                 break
             pool.pop()
             if s.seq.status is SequenceStatus.RUNNING:  # else preempted for slots in this step: entry gone already
@@ -669,11 +722,12 @@ class Scheduler:
     def _yield_slots(self, group: SequenceGroup, counter: float, shortfall: int,
                      candidates: list[SlotYield | None]) -> list[SequenceGroup]:
         """Running groups to preempt so that waiting ``group`` (its tenant at ``counter`` in this step) gets
-        ``shortfall`` more sequence slots: those of tenants more than ``vtc_preempt_gap`` above it that keep at
-        least its weighted slot count (engine/slot_yield.py); [] if they do not free enough. ``candidates[0]``
-        is built on first use, once per step."""
+        ``shortfall`` more sequence slots: those of tenants far enough above it (more than ``vtc_preempt_gap``; at
+        or above it when its tenant holds no slot) that keep at least its weighted slot count
+        (engine/slot_yield.py); [] if they do not free enough. ``candidates[0]`` is built on first use, once per
+        step."""
         gap = self.config.vtc_preempt_gap
-        if self._counter_ceiling() - counter <= gap:
+        if not far_enough(self._counter_ceiling() - counter, gap, self._within_share(group)):
             return []  # nobody is far enough above: skip building the candidates
         if candidates[0] is None:
             seen: set[str] = set()
@@ -682,7 +736,8 @@ class Scheduler:
                 if s.request_id not in seen:
                     seen.add(s.request_id)
                     running.append(self._groups[s.request_id])
-            candidates[0] = SlotYield(running, gap, self._fresh)
+            candidates[0] = SlotYield(running, gap, self._fresh,
+                                      self.config.max_num_seqs / self.counters.active_weight)
         return candidates[0].plan(group.tenant, counter, group.tenant_state.weight,
                                   group.sampling_params.num_sequences, shortfall)
 

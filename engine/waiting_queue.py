@@ -4,6 +4,10 @@ FCFS), a group's sequences adjacent in its queue (torch-free).
     key "acme":   [ r7 r9 r9 r12 ]      new requests join the back, preempted (recompute) groups the front
     key "globex": [ r8 ]                iteration: queue by queue, in the order the keys first appeared
 
+``num_requests(key)``: how many distinct requests have sequences in ``key``'s queue, kept up to date in O(1) per
+change, so the fair policy can tell a tenant whose every unfinished request waits (it holds no slot) from one
+with something running.
+
 ``on_head(key)``, when set, is called whenever a queue's front may have changed to a request that ranks earlier
 (a first request, a preempted group put in front, the front removed): the fair policy re-ranks the tenant then.
 """
@@ -18,6 +22,7 @@ from loraplex.engine.sequence import Sequence
 class WaitingQueue:
     def __init__(self) -> None:
         self._queues: dict[Hashable, deque[Sequence]] = {}
+        self._requests: dict[Hashable, dict[str, int]] = {}  # key -> {request id: its waiting sequences}
         self._len = 0
         self.on_head: Callable[[Hashable], None] | None = None
 
@@ -47,6 +52,11 @@ class WaitingQueue:
         """The waiting sequences, copied queue by queue (each copy one C-level step): safe from another thread."""
         return [seq for q in list(self._queues.copy().values()) for seq in list(q)]
 
+    def num_requests(self, key: Hashable) -> int:
+        """Distinct requests with sequences waiting in ``key``'s queue."""
+        counts = self._requests.get(key)
+        return len(counts) if counts else 0
+
     def head(self, key: Hashable) -> Sequence | None:
         q = self._queues.get(key)
         return q[0] if q else None
@@ -60,6 +70,7 @@ class WaitingQueue:
         if q is None:
             self._queues[key] = q = deque()
         q.append(seq)
+        self._count(key, seq, 1)
         self._len += 1
         if len(q) == 1:
             self._notify(key)
@@ -75,12 +86,15 @@ class WaitingQueue:
         if q is None:
             self._queues[key] = q = deque()
         q.extendleft(reversed(seqs))
+        for seq in seqs:
+            self._count(key, seq, 1)
         self._len += len(seqs)
         self._notify(key)
 
     def popleft(self, key: Hashable) -> Sequence:
         q = self._queues[key]
         seq = q.popleft()
+        self._count(key, seq, -1)
         self._len -= 1
         if not q:
             del self._queues[key]
@@ -96,12 +110,25 @@ class WaitingQueue:
             q.remove(seq)
         except ValueError:
             return False
+        self._count(key, seq, -1)
         self._len -= 1
         if not q:
             del self._queues[key]
         elif was_head:
             self._notify(key)
         return True
+
+    def _count(self, key: Hashable, seq: Sequence, delta: int) -> None:
+        counts = self._requests.get(key)
+        if counts is None:
+            self._requests[key] = counts = {}
+        n = counts.get(seq.request_id, 0) + delta
+        if n:
+            counts[seq.request_id] = n
+        else:
+            del counts[seq.request_id]
+            if not counts:
+                del self._requests[key]
 
     def _notify(self, key: Hashable) -> None:
         if self.on_head is not None:

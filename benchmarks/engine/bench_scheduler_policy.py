@@ -14,7 +14,8 @@ one step each in rotating order, so a busy machine slows them alike; times are t
 (``time.thread_time``) and the waiting queue is refilled outside them. A row: per-step median and p90 µs of
 schedule and update, their sum, and "vs fcfs", the median over steps of (this variant's step - fcfs's step of
 the same index): with one tenant the two schedules are identical step for step, so that is exactly the policy's
-own cost. Writes ``$OUT/bench_scheduler_policy.json`` (``OUT`` defaults to ``.``). A few minutes on any CPU.
+own cost; "slot y" and "budg y", the slot preemptions and withdrawn decode entries of the fair policy's yields
+during the timed steps (engine/slot_yield.py). Writes ``$OUT/bench_scheduler_policy.json`` (``OUT`` defaults to ``.``). A few minutes on any CPU.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class Workload:
         self.t_sched: list[float] = []
         self.t_update: list[float] = []
         self.admitted: list[int] = []
+        self.yields_at_start: tuple[int, int] | None = None  # (slot preemptions, budget yields) when timing began
         self.refill()
 
     def refill(self) -> None:
@@ -68,6 +70,8 @@ class Workload:
 
     def step(self, timed: bool) -> None:
         sched = self.sched
+        if timed and self.yields_at_start is None:
+            self.yields_at_start = (sched.num_slot_preemptions, sched.num_budget_yields)
         before = sched.num_waiting
         t0 = time.thread_time()
         out = sched.schedule()
@@ -89,8 +93,10 @@ class Workload:
         def p90(x):
             return statistics.quantiles(x, n=10)[-1]
 
+        slots0, budget0 = self.yields_at_start or (0, 0)
         return {"policy": self.policy, "tenants": self.tenants, "running": self.sched.num_running,
-                "slot_preemptions": self.sched.num_slot_preemptions, "budget_yields": self.sched.num_budget_yields,
+                "steps": len(self.t_sched), "slot_preemptions": self.sched.num_slot_preemptions - slots0,
+                "budget_yields": self.sched.num_budget_yields - budget0,
                 "waiting": self.sched.num_waiting, "admitted_per_step": statistics.mean(self.admitted),
                 "schedule_us_p50": statistics.median(self.t_sched), "schedule_us_p90": p90(self.t_sched),
                 "update_us_p50": statistics.median(self.t_update), "step_us_p50": statistics.median(total),
@@ -118,12 +124,13 @@ def main() -> int:
             w.step(timed=k >= args.warmup)
     rows = [w.row(loads[0]) for w in loads]
     print(f"{'policy':6} {'tenants':>7} {'running':>7} {'waiting':>7} {'adm/step':>8} {'sched p50':>9} "
-          f"{'sched p90':>9} {'upd p50':>8} {'step p50':>8} {'step p90':>8} {'vs fcfs':>8} {'yields':>6}")
+          f"{'sched p90':>9} {'upd p50':>8} {'step p50':>8} {'step p90':>8} {'vs fcfs':>8} {'slot y':>6} "
+          f"{'budg y':>6}")
     for r in rows:
         print(f"{r['policy']:6} {r['tenants']:7d} {r['running']:7d} {r['waiting']:7d} {r['admitted_per_step']:8.2f} "
               f"{r['schedule_us_p50']:9.1f} {r['schedule_us_p90']:9.1f} {r['update_us_p50']:8.1f} "
               f"{r['step_us_p50']:8.1f} {r['step_us_p90']:8.1f} {r['vs_fcfs_us_p50']:+8.1f} "
-              f"{r['slot_preemptions'] + r['budget_yields']:6d}")
+              f"{r['slot_preemptions']:6d} {r['budget_yields']:6d}")
     out = os.path.join(os.environ.get("OUT", "."), "bench_scheduler_policy.json")
     with open(out, "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)

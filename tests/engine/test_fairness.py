@@ -393,9 +393,12 @@ def test_preemption_takes_from_the_tenant_furthest_above_its_share(policy):
 
 
 # ---- tokens counted once ---------------------------------------------------------------------------------------
-def overlapped_run(sched: Scheduler, ledger: Ledger, arrivals: dict[int, list[SequenceGroup]]) -> None:
+def overlapped_run(sched: Scheduler, ledger: Ledger, arrivals: dict[int, list[SequenceGroup]],
+                   outs: list[tuple[SchedulerOutput, bool]] | None = None) -> None:
     """Drive ``sched`` as LLMEngine does with overlapped scheduling: a plain-decode step is launched (pending
-    tokens) and resolved after the next one is scheduled; any other step drains the one in flight first."""
+    tokens) and resolved after the next one is scheduled; any other step drains the one in flight first.
+    ``outs`` collects each step's (output, whether a step was in flight when it was scheduled): entry k is the
+    schedule that follows the arrivals of step k."""
     inflight = None
     k = 0
 
@@ -414,6 +417,8 @@ def overlapped_run(sched: Scheduler, ledger: Ledger, arrivals: dict[int, list[Se
             sched.add(g)
         k += 1
         out = sched.schedule()
+        if outs is not None:
+            outs.append((out, inflight is not None))
         plain = (out.scheduled and not (out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy)
                  and all(s.num_new_tokens == 1 and s.sample and s.num_samples == 1 and not s.seq.num_pending_tokens
                          and sched.get_group(s.seq.request_id).sampling_params.n == 1 for s in out.scheduled))

@@ -1,10 +1,14 @@
-"""Slot preemption of the tenant-fair policy on the pure scheduler (fake model): a light tenant's request beside a
-heavy tenant's n=8 request that holds every sequence slot is admitted once the heavy tenant's counter leads by
-``vtc_preempt_gap``; the heavy group resumes and finishes with the very tokens it gets alone and no block leaks;
-FCFS and a gap of None keep the old order (the light request waits for the slots to free). The planner's rules
-(gap, weighted slot share, all or nothing, latest group first, no group admitted in the same step) and random
-arrivals (every request finishes, every token charged once, with recompute, swap and overlapped steps)."""
+"""Slot and budget yields of the tenant-fair policy on the pure scheduler (fake model). A light tenant holding no
+slot is admitted at the schedule right after its arrival beside a heavy tenant whose n=8 request, or n=64 requests,
+hold every sequence slot (or whose decodes fill the step budget), plain and with overlapped steps; a tenant with a
+request running waits until the heavy tenant's counter leads by ``vtc_preempt_gap``. The heavy groups resume and
+finish with the very tokens they get alone, nothing is preempted twice and no block leaks; FCFS and a gap of None
+keep the old order (the light request waits for the slots to free). The planner's rules (gap, no gap for a tenant
+holding nothing, weighted slot share, all or nothing, latest group first, no group admitted in the same step) and
+random arrivals (every request finishes, every token charged once, with recompute, swap and overlapped steps)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -18,7 +22,7 @@ from loraplex.engine.slot_yield import SlotYield
 from tests.engine.test_fairness import PROPERTY, Ledger, group, make, overlapped_run, step
 
 HEAVY_TOKENS, LIGHT_TOKENS, ARRIVAL = 40, 4, 3
-GAP = 40.0  # heavy's 8 sequences add 8 * 2 = 16 per step: the gap is crossed in the third step after the arrival
+GAP = 40.0  # heavy's 8 sequences add 8 * 2 = 16 per step: a gap of 40 is crossed in the third step
 
 
 def heavy_beside_light(policy: str, gap: float | None, light: bool = True):
@@ -51,15 +55,15 @@ def heavy_beside_light(policy: str, gap: float | None, light: bool = True):
     return [what for _, what in events], events, done, tokens, sched
 
 
-def test_light_request_takes_slots_from_the_heavy_n8_request():
-    order, events, done, tokens, sched = heavy_beside_light("vtc", GAP)
-    alone = heavy_beside_light("vtc", GAP, light=False)[3]
+@pytest.mark.parametrize("gap", [GAP, DEFAULT_PREEMPT_GAP, 8 * 2 * HEAVY_TOKENS + 1.0])
+def test_light_request_takes_slots_from_the_heavy_n8_request(gap):
+    """Light is lifted level with heavy on arrival and holds no slot: whatever the gap (even one heavy's whole
+    request never reaches), heavy's group yields in the schedule right after the arrival."""
+    order, events, done, tokens, sched = heavy_beside_light("vtc", gap)
+    alone = heavy_beside_light("vtc", gap, light=False)[3]
     assert order == ["light arrives", "heavy preempted", "light runs", "light finished", "heavy finished"]
-    ran = next(k for k, what in events if what == "light runs")
-    # light is lifted to heavy's counter on arrival; heavy gains 16 per step: the gap of 40 is crossed within
-    # ceil(40 / 16) steps, and light runs in the step it is crossed
-    assert ran - ARRIVAL <= -(-GAP // 16) + 1
-    assert done["light"] - ran == LIGHT_TOKENS - 1 and done["light"] < done["heavy"]
+    assert next(k for k, what in events if what == "light runs") == ARRIVAL
+    assert done["light"] == ARRIVAL + LIGHT_TOKENS - 1 < done["heavy"]
     assert sched.num_slot_preemptions == 1 and sched.num_preemptions == 1
     assert tokens == alone  # the preempted group recomputes and continues losslessly
 
@@ -72,10 +76,51 @@ def test_without_slot_preemption_the_light_request_waits_for_the_slots(policy, g
     assert tokens == heavy_beside_light(policy, gap, light=False)[3]
 
 
-def test_a_gap_not_yet_reached_preempts_nothing():
-    """The heavy request runs 40 tokens: its counter lead over the light tenant never exceeds 8 * 2 * 40."""
-    order, _, _, _, sched = heavy_beside_light("vtc", 8 * 2 * HEAVY_TOKENS + 1.0)
-    assert order[:2] == ["light arrives", "heavy finished"] and sched.num_slot_preemptions == 0
+def light_running_run(gap: float | None, light: bool = True) -> SimpleNamespace:
+    """Heavy's two n=4 requests and light's long one (60 tokens) fill max_num_seqs=9; light's short request arrives
+    before step ARRIVAL, its tenant holding a slot. Returns ``leads`` {step: heavy's counter - light's before that
+    step's schedule}, ``ran`` (the step light's short request is first scheduled), ``preempted`` {step: ids},
+    heavy's ``tokens``, ``sched``."""
+    sched = make(max_num_seqs=9, max_num_batched_tokens=64, num_blocks=256, vtc_preempt_gap=gap)
+    heavy = [group("heavy", 8, HEAVY_TOKENS, n=4, rid=f"heavy-{i}", seed=i) for i in range(2)]
+    for g in heavy:
+        sched.add(g)
+    sched.add(group("light", 4, 60, rid="light-long"))
+    run = SimpleNamespace(leads={}, ran=None, preempted={}, sched=sched)
+    k = 0
+    while sched.has_unfinished():
+        if k == ARRIVAL and light:
+            sched.add(group("light", 4, LIGHT_TOKENS, rid="light"))
+        if all(sched.counters.get(t) for t in ("heavy", "light")):
+            run.leads[k] = sched.counters.get("heavy").counter - sched.counters.get("light").counter
+        out = sched.schedule()
+        if out.preempted:
+            run.preempted[k] = list(out.preempted)
+        if run.ran is None and any(s.seq.request_id == "light" for s in out.scheduled):
+            run.ran = k
+        step(sched, out)
+        sched.kv.check_invariants()
+        k += 1
+        assert k < 1000
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    run.tokens = [sorted(tuple(s.output_token_ids) for s in g.seqs) for g in heavy]
+    return run
+
+
+def test_a_tenant_with_a_request_running_waits_for_the_gap():
+    """Light holds a slot, so the gap applies: heavy (8 slots, 16 a step) leads light (1 slot, 2 a step) by 14 more
+    each step; heavy's latest group yields in the first step that starts with a lead over the gap, not before, and
+    only once (the share rule: heavy keeps 4 >= light's 2). With a gap heavy never reaches, light's short request
+    waits for heavy's slots to free."""
+    gap = 100.0
+    run = light_running_run(gap)
+    crossed = next(k for k in sorted(run.leads) if k >= ARRIVAL and run.leads[k] > gap)
+    assert crossed > ARRIVAL and run.leads[crossed - 1] <= gap  # a real wait: the gap decides
+    assert run.ran == crossed and run.preempted == {crossed: ["heavy-1"]}
+    assert run.sched.num_slot_preemptions == 1 and run.sched.num_budget_yields == 0
+    assert run.tokens == light_running_run(gap, light=False).tokens
+    never = light_running_run(8 * 2 * HEAVY_TOKENS + 1.0)
+    assert never.preempted == {} and never.ran >= HEAVY_TOKENS  # heavy's groups free their slots after 40 steps
 
 
 def budget_run(policy: str, gap: float | None, light: bool = True):
@@ -105,13 +150,14 @@ def budget_run(policy: str, gap: float | None, light: bool = True):
 
 
 def test_light_request_takes_budget_from_the_heavy_decodes():
-    """No slot is short, the budget is: once heavy leads by the gap its latest decodes wait a step for light's
-    prompt, then light's decodes go first (smallest counter) while the budget cannot hold all of them."""
+    """No slot is short, the budget is, and heavy's decodes fill it: light (holding no slot) takes the entries of
+    heavy's latest decodes for its prompt right after its arrival, then light's decodes go first (smallest
+    counter) while the budget cannot hold all of them."""
     events, done, tokens, sched = budget_run("vtc", GAP)
     order = [what for _, what in events]
     assert order == ["light arrives", "light runs", "light finished", "heavy finished"]
     ran = next(k for k, what in events if what == "light runs")
-    assert ran - ARRIVAL <= -(-GAP // 16) + 1 and done["light"] - ran == LIGHT_TOKENS - 1
+    assert ran == ARRIVAL and done["light"] - ran == LIGHT_TOKENS - 1
     assert sched.num_budget_yields == 4  # light's 4 prompt tokens, once
     assert tokens == budget_run("vtc", GAP, light=False)[2]
 
@@ -145,17 +191,17 @@ def backlogged_pair(gap: float | None) -> tuple[int, float]:
     return sched.num_slot_preemptions, lead
 
 
-def test_two_backlogged_tenants_stay_within_the_gap_without_thrashing():
-    """Slots freed by a finished request go to the smaller counter (plain VTC), which may then hold all 8; the
-    other falls behind and takes a group back once the lead passes the gap. The lead stays within the gap plus
-    one step's service (8 decodes and one admitted prompt); without slot preemption it grows to a request's
-    length of service. A larger gap trades lead for fewer preemptions, never more than one per request."""
+def test_two_backlogged_tenants_share_the_slots_without_thrashing():
+    """b arrives holding nothing while a's n=4 groups hold all 8 slots: a's latest group yields at once, whatever
+    the gap. From then on each holds 4; slots a finished request frees go to the smaller counter plus this step's
+    decodes, which holds 4 and takes 4, so neither is left with nothing: no further yield, and the lead stays within
+    one step's service (8 decodes and one admitted prompt). Without yields (gap None) b waits for a's groups to
+    finish and the lead grows to a request's length of service."""
     step_cost = 8 * 2.0 + 6 * 1.0
-    runs = {gap: backlogged_pair(gap) for gap in (16.0, 64.0, None)}
-    for gap in (16.0, 64.0):
-        assert runs[gap][1] <= gap + step_cost
+    runs = {gap: backlogged_pair(gap) for gap in (0.0, 16.0, 64.0, DEFAULT_PREEMPT_GAP, None)}
+    for gap in (0.0, 16.0, 64.0, DEFAULT_PREEMPT_GAP):
+        assert runs[gap][0] == 1 and runs[gap][1] <= step_cost
     assert runs[None] == (0, runs[None][1]) and runs[None][1] > 64.0 + step_cost
-    assert 1 <= runs[64.0][0] < runs[16.0][0] <= 12
 
 
 def test_config_knob():
@@ -178,11 +224,13 @@ def running_groups(counters: VirtualTokenCounters, spec: list[tuple[str, int, fl
     return groups
 
 
-def test_planner_rules():
+def test_planner_gap_rule():
+    """A share of 0.2 slots per weight (say 8 slots, active weights summing to 40): no request here is within its
+    tenant's share, so the gap rule decides."""
     counters = VirtualTokenCounters()
     groups = running_groups(counters, [("h", 2, 1.0), ("m", 1, 1.0), ("h", 2, 1.0), ("h", 1, 1.0), ("m", 2, 1.0)])
     counters.get("h").counter, counters.get("m").counter = 100.0, 60.0
-    plan = SlotYield(groups, gap=30.0, fresh=set())
+    plan = SlotYield(groups, gap=30.0, fresh=set(), share=0.2)
     # latest groups of the largest counter first: h3 then h2
     assert [g.request_id for g in plan.plan("light", 20.0, 1.0, 2, 2)] == ["h3", "h2"]
     # gap: m (40 above) qualifies, h (80 above) too; at 50 only h does
@@ -199,14 +247,40 @@ def test_planner_rules():
     lone = VirtualTokenCounters()
     whole = running_groups(lone, [("x", 4, 1.0), ("y", 1, 1.0)])
     lone.get("x").counter = 100.0
-    assert [g.request_id for g in SlotYield(whole, 30.0, set()).plan("new", 0.0, 1.0, 1, 1)] == ["x0"]
-    assert SlotYield(whole, 30.0, set()).plan("y", 0.0, 1.0, 1, 1) == []
+    assert [g.request_id for g in SlotYield(whole, 30.0, set(), 0.2).plan("new", 0.0, 1.0, 1, 1)] == ["x0"]
+    assert SlotYield(whole, 30.0, set(), 0.2).plan("y", 0.0, 1.0, 1, 1) == []
     # fresh groups (admitted this step) are never candidates; take() removes planned ones
-    plan = SlotYield(groups, gap=30.0, fresh={"h3"})
+    plan = SlotYield(groups, gap=30.0, fresh={"h3"}, share=0.2)
     chosen = plan.plan("light", 0.0, 1.0, 1, 1)
     assert [g.request_id for g in chosen] == ["h2"]
     plan.take(chosen)
     assert [g.request_id for g in plan.plan("light", 0.0, 1.0, 1, 1)] == ["h0"]
+
+
+def test_planner_share_rule():
+    """A share of 2 slots per weight (say 8 slots, active weights summing to 4): a tenant holding nothing that asks
+    at most 2 slots per weight takes them, with no gap, from tenants at or above its counter that hold more than
+    2 per weight, each down to its share (h holds 5, m 3)."""
+    counters = VirtualTokenCounters()
+    groups = running_groups(counters, [("h", 2, 1.0), ("m", 1, 1.0), ("h", 2, 1.0), ("h", 1, 1.0), ("m", 2, 1.0)])
+    counters.get("h").counter, counters.get("m").counter = 100.0, 60.0
+    plan = SlotYield(groups, gap=30.0, fresh=set(), share=2.0)
+    assert [g.request_id for g in plan.plan("light", 100.0, 1.0, 1, 1)] == ["h3"]  # level with h: no gap needed
+    assert plan.plan("light", 100.5, 1.0, 1, 1) == []  # above everyone
+    # h yields while it holds more than 2: h3 and h2 (then it holds 2); m, 60 >= 60, gives m4 (it holds 3)
+    assert [g.request_id for g in plan.plan("light", 60.0, 1.0, 2, 2)] == ["h3", "h2"]
+    assert [g.request_id for g in plan.plan("light", 60.0, 1.0, 2, 4)] == ["h3", "h2", "m4"]
+    assert plan.plan("light", 60.0, 1.0, 2, 6) == []  # all or nothing
+    # beyond its share (3 > 2) the gap rule decides: h is 25 above, not more than the gap of 30
+    assert [g.request_id for g in plan.plan("light", 75.0, 1.0, 2, 1)] == ["h3"]
+    assert plan.plan("light", 75.0, 1.0, 3, 1) == []
+    assert [g.request_id for g in plan.plan("big", 75.0, 2.0, 3, 1)] == ["h3"]  # 3 over weight 2 is within it
+    # a tenant holding slots never gets the share rule: m (3 slots) 20 below h waits for the gap
+    assert plan.plan("m", 80.0, 1.0, 1, 1) == []
+    # nobody above the share: the gap rule still applies (h 80 above, the exception for a tenant holding none)
+    high = SlotYield(groups, gap=30.0, fresh=set(), share=5.0)
+    assert [g.request_id for g in high.plan("light", 20.0, 1.0, 1, 1)] == ["h3"]
+    assert high.plan("light", 75.0, 1.0, 1, 1) == []
 
 
 # ---- random arrivals ---------------------------------------------------------------------------------------------
@@ -259,3 +333,104 @@ def test_slot_preemption_finishes_everything_and_charges_once(arrivals, mode, ga
     for tenant in {g.tenant for g in groups}:
         assert ledger.output[tenant] == sum(s.num_output_tokens for g in groups if g.tenant == tenant for s in g.seqs)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+# ---- a tenant with nothing running beside n=64 groups holding every slot -----------------------------------------
+FLOOD_N, FLOOD_PROMPT, FLOOD_TOKENS = 64, 12, 24
+NEW_PROMPT, NEW_TOKENS, NEW_ARRIVAL = 16, 4, 3
+
+
+def flood_run(light: bool, budget: int = 256, max_num_seqs: int = 2 * FLOOD_N) -> SimpleNamespace:
+    """Heavy floods with four n=64 requests; a new light tenant's one-sequence request arrives before step
+    NEW_ARRIVAL, at the default gap (heavy's 128 decodes add 256 a step: the gap alone would hold it for 4
+    steps). Returns ``preempted`` {step: request ids}, ``light_steps`` [(step, tokens scheduled for light)],
+    ``done`` {request id: step it finished}, ``tokens`` {heavy request id: its tokens}, ``at_arrival`` (slots
+    held, sequences waiting) just before light's arrival, ``sched``."""
+    sched = make(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_blocks=2048)
+    heavy = [group("heavy", FLOOD_PROMPT, FLOOD_TOKENS, n=FLOOD_N, rid=f"heavy-{i}", seed=i) for i in range(4)]
+    for g in heavy:
+        sched.add(g)
+    run = SimpleNamespace(preempted={}, light_steps=[], done={}, at_arrival=None, sched=sched)
+    k = 0
+    while sched.has_unfinished():
+        if k == NEW_ARRIVAL and light:
+            run.at_arrival = (sched._num_reserved_seqs(), sched.num_waiting)
+            sched.add(group("light", NEW_PROMPT, NEW_TOKENS, rid="light"))
+        out = sched.schedule()
+        if out.preempted:
+            run.preempted[k] = list(out.preempted)
+        run.light_steps += [(k, s.num_new_tokens) for s in out.scheduled if s.seq.request_id == "light"]
+        for g in step(sched, out):
+            run.done[g.request_id] = k
+        sched.kv.check_invariants()
+        k += 1
+        assert k < 1000
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks  # nothing leaked
+    run.tokens = {g.request_id: sorted(tuple(s.output_token_ids) for s in g.seqs) for g in heavy}
+    assert all(len(t) == FLOOD_N and all(len(x) == FLOOD_TOKENS for x in t) for t in run.tokens.values())
+    return run
+
+
+def test_a_new_tenant_is_admitted_beside_n64_groups_at_the_next_schedule():
+    """Two of heavy's n=64 groups hold all 128 slots, two wait. The light tenant holds no slot: heavy's latest
+    running group yields at once (no gap for a tenant with nothing running), light's whole prompt is scheduled in
+    the schedule() right after its arrival, and nothing is preempted again: heavy's group recomputes once light's
+    slot is free, light never yields back."""
+    run = flood_run(True)
+    assert run.at_arrival == (2 * FLOOD_N, 2)
+    assert run.light_steps[0] == (NEW_ARRIVAL, NEW_PROMPT)
+    assert [k for k, _ in run.light_steps] == list(range(NEW_ARRIVAL, NEW_ARRIVAL + NEW_TOKENS))  # a token a step
+    assert run.preempted == {NEW_ARRIVAL: ["heavy-1"]}  # one group, once, the latest; light never preempted
+    sched = run.sched
+    assert sched.num_slot_preemptions == 1 == sched.num_preemptions and sched.num_budget_yields == 0
+    assert run.done["light"] == NEW_ARRIVAL + NEW_TOKENS - 1 < run.done["heavy-0"]
+    assert run.tokens == flood_run(False).tokens  # heavy's seeded tokens: the yielded group recomputes losslessly
+
+
+def test_a_new_tenant_takes_the_budget_of_n64_decodes_at_the_next_schedule():
+    """One n=64 group runs in 65 slots (one to spare), three wait; the budget is exactly its 64 decodes. Light's
+    prompt takes their entries at once (budget yield, nothing preempted); then light's decode goes first (smallest
+    counter) while the budget cannot hold all decodes."""
+    run = flood_run(True, budget=FLOOD_N, max_num_seqs=FLOOD_N + 1)
+    assert run.at_arrival == (FLOOD_N, 3)
+    assert run.light_steps[0] == (NEW_ARRIVAL, NEW_PROMPT)
+    assert [k for k, _ in run.light_steps] == list(range(NEW_ARRIVAL, NEW_ARRIVAL + NEW_TOKENS))
+    sched = run.sched
+    assert sched.num_budget_yields == NEW_PROMPT and sched.num_preemptions == 0 and not run.preempted
+    assert run.tokens == flood_run(False, budget=FLOOD_N, max_num_seqs=FLOOD_N + 1).tokens
+
+
+def overlapped_flood(arrival: int | None) -> SimpleNamespace:
+    """Heavy's eight plain requests hold all 8 slots and decode in overlapped steps (a step in flight while the
+    next is scheduled); light's request arrives before step ``arrival`` (None: never). Returns ``outs`` [(output, a
+    step was in flight)], heavy's ``tokens``, the ``ledger`` and ``sched``."""
+    sched = make(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=256)
+    heavy = [group("heavy", 8, 30, rid=f"heavy-{i}", seed=i) for i in range(8)]
+    arrivals = {0: heavy}
+    if arrival is not None:
+        arrivals[arrival] = [group("light", NEW_PROMPT, NEW_TOKENS, rid="light")]
+    run = SimpleNamespace(outs=[], ledger=Ledger(), sched=sched)
+    overlapped_run(sched, run.ledger, arrivals, run.outs)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    run.tokens = [g.seqs[0].output_token_ids for g in heavy]
+    return run
+
+
+def test_a_yield_decided_while_a_step_is_in_flight_takes_effect_at_that_schedule():
+    """Light arrives before a schedule planned while heavy's previous decode step is in flight: heavy's latest
+    request yields its slot there (its pending token resolves into the preempted sequence, which recomputes), light's
+    whole prompt is in that very step, nothing else is ever preempted, every token is charged once and heavy's
+    tokens are those of its run without light."""
+    alone = overlapped_flood(None)
+    arrival = next(k for k, (_, in_flight) in enumerate(alone.outs) if in_flight)
+    run = overlapped_flood(arrival)
+    out, in_flight = run.outs[arrival]
+    assert in_flight and out.preempted == ["heavy-7"]
+    assert [s.num_new_tokens for s in out.scheduled if s.seq.request_id == "light"] == [NEW_PROMPT]
+    assert [o.preempted for o, _ in run.outs if o.preempted] == [["heavy-7"]]
+    assert sum(flag for _, flag in run.outs[arrival + 1:]) > 0  # overlapped steps after the yield too
+    sched = run.sched
+    assert sched.num_slot_preemptions == 1 == sched.num_preemptions
+    assert run.ledger.output == {"heavy": 8 * 30, "light": NEW_TOKENS}
+    assert run.ledger.input == {"heavy": 8 * 8, "light": NEW_PROMPT}  # the recompute charged nothing
+    assert run.tokens == alone.tokens
