@@ -24,7 +24,10 @@ step n's outputs (detokenizer, stop strings), so the device waits on the host's 
 
 With ``speculative`` set (engine/spec_decode/), each step first asks the proposer for drafts of the running
 decodes, the scheduler gives a speculating decode 1 + k tokens, one forward verifies them all and the accepted
-tokens are appended (several per step); such steps run synchronously.
+tokens are appended (several per step). With ``async_scheduling`` such a verify step stays in flight while the host
+builds the previous step's outputs: ``step()`` reads verify step n back and appends its tokens, proposes, schedules
+and launches step n+1 (``SpecDecoder.launch``), then builds and returns step n's outputs; a stop string found there
+ends a sequence whose rows of n+1 are discarded when n+1 is read back (``SpecDecoder.finish``).
 
 With ``async_scheduling`` on, plain decode steps overlap: ``step()`` launches the next step before it reads the
 tokens of the one in flight, and returns that one's outputs (step_pipeline.py). One step may then be in flight
@@ -53,7 +56,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
 from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from loraplex.engine.step_pipeline import InflightStep, can_overlap
+from loraplex.engine.step_pipeline import InflightStep, can_overlap, can_overlap_verify
 from loraplex.engine.stop_strings import StopStringMatcher
 from loraplex.engine.structured.decoding import StructuredDecoding
 
@@ -164,7 +167,8 @@ class LLMEngine:
         self.runner.init_decode_graphs()  # after init_lora: the graphs capture the LoRA kernels (CUDA only)
         self.async_scheduling = self._init_async_scheduling()
         self._inflight: InflightStep | None = None  # the overlapped step launched and not yet resolved
-        self.num_overlapped_steps = 0
+        self.num_overlapped_steps = 0         # plain decode steps launched before the previous one was read
+        self.num_overlapped_verify_steps = 0  # verify steps left in flight while the previous one's outputs are built
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -297,9 +301,14 @@ class LLMEngine:
         """Schedule and run one step; returns the outputs of the requests it advanced (with overlapped
         scheduling: of the step before it, whose tokens it read after launching this one)."""
         failed = self._fail_adapter_requests() + self._fail_grammar_requests()
+        unreported = None  # a step resolved here whose outputs are built once this one is launched
+        if self._inflight is not None and self._inflight.verify:  # its tokens decide what this step computes
+            unreported = self._resolve_verify()
         speculating = self.spec is not None and self.spec.has_candidates(self.scheduler.running, self._spec_request)
         if speculating:
-            failed += self._spec_propose()
+            if self._inflight is not None:  # drafts follow the tokens of the step in flight
+                unreported = self._resolve_tokens()
+            self.spec.propose(self.scheduler.running, self._spec_request)
         out = self.scheduler.schedule()
         spec_step = self.spec is not None and self.spec.after_schedule(out, self._spec_request)
         now = time.monotonic()
@@ -308,6 +317,7 @@ class LLMEngine:
                 self._requests[request_id].metrics.num_preemptions += 1
         moves = out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
         if not out.scheduled and not moves:
+            failed += self._report(unreported)
             if self._inflight is not None:
                 return failed + self._resolve_inflight()
             if not failed and self.adapters is not None:
@@ -329,13 +339,22 @@ class LLMEngine:
             else:
                 tokens = self.runner.launch_decode(out, sampling, lora_slots, prev_tokens)
                 outputs = self._resolve_inflight() if prev is not None else []
+            outputs = self._report(unreported) + outputs
             self.scheduler.update_launched(out)
             self._inflight = InflightStep(out, tokens)
             self.num_overlapped_steps += 1
             return failed + outputs
-        drained: list[RequestOutput] = []
+        if (spec_step and self.async_scheduling and self._inflight is None
+                and can_overlap_verify(out, lambda rid: self._requests[rid].params) and not self._has_constrained(out)):
+            self.spec.launch(out, sampling, lora_slots, self.structured, self._spec_request)
+            self._inflight = InflightStep(out, None, verify=True)
+            self.num_overlapped_verify_steps += 1
+            return failed + self._report(unreported)  # while the device verifies
+        resolved_here = unreported is not None or self._inflight is not None
+        drained: list[RequestOutput] = self._report(unreported)
         if self._inflight is not None:  # not overlappable: finish the step in flight, then run this one as usual
-            drained = self._resolve_inflight()
+            drained += self._resolve_inflight()
+        if resolved_here:  # a stop string (or a grammar) found in those outputs ends a sequence scheduled here
             out.scheduled = [s for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
             if not out.scheduled and not moves:
                 return failed + drained
@@ -363,12 +382,6 @@ class LLMEngine:
         state = self._requests[request_id]
         return state.params, state.group.adapter, state.generators[0]
 
-    def _spec_propose(self) -> list[RequestOutput]:
-        """Drafts for the running decodes; a step in flight is resolved first (drafts follow its tokens)."""
-        outputs = self._resolve_inflight() if self._inflight is not None else []
-        self.spec.propose(self.scheduler.running, self._spec_request)
-        return outputs
-
     def _drop_outputs_after(self, state: _RequestState, seq: Sequence, st: _SeqState, keep: int) -> None:
         """Forget the output tokens of ``seq`` past the first ``keep``: a verify step appended tokens after the one
         that completed a stop string, which non-speculative decoding would never have generated (their charge
@@ -384,6 +397,28 @@ class LLMEngine:
         tenant = state.group.tenant_state
         if tenant is not None:
             tenant.output_tokens -= extra
+
+    def _resolve_verify(self) -> tuple[list[str], set[str], list[RequestOutput]]:
+        """The token half of an overlapped verify step: wait for its read-back, append the accepted tokens (rows of
+        sequences finished or aborted since its launch are dropped), stop checks, grammar matchers. Returns what
+        ``_resolve_tokens`` returns."""
+        inflight, self._inflight = self._inflight, None
+        out = inflight.out
+        result = self.spec.finish(self._spec_request)
+        alive = {s.seq.seq_id for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING}
+        for rows in (result.sampled, result.logprobs, result.prompt_logprobs, result.beam_logprobs):
+            for seq_id in [i for i in rows if i not in alive]:
+                del rows[seq_id]
+        self._record_logprobs(out, result)
+        finished = {g.request_id for g in self.scheduler.update(out, result.sampled, result.logprobs,
+                                                                result.beam_logprobs)}
+        self.spec.after_update()
+        sampled = [s.seq.request_id for s in out.scheduled if s.sample and s.seq.seq_id in alive]
+        return sampled, finished, self._advance_grammars(sampled, finished)
+
+    def _report(self, resolved: tuple[list[str], set[str], list[RequestOutput]] | None) -> list[RequestOutput]:
+        """The outputs of a step resolved earlier in this call (none: nothing)."""
+        return self._resolved_outputs(*resolved) if resolved is not None else []
 
     def _resolve_inflight(self) -> list[RequestOutput]:
         """Wait for the overlapped step's tokens, write them into their sequences, stop checks, outputs."""
@@ -422,7 +457,10 @@ class LLMEngine:
                     continue  # beams and best_of candidates are reported once ranked, at the end
             outputs.append(self._make_output(state, done, now))
         for request_id in finished:
-            self._requests.pop(request_id, None)
+            state = self._requests.pop(request_id, None)
+            if self.spec is not None and state is not None:  # its drafter's state (a draft model's KV blocks) now
+                for seq in state.group.seqs:
+                    self.spec.release(seq.seq_id)
             if self.structured is not None:
                 self.structured.remove(request_id)
         return outputs
@@ -690,7 +728,10 @@ class LLMEngine:
         """Stop background adapter loads (the engine's other resources go with the object); a step still in
         flight is waited for, its tokens dropped."""
         if self._inflight is not None:
-            self._inflight.tokens.wait()
+            if self._inflight.verify:
+                self.spec.finish(self._spec_request)
+            else:
+                self._inflight.tokens.wait()
             self._inflight = None
         if self.adapters is not None:
             self.adapters.close()

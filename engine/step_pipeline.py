@@ -30,8 +30,14 @@ serves it, it moves no blocks (swap, copy-on-write), no logits hook is set, and 
 decode of a "simple" request: one sequence (no n > 1, best_of or beam search), no logprobs, no penalties or
 ``min_tokens`` (those read the token history on the host). Requests asking for logprobs run synchronously: any step
 holding one drains the pipeline. Speculative decoding (engine/spec_decode/): a verify step has several new tokens
-per sequence and is never overlappable; while a running sequence may speculate, the engine resolves the step in
-flight before proposing (drafts follow its tokens) and runs synchronously.
+per sequence and its proposals follow the previous step's tokens, so it overlaps differently (``can_overlap_verify``):
+
+    host:   read back n │ append, propose, schedule, pack n+1 │ launch n+1 │ outputs of n ▶ return │ read back n+1
+    device: .. n runs ..│.............. idle ..................│ ........... step n+1 runs .............│
+
+only the output work (detokenizer, stop strings, RequestOutputs, the caller's hand-off) is hidden. A verify step
+overlaps when it moves no blocks and every request in it has one sequence; it may hold logprobs, penalties and
+prefill chunks, which it computes in full at its launch or read-back.
 
 A sequence that finishes when step n's tokens arrive (EOS, stop token, stop string) or that is aborted while step
 n+1 is in flight already has a row in step n+1: that row is discarded (never appended, reported or counted) and
@@ -82,10 +88,12 @@ class PendingTokens:
 
 @dataclass
 class InflightStep:
-    """The step launched but not yet resolved: its schedule and its tokens on their way."""
+    """The step launched but not yet resolved: its schedule and its tokens on their way (a verify step: held by
+    the SpecDecoder until ``SpecDecoder.finish``)."""
 
     out: "SchedulerOutput"
-    tokens: PendingTokens
+    tokens: PendingTokens | None
+    verify: bool = False
 
 
 def is_simple(params: "SamplingParams") -> bool:
@@ -105,3 +113,12 @@ def can_overlap(out: "SchedulerOutput", runner, params_of) -> bool:
         return False
     return all(s.sample and s.num_samples == 1 and not s.beam and is_simple(params_of(s.seq.request_id))
                for s in out.scheduled)
+
+
+def can_overlap_verify(out: "SchedulerOutput", params_of) -> bool:
+    """Whether verify step ``out`` may stay in flight while the previous step's outputs are built (module
+    docstring): no block moves, and one sequence per request (a late stop string then ends a whole request)."""
+    if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy or not out.scheduled:
+        return False
+    return all(s.num_samples == 1 and not s.beam and params_of(s.seq.request_id).num_sequences == 1
+               and not params_of(s.seq.request_id).use_beam_search for s in out.scheduled)

@@ -5,6 +5,8 @@
     python3 benchmarks/engine/bench_step_overhead.py --device cuda          # captured graphs, on a GPU
     python3 benchmarks/engine/bench_step_overhead.py --batches 16 --variants greedy+lora --spec 3 \
         --profile 25                                # decode vs verify steps (k = 3, L = 3), cProfile top 25
+    python3 benchmarks/engine/bench_step_overhead.py --batches 16 --variants greedy+lora --spec 3 \
+        --async-scheduling                          # verify steps overlapped: the "exposed" column
 
 A tiny random llama (hidden 72, vocab ``--vocab``, with its byte-level tokenizer) runs on CPU through
 ``LLMEngine.step`` with the padded decode path of the CUDA-graph runs (``init_decode_graphs(capture=False)``),
@@ -20,6 +22,8 @@ so the host-side work is the same as on the GPU. Every phase is timed with ``tim
     deliver    AsyncEngine's hand-off of the step's outputs to asyncio (``--no-async`` leaves it out)
     host       the sum of the phases' medians but "model": the host time a decode step adds to TPOT (on a GPU
                "sample" is mostly device work: argmax, or sort and softmax for sampled rows)
+    exposed    "host" less what runs while the next step is in flight: with ``--async-scheduling``, verify steps
+               that all left the next one in flight: "output" and "deliver"; otherwise "host"
 
 Phase times are exclusive (a timed call inside another counts once, in its own phase). A logits hook (timed as
 "model") makes every sequence write real text, so the detokenizer sees what a real
@@ -33,7 +37,10 @@ time and the other phases are host time only (the engine itself overlaps a littl
 per sequence (replayed proposals of the plain run at acceptance length ``--spec-length``, forced, verify rows
 through the padded decode path as with ``verify_cuda_graphs``). Only steps where every running sequence verifies
 drafts count. Extra phases: "propose" (SpecDecoder.propose) and, for verify steps, "pack" holds the row building
-(VerifyExecutor._graph_step) and "sample" the acceptance (VerifyExecutor._verify). ``--profile N`` runs cProfile
+(VerifyExecutor._graph_step) and "sample" the acceptance (VerifyExecutor._verify, _verify_outcomes).
+``--async-scheduling`` turns on overlapped scheduling (verify steps stay in flight while the previous step's
+outputs are built and delivered; plain decode steps do not overlap here: the text-forcing logits hook keeps them
+synchronous). ``--profile N`` runs cProfile
 over the timed steps ("model" calls left out) and prints the N functions with the largest own time, µs per step.
 On CPU, vocabulary-sized work (argmax, gathers of logits rows) is host time but device work on a GPU: a small
 ``--vocab`` (1024) keeps it near a kernel launch's cost.
@@ -57,7 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-PHASES = ("propose", "schedule", "pack", "model", "sample", "runner", "update", "output", "deliver", "host")
+PHASES = ("propose", "schedule", "pack", "model", "sample", "runner", "update", "output", "deliver", "host",
+          "exposed")
 
 
 class _Timer:
@@ -175,7 +183,8 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
 
     kw = dict(device=args.device, dtype="float32", block_size=16,
               max_num_seqs=batch, max_num_batched_tokens=4096, progress=False, enable_prefix_caching=False,
-              max_model_len=2048, num_kv_blocks=batch * 2048 // 16 + 16, num_cpu_blocks=0)
+              max_model_len=2048, num_kv_blocks=batch * 2048 // 16 + 16, num_cpu_blocks=0,
+              async_scheduling=args.async_scheduling)
     if spec:
         from loraplex.engine.spec_decode import acceptance_rate_for
 
@@ -213,10 +222,12 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
         sd = engine.spec
         sd.propose = timer.wrap("propose", sd.propose)
         sd.execute = timer.wrap("execute", sd.execute)
+        sd.launch, sd.finish = timer.wrap("execute", sd.launch), timer.wrap("execute", sd.finish)
         ex = sd.executor
         ex._graphs_for = timer.wrap("pack", ex._graphs_for)
         ex._run_rows = timer.wrap("pack", ex._run_rows)
         ex._verify = timer.wrap("sample", ex._verify)
+        ex._verify_outcomes = timer.wrap("sample", ex._verify_outcomes)
         if ex.verify_graphs is not None:
             ex.verify_graphs._write_inputs = timer.wrap("pack", ex.verify_graphs._write_inputs)
             ex.verify_graphs._graphs = {b: _TimedGraph(graph, timer, runner.device)
@@ -245,7 +256,7 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
             q: asyncio.Queue = asyncio.Queue()
             deliverer._sinks[rid] = (sink.loop, q)
     samples: dict[str, list[float]] = defaultdict(list)
-    counted = 0
+    counted = num_overlapped = 0
     step_no = 0
     kinds: list[str] = []
     schedule = engine.scheduler.schedule
@@ -264,6 +275,7 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
         if prof is not None and timed:
             timer.profile = prof
             prof.enable()
+        overlapped = engine.num_overlapped_verify_steps
         t0 = time.perf_counter()
         outs = engine.step()
         t1 = time.perf_counter()
@@ -274,6 +286,7 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
             prof.disable()
             timer.profile = None
         step_no += 1
+        overlapped = engine.num_overlapped_verify_steps > overlapped
         sched_n = len(outs)
         if not timed or sched_n != batch or kinds != ["verify" if spec else "decode"]:
             continue
@@ -282,6 +295,7 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
         row = dict(propose=cur["propose"], schedule=cur["schedule"], pack=cur["pack"], model=cur["model"],
                    sample=cur["sample"], runner=cur["execute"], update=cur["update"],
                    output=step - sum(cur.values()), deliver=t2 - t1)
+        num_overlapped += int(overlapped)
         for k, v in row.items():
             samples[k].append(v)
     if sink is not None:
@@ -295,6 +309,7 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
         torch.cuda.empty_cache()
     result = {k: 1e6 * statistics.median(v) for k, v in samples.items()}
     result["host"] = sum(v for k, v in result.items() if k != "model")  # medians add up: steadier than a sum's median
+    result["exposed"] = result["host"] - (result["output"] + result["deliver"] if num_overlapped == counted else 0)
     if prof is not None and counted:
         _print_profile(prof, counted, args.profile, f"{batch} sequences, {'verify' if spec else 'decode'} steps")
     return result
@@ -358,6 +373,8 @@ def main() -> None:
     ap.add_argument("--spec", type=int, default=0, help="also measure verify steps with this many drafts (0: off)")
     ap.add_argument("--spec-length", type=float, default=3.0, help="the replayed proposals' acceptance length")
     ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions per step (0: off)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="overlapped scheduling on (verify steps stay in flight while outputs are built)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import logging

@@ -18,8 +18,9 @@ verifier keeping the planned tokens of verify entries, such a sequence never lea
 
 A candidate: a running sequence with one token left to compute and no pending token, of a request with
 ``SamplingParams.speculative`` on, one sequence (no n > 1, best_of, beam search), and room for a draft
-(k_i = min(k, max_tokens - outputs - 1, max_model_len - tokens) >= 1). Steps holding a sequence that may speculate
-run synchronously (overlapped scheduling resumes once none is left).
+(k_i = min(k, max_tokens - outputs - 1, max_model_len - tokens) >= 1). With overlapped scheduling, 4 is split:
+``launch`` enqueues the step and the engine builds the previous step's outputs before ``finish`` reads it back
+(step_pipeline.py); a sequence finished or aborted in between appends nothing and is released.
 """
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ class SpecDecoder:
         self._drafted: dict[int, Sequence] = {}      # sequences given drafts for the coming step
         self._tracked: dict[int, Sequence] = {}      # sequences the proposer may hold state for
         self._hidden: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._launched: tuple | None = None          # (LaunchedVerify, forced, kept, seconds) until finish
         logger.info("speculative decoding: %s, k=%d, verify steps %s", config.method, config.num_speculative_tokens,
                     "through the padded decode path (CUDA graphs on CUDA)" if config.verify_cuda_graphs else "eager")
 
@@ -199,27 +201,45 @@ class SpecDecoder:
     # ---- the step -----------------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, sampling: dict, lora_slots: dict[int, int] | None, structured,
                 request_of: RequestLookup) -> ModelStepOutput:
+        """Run a step through the verify executor and wait for it: ``launch`` then ``finish``."""
+        self.launch(out, sampling, lora_slots, structured, request_of)
+        return self.finish(request_of)
+
+    def launch(self, out: SchedulerOutput, sampling: dict, lora_slots: dict[int, int] | None, structured,
+               request_of: RequestLookup) -> None:
+        """Enqueue the step on the device (forward, logits, acceptance, the read-back's copy); ``finish`` waits for
+        it. The host may build the previous step's outputs in between (overlapped verify steps)."""
         t0 = time.perf_counter()
-        keep = None
+        keep = {}
         if self.proposer.needs_hidden_states:
-            keep = {s.seq.seq_id for s in out.scheduled if self._may_speculate(s.seq, request_of)}
+            keep = {s.seq.seq_id: s.seq for s in out.scheduled if self._may_speculate(s.seq, request_of)}
         forced = self._forced_rows(out, request_of)  # before the step: the tokens it would append are not in yet
-        result, outcomes, hidden = self.executor.execute(out, sampling, lora_slots, self._proposals, structured, keep)
+        launched = self.executor.launch(out, sampling, lora_slots, self._proposals, structured, set(keep) or None)
+        self._launched = (launched, forced, keep, time.perf_counter() - t0)
+
+    def finish(self, request_of: RequestLookup) -> ModelStepOutput:
+        """Read the launched step back: the tokens per sequence; counters and ``proposer.observe`` for the
+        sequences still running (one finished or aborted since the launch appends nothing)."""
+        t0 = time.perf_counter()
+        launched, forced, keep, launch_s = self._launched
+        self._launched = None
+        result, outcomes, hidden = self.executor.finish(launched)
         for seq_id, token in forced.items():  # the target's token was drawn (a real cost) and is discarded
             drawn = result.sampled.get(seq_id)
             if drawn:
                 self.stats.replay_checked += 1
                 self.stats.replay_agreed += int(drawn == [token])
                 result.sampled[seq_id] = [token]
-        # a sequence aborted during the step (e.g. from a logits hook) appends nothing
         outcomes = [o for o in outcomes if self._drafted[o.seq_id].status is SequenceStatus.RUNNING]
         if outcomes:
             self.stats.verify_steps += 1
-            self.stats.verify_s += time.perf_counter() - t0
+            self.stats.verify_s += launch_s + time.perf_counter() - t0
             self.stats.graph_steps += int(self.executor.last_on_graphs)  # verify steps only
             self._observe(outcomes, request_of)
         accepted = {o.seq_id: o.num_accepted for o in outcomes}
         for seq_id, (start, rows) in hidden.items():
+            if keep[seq_id].status is not SequenceStatus.RUNNING:
+                continue  # finished or aborted since the launch (released)
             if seq_id in accepted:
                 rows = rows[:accepted[seq_id] + 1]  # rejected drafts' rows are not the sequence's
             self._add_hidden(seq_id, start, rows)

@@ -16,10 +16,12 @@ plain decodes may ride along), then acceptance per speculating sequence.
     plain rows: the model runner's own sampling (``ModelRunner._draw``, beam rows), with their grammar masks
 
 Logprobs (requests that ask) are those of the raw target logits at each kept token's row, as without speculation.
+``launch`` enqueues everything up to the acceptance and starts the one read-back ([S, 2] accepted counts and
+tokens, to pinned memory on CUDA); ``finish`` waits for it and cuts the tokens (``execute``: both).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +32,7 @@ from loraplex.engine.spec_decode import rejection
 from loraplex.engine.spec_decode.batch_inputs import paged_batch
 from loraplex.engine.spec_decode.proposer import Proposal
 from loraplex.engine.spec_decode.verify_graphs import can_run_rows, run_rows
+from loraplex.engine.step_pipeline import PendingTokens
 from loraplex.engine.structured.bitmask import apply_token_bitmask, bitmask_width
 
 
@@ -55,6 +58,29 @@ class Outcome:
     agreed: bool | None = None  # forced replay: did the target's verdict and token match the plan
 
 
+@dataclass
+class _VerifyRows:
+    """The verify entries of a launched step, per sequence, and their acceptance on its way to the host."""
+
+    seqs: list
+    drafts: list[list[int]]
+    params: list
+    offs: list[int]               # first row of each sequence in ``raw``
+    matchers: list
+    raw: torch.Tensor             # the target's logits of the verify rows
+    proposals: dict[int, Proposal]
+    read_back: PendingTokens      # {seq_id: [accepted, token]}
+
+
+@dataclass
+class LaunchedVerify:
+    """A verify step launched (``VerifyExecutor.launch``) and not yet read back (``finish``)."""
+
+    result: ModelStepOutput
+    kept: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    rows: _VerifyRows | None = None
+
+
 class VerifyExecutor:
     def __init__(self, runner, *, max_model_len: int, verify_graphs=None, decode_graphs=None) -> None:
         self.runner = runner
@@ -72,11 +98,19 @@ class VerifyExecutor:
         """Run step ``out`` (``sampling`` / ``lora_slots`` as ``ModelRunner.execute``; ``proposals`` by seq_id for
         the verify entries). Returns (the step's output: ``sampled[seq_id]`` lists every appended token, the
         verify outcomes, {seq_id: (first position, hidden rows)} of the sequences in ``keep_hidden``)."""
+        return self.finish(self.launch(out, sampling, lora_slots, proposals, structured, keep_hidden))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, sampling: dict, lora_slots: dict[int, int] | None,
+               proposals: dict[int, Proposal], structured=None, keep_hidden: set[int] | None = None
+               ) -> "LaunchedVerify":
+        """The device half of ``execute``: the forward, the logits, the acceptance, and the copy of the accepted
+        counts and tokens to the host started; ``finish`` reads them back."""
         runner = self.runner
-        result = ModelStepOutput()
+        launched = LaunchedVerify(ModelStepOutput())
         runner.move_blocks(out)
         if not out.scheduled:
-            return result, [], {}
+            return launched
         entries = []
         for s in out.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
@@ -85,11 +119,10 @@ class VerifyExecutor:
             else:
                 tokens = seq.token_ids_slice(start, start + s.num_new_tokens)
             entries.append((tokens, start, s.block_ids))
-        hidden, first = self._forward(out, entries, lora_slots, result)
-        kept = {}
+        hidden, first = self._forward(out, entries, lora_slots, launched.result)
         if keep_hidden:
-            kept = {s.seq.seq_id: (e[1], hidden[f:f + len(e[0])].clone())
-                    for s, e, f in zip(out.scheduled, entries, first) if s.seq.seq_id in keep_hidden}
+            launched.kept = {s.seq.seq_id: (e[1], hidden[f:f + len(e[0])].clone())
+                             for s, e, f in zip(out.scheduled, entries, first) if s.seq.seq_id in keep_hidden}
         index, plain, verify = [], [], []
         for s, (tokens, _, _), f in zip(out.scheduled, entries, first):
             if not s.sample:
@@ -101,7 +134,7 @@ class VerifyExecutor:
                 plain.append((s, len(index)))
                 index.append(f + len(tokens) - 1)
         if not index:
-            return result, [], kept
+            return launched
         # every row kept in order (a step of verifies and decodes only): no gather. A gather's index goes up through
         # pinned memory: a pageable copy would wait for the forward, and every launch after it would leave the
         # device idle; so the host enqueues logits and acceptance while the forward runs and waits once, at the
@@ -113,9 +146,17 @@ class VerifyExecutor:
                         for _ in range(1 + len(s.draft_token_ids))]
             runner.logits_hook(row_seqs, logits)
         if plain:
-            self._sample_plain(logits, plain, sampling, result, structured)
-        outcomes = self._verify(logits, verify, sampling, proposals, structured, result) if verify else []
-        return result, outcomes, kept
+            self._sample_plain(logits, plain, sampling, launched.result, structured)
+        if verify:
+            launched.rows = self._verify(logits, verify, sampling, proposals, structured)
+        return launched
+
+    @torch.inference_mode()
+    def finish(self, launched: "LaunchedVerify"
+               ) -> tuple[ModelStepOutput, list[Outcome], dict[int, tuple[int, torch.Tensor]]]:
+        """The host half of ``execute``: wait for the launched step's read-back, cut each sequence's tokens."""
+        outcomes = self._verify_outcomes(launched.rows, launched.result) if launched.rows is not None else []
+        return launched.result, outcomes, launched.kept
 
     # ---- the forward --------------------------------------------------------------------------------------
     def _forward(self, out: SchedulerOutput, entries: list, lora_slots, result: ModelStepOutput):
@@ -173,7 +214,8 @@ class VerifyExecutor:
             runner._draw(sub, draw, seqs, by_id, sampling, result, mask)
 
     # ---- verify rows --------------------------------------------------------------------------------------
-    def _verify(self, logits, verify, sampling, proposals, structured, result) -> list[Outcome]:
+    def _verify(self, logits, verify, sampling, proposals, structured) -> "_VerifyRows":
+        """Acceptance of the verify rows, enqueued; the accepted counts and tokens on their way to the host."""
         runner = self.runner
         device = logits.device
         rows, params_rows, hist_rows = [], [], []
@@ -232,10 +274,17 @@ class VerifyExecutor:
                 else:
                     idx = row_tensor(group, torch.int64, device)
                     accepted[idx], tokens[idx] = a, t
-        both = torch.stack([accepted, tokens]).tolist()  # the one read-back of the verify
+        # the one read-back of the verify: [S, 2] (accepted, token) per sequence, waited for in finish()
+        return _VerifyRows(seqs, drafts, params, offs, matchers, raw, proposals,
+                           PendingTokens([seq.seq_id for seq in seqs], torch.stack([accepted, tokens], dim=1)))
+
+    def _verify_outcomes(self, v: "_VerifyRows", result: ModelStepOutput) -> list[Outcome]:
+        both = v.read_back.wait()
+        seqs, drafts, params, offs, matchers, proposals = v.seqs, v.drafts, v.params, v.offs, v.matchers, v.proposals
+        device = v.raw.device
         outcomes, lp_rows, lp_tokens, lp_top, lp_owner = [], [], [], [], []
         for i, seq in enumerate(seqs):
-            a, t = both[0][i], both[1][i]
+            a, t = both[seq.seq_id]
             kept_a, kept_t, agreed = a, t, None
             plan = proposals.get(seq.seq_id)
             if plan is not None and plan.planned_num_accepted is not None:
@@ -251,7 +300,7 @@ class VerifyExecutor:
                 lp_top += [params[i].logprobs] * len(out_tokens)
                 lp_owner += [seq.seq_id] * len(out_tokens)
         if lp_rows:
-            entries = compute_logprobs(raw[row_tensor(lp_rows, torch.int64, device)], lp_tokens, lp_top)
+            entries = compute_logprobs(v.raw[row_tensor(lp_rows, torch.int64, device)], lp_tokens, lp_top)
             for owner, entry in zip(lp_owner, entries):
                 result.logprobs.setdefault(owner, []).append(entry)
         return outcomes
