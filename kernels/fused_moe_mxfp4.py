@@ -30,9 +30,7 @@ the pairs' outputs are written and the top-k sum is torch's, as in ``fused_moe``
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
 block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
 of 64), GROUP_M, SPLIT_K (down), GU_SPLIT_K (gate_up), GU_FUSED, PREFETCH (1: the next K step loaded into
-registers while this one computes, instead of Triton's cp.async pipeline; 2: the same, two steps a loop trip in
-ping-pong, so that no register copies move the prefetched set between trips: about 11% fewer instructions per
-weight at sm_90, more registers; launched with num_stages 1), PDL (1:
+registers while this one computes, instead of Triton's cp.async pipeline; launched with num_stages 1), PDL (1:
 every kernel of the op launched with programmatic dependent launch on sm_90+: it starts while the previous kernel
 drains, waits for it before reading, and lets the next one start after its K loop), DECODE
 ("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
@@ -115,39 +113,9 @@ def _k_loop(acc, acc2, x_ptrs, w_ptrs, s_ptrs, w2_offset, s2_offset, row_ok, k_b
     PREFETCH 0: plain loads in the loop, which Triton's software pipeliner turns into cp.async copies through
     shared memory (num_stages deep); PREFETCH 1 (num_stages 1): the next step's words, scales and x^T are loaded
     into registers while this step decodes and multiplies (one step of lookahead, no shared-memory round trip for
-    the weights); PREFETCH 2: the same lookahead with two steps a trip, sets a and b alternating (a step past k_end
-    loads as zeros)."""
+    the weights)."""
     atom_end = tl.cdiv(k_end, 64)
-    if PREFETCH == 2:  # ping-pong: two steps a trip, each loaded one step ahead into the set just consumed
-        xt = _load_xt(x_ptrs, k_begin, k_end, row_ok, True, BLOCK_K)
-        words, scales = load_kernel_tile(w_ptrs, s_ptrs, k_begin // 64, atom_end, True, BLOCK_K)
-        if TWO:
-            words2, scales2 = load_kernel_tile(w_ptrs + w2_offset, s_ptrs + s2_offset, k_begin // 64, atom_end,
-                                               True, BLOCK_K)
-        for k0 in range(k_begin, k_end, 2 * BLOCK_K):  # a step past k_end loads as zeros and adds nothing
-            kb = k0 + BLOCK_K
-            xt_b = _load_xt(x_ptrs + BLOCK_K, kb, k_end, row_ok, True, BLOCK_K)
-            words_b, scales_b = load_kernel_tile(w_ptrs + BLOCK_K * 2, s_ptrs + BLOCK_K // 8, kb // 64, atom_end,
-                                                 True, BLOCK_K)
-            if TWO:
-                words2_b, scales2_b = load_kernel_tile(w_ptrs + BLOCK_K * 2 + w2_offset,
-                                                       s_ptrs + BLOCK_K // 8 + s2_offset, kb // 64, atom_end, True,
-                                                       BLOCK_K)
-                acc2 = _mma(decode_kernel_tile(words2, scales2, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc2,
-                            DECODE)
-            acc = _mma(decode_kernel_tile(words, scales, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt, acc, DECODE)
-            x_ptrs += 2 * BLOCK_K
-            w_ptrs += BLOCK_K * 4
-            s_ptrs += BLOCK_K // 4
-            xt = _load_xt(x_ptrs, kb + BLOCK_K, k_end, row_ok, True, BLOCK_K)
-            words, scales = load_kernel_tile(w_ptrs, s_ptrs, (kb + BLOCK_K) // 64, atom_end, True, BLOCK_K)
-            if TWO:
-                words2, scales2 = load_kernel_tile(w_ptrs + w2_offset, s_ptrs + s2_offset, (kb + BLOCK_K) // 64,
-                                                   atom_end, True, BLOCK_K)
-                acc2 = _mma(decode_kernel_tile(words2_b, scales2_b, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt_b, acc2,
-                            DECODE)
-            acc = _mma(decode_kernel_tile(words_b, scales_b, BLOCK_N, BLOCK_K, xt.dtype, DECODE), xt_b, acc, DECODE)
-    elif PREFETCH:
+    if PREFETCH:
         xt = _load_xt(x_ptrs, k_begin, k_end, row_ok, True, BLOCK_K)
         words, scales = load_kernel_tile(w_ptrs, s_ptrs, k_begin // 64, atom_end, True, BLOCK_K)
         if TWO:
@@ -343,8 +311,8 @@ def _launch(cfg: dict) -> tuple[int, int, int, int, dict]:
         raise ValueError(f"the MXFP4 kernel layout needs BLOCK_N a multiple of {ROW_GROUP} and BLOCK_K of {K_ATOM}, "
                          f"got BLOCK_N {bn}, BLOCK_K {bk}")
     prefetch = int(cfg.get("PREFETCH", 0))
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"PREFETCH {prefetch!r}: expected 0, 1 or 2")
+    if prefetch not in (0, 1):
+        raise ValueError(f"PREFETCH {prefetch!r}: expected 0 or 1")
     stages = 1 if prefetch else int(cfg["num_stages"])  # PREFETCH pipelines in registers, not through Triton's
     return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=stages)
 

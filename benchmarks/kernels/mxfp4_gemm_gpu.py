@@ -19,8 +19,7 @@ Phases, each wrapped (a failure is a row or a line, and the next phase runs):
 4. per M (``--m``, most telling first; stops at ``--budget-s``): correctness then time of each variant:
       kernel layout             fused_moe_mxfp4 on ``mxfp4.prepare_for_kernel``'s layout, tuned config
       kernel layout, <knob>     the tuned config with one knob changed (``RELATIVE_VARIANTS``: the scale multiply
-                                in plain Triton, split-K on both GEMMs, register prefetch one step ahead or in
-                                ping-pong (PREFETCH 2), gate/up in one product,
+                                in plain Triton, split-K on both GEMMs, register prefetch, gate/up in one product,
                                 PDL launches, one pair per block without moe_align at M <= 4)
       <family>                  fixed configs of each kernel family (``DECODE_FAMILIES`` at M <= 64,
                                 ``PREFILL_FAMILIES`` above), the first being the previous best ("run-1 ...")
@@ -77,9 +76,6 @@ DECODE_FAMILIES = {
     "mma.sync 16x64x128, 2 warps": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 0, 2, 3))),
     "wgmma 16x64x128, 4 stages": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 0, 4, 4))),
     "wgmma 16x64x128, register prefetch": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 1, 4, 1))),
-    "mma.sync 8x64x128, ping-pong prefetch": dict(zip(_F, (8, 64, 128, 1, 1, 1, 0, 2, 4, 1))),
-    "mma.sync 8x32x128, ping-pong prefetch": dict(zip(_F, (8, 32, 128, 1, 1, 1, 0, 2, 4, 1))),
-    "wgmma 16x64x128, ping-pong prefetch": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 2, 4, 1))),
 }
 PREFILL_FAMILIES = {
     "run-1 best: wgmma 128x128x64, 8 warps": dict(zip(_F, (128, 128, 64, 4, 1, 1, 0, 0, 8, 4))),
@@ -91,7 +87,6 @@ RELATIVE_VARIANTS = {  # the tuned config with one knob changed (split-K / direc
     "kernel layout, split-K 2+2": {"SPLIT_K": 2, "GU_SPLIT_K": 2},
     "kernel layout, split-K 4+4": {"SPLIT_K": 4, "GU_SPLIT_K": 4},
     "kernel layout, prefetch": {"PREFETCH": 1, "num_stages": 1},
-    "kernel layout, ping-pong": {"PREFETCH": 2, "num_stages": 1},
     "kernel layout, fused gate/up": {"GU_FUSED": 1},
     "kernel layout, PDL": {"PDL": 1},
     "kernel layout, direct": {"DIRECT": 1},
