@@ -39,6 +39,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -141,26 +142,86 @@ class DecodeGraphs:
         if self._write_inputs(out.scheduled, lora_slots, b, rows):
             ids, src = self.input_ids[:b], self.pending_rows[:b]
             ids.copy_(torch.where(src >= 0, pending[0][src.clamp(min=0)], ids))
+        return self._replay(b, n)
+
+    def run_rows(self, entries: list[tuple[list[int], int, list[int]]], row_slots: list[int]) -> torch.Tensor:
+        """Hidden [R, H] of the R = sum(len(token_ids)) rows of ``entries`` (token_ids, start, block_ids) in order:
+        entry i's token j is a one-token decode at position start_i + j over block_ids_i (a verify step's rows,
+        spec_decode/verify_graphs.py). ``row_slots[i]``: entry i's LoRA step slot input (-1: base). Written an entry
+        at a time (its rows are consecutive positions over one block table: numpy slices, no object per row)."""
+        n = sum(len(t) for t, _, _ in entries)
+        b = self.bucket_for(n)
+        ids, pos, slots, src, seq_lens, _, tables = self._host_buffers(b)
+        bs = self.runner.block_size
+        per_row_slots: list[int] = []
+        r = 0
+        for (tokens, start, blocks), slot in zip(entries, row_slots):
+            k = len(tokens)
+            p = np.arange(start, start + k)
+            table = np.asarray(blocks, dtype=np.int64)
+            ids[r:r + k] = tokens
+            pos[r:r + k] = p
+            slots[r:r + k] = table[p // bs] * bs + p % bs
+            seq_lens[r:r + k] = p + 1
+            tables[r:r + k, :len(blocks)] = table
+            per_row_slots += [slot] * k
+            r += k
+        src[:n] = -1
+        self._send_inputs(n, b, per_row_slots, "verify")
+        return self._replay(b, n)
+
+    def _replay(self, b: int, n: int) -> torch.Tensor:
+        """Run bucket ``b`` on the static buffers just written: hidden [n, H] of its first ``n`` rows."""
         self.num_steps += 1
         if self.capture:
             self._graphs[b].replay()
             return self._outputs[b][:n]
         return self._forward(b)[:n]
 
+    def _host_buffers(self, b: int) -> tuple:
+        """Views of the pinned host buffers (ids, positions, slots, pending rows, seq_lens, LoRA indices, block
+        tables [B, W]), once the previous step's copy has read them; bucket ``b``'s table rows cleared."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the pinned buffers
+        views = self._host_views()
+        views[-1][:b] = 0
+        return views
+
+    def _send_inputs(self, n: int, b: int, row_slots: list[int], what: str) -> None:
+        """Rows 0..n-1's LoRA indices from their step slots (``row_slots``), rows n..b-1 padded, then the host
+        buffers copied to the static device buffers (asynchronously on CUDA; ``_copied`` marks when they are free)."""
+        ids, pos, slots, src, seq_lens, lora_idx, _ = self._host_views()
+        lora = self.runner.lora
+        if any(c >= 0 for c in row_slots):
+            if lora is None:
+                raise ValueError(f"a {what} step has adapter slots but LoRA is not attached")
+            lora_idx[:n] = lora.step_indices(row_slots)  # writes the step's LoRA table too
+        else:
+            lora_idx[:n] = -1
+        ids[n:b], pos[n:b], slots[n:b], src[n:b], seq_lens[n:b], lora_idx[n:b] = 0, 0, -1, -1, 0, -1
+        nb = self._dev64.is_cuda
+        self._dev64.copy_(self._host64, non_blocking=nb)
+        used = 3 * self.max_batch_size + 1 + b * self.max_blocks
+        self._dev32[:used].copy_(self._host32[:used], non_blocking=nb)
+        if nb:
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _host_views(self) -> tuple:
+        """(ids, positions, slots, pending rows, seq_lens, LoRA indices, block tables [B, W]) of the host buffers."""
+        B, W = self.max_batch_size, self.max_blocks
+        h64, h32 = self._h64, self._h32
+        return (h64[:B], h64[B:2 * B], h64[2 * B:3 * B], h64[3 * B:], h32[:B], h32[2 * B + 1:3 * B + 1],
+                h32[3 * B + 1:].reshape(B, W))
+
     def _write_inputs(self, scheduled: list, lora_slots: dict[int, int] | None, b: int,
                       pending_rows: dict[int, int] | None = None) -> bool:
         """Fill the host buffers (rows n..b-1 padded) and copy them to the static device buffers. Returns whether
         some row's input token is pending (its row in the previous step's tokens is in ``pending_rows``)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has read the pinned buffers
-        B, W, bs = self.max_batch_size, self.max_blocks, self.runner.block_size
-        h64, h32 = self._h64, self._h32
-        ids, pos, slots, src = h64[:B], h64[B:2 * B], h64[2 * B:3 * B], h64[3 * B:]
-        seq_lens, lora_idx = h32[:B], h32[2 * B + 1:3 * B + 1]
-        tables = h32[3 * B + 1:].reshape(B, W)
+        ids, pos, slots, src, seq_lens, _, tables = self._host_buffers(b)
+        bs = self.runner.block_size
         n = len(scheduled)
-        lora = self.runner.lora
-        tables[:b] = 0
         any_pending = False
         for i, s in enumerate(scheduled):
             seq, table = s.seq, s.block_ids
@@ -177,21 +238,7 @@ class DecodeGraphs:
             seq_lens[i] = ctx + 1
             tables[i, :len(table)] = table
         row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in scheduled]
-        if any(c >= 0 for c in row_slots):
-            if lora is None:
-                raise ValueError("a decode step has adapter slots but LoRA is not attached")
-            lora_idx[:n] = lora.step_indices(row_slots)  # writes the step's LoRA table too
-        else:
-            lora_idx[:n] = -1
-        ids[n:b], pos[n:b], slots[n:b], src[n:b], seq_lens[n:b], lora_idx[n:b] = 0, 0, -1, -1, 0, -1
-        nb = self._dev64.is_cuda
-        self._dev64.copy_(self._host64, non_blocking=nb)
-        used = 3 * B + 1 + b * W
-        self._dev32[:used].copy_(self._host32[:used], non_blocking=nb)
-        if nb:
-            if self._copied is None:
-                self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._send_inputs(n, b, row_slots, "decode")
         return any_pending
 
     def _write_padding(self, b: int) -> None:

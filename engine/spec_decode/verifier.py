@@ -31,7 +31,7 @@ from loraplex.engine.scheduler_output import ModelStepOutput, SchedulerOutput
 from loraplex.engine.spec_decode import rejection
 from loraplex.engine.spec_decode.batch_inputs import paged_batch
 from loraplex.engine.spec_decode.proposer import Proposal
-from loraplex.engine.spec_decode.verify_graphs import can_run_rows, run_rows
+from loraplex.engine.spec_decode.verify_graphs import can_run_rows
 from loraplex.engine.step_pipeline import PendingTokens
 from loraplex.engine.structured.bitmask import apply_token_bitmask, bitmask_width
 
@@ -165,7 +165,7 @@ class VerifyExecutor:
         if graphs is not None:
             runner._check_lora_slots(out, lora_slots)
             row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
-            hidden = self._run_rows(graphs, entries, row_slots, runner.lora)
+            hidden = self._run_rows(graphs, entries, row_slots)
             self.num_graph_steps += 1
             self.last_on_graphs = True
             first, row = [], 0
@@ -181,7 +181,9 @@ class VerifyExecutor:
         self.last_on_graphs = False
         return hidden, batch.first_rows
 
-    _run_rows = staticmethod(run_rows)
+    @staticmethod
+    def _run_rows(graphs, entries: list, row_slots: list[int]) -> torch.Tensor:
+        return graphs.run_rows(entries, row_slots)
 
     def _graphs_for(self, out: SchedulerOutput, entries: list):
         """The padded decode path (decode graphs when the rows fit them, else the verify graphs) when every entry
