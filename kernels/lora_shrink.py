@@ -7,6 +7,10 @@ so tokens without an adapter and idle slots launch nothing. A program reads its 
 with rank 0 (not targeted) leaves its rows zero. Split-K programs add their partial sums with relaxed
 atomics into a zeroed fp32 buffer. The token count is not a compile-time constant: one compile serves every
 batch size and context length.
+Config "COMPACT": c > 0 launches the grid's token-block dim divided by c, 1-D, each program walking the used
+(token block, slice, split) items with a stride of the grid: a decode graph's table (one slot per row) then
+launches c times fewer programs that do nothing, and each program scans the segment lengths once. c = 0: the
+grid above.
 """
 from __future__ import annotations
 
@@ -39,24 +43,28 @@ def default_config(k: int) -> dict:
 
 
 @triton.jit
-def _lora_shrink_kernel(
-    x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
-    # x [T, K]; entries [L, S, 3] (A address, B address, rank); buf [S, T, R] fp32; order [T] tokens sorted by
-    # slot; seg_* [L]; scaling [>= L]
-    K, L,
-    stride_xt, stride_el, stride_es, stride_bs, stride_bt,
-    W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr,
-):
-    lora, pid_m, past = slot_block(tl.program_id(0), seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
-    pid_z = tl.program_id(1)
-    if past:  # past the token blocks the slots use
-        return
-    sl = pid_z // SPLIT_K
-    pid_k = pid_z % SPLIT_K
-    a_ptr, rank = weight_entry(entries_ptr, lora, sl, stride_el, stride_es, 0, W_DTYPE)
-    if rank == 0:  # this slot's adapter does not target the slice: its rows stay zero
-        return
+def used_blocks(seg_len_ptr, L, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
+    """(token blocks of each slot [BLOCK_L], their running ends, the slot index vector): one scan of the step's
+    segment lengths that ``block_at`` then reads for any number of flat blocks."""
+    lv = tl.arange(0, BLOCK_L)
+    rows = tl.load(seg_len_ptr + lv, mask=lv < L, other=0)
+    blocks = (rows + BLOCK_M - 1) // BLOCK_M
+    return blocks, tl.cumsum(blocks, 0), lv
+
+
+@triton.jit
+def block_at(f, blocks, ends, lv):
+    """(slot, token block within the slot) of used flat block f (f < the sum of ``blocks``)."""
+    slot = tl.sum((ends <= f).to(tl.int32), 0)
+    return slot, f - tl.sum(tl.where(lv < slot, blocks, 0), 0)
+
+
+@triton.jit
+def _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr, lora, pid_m, sl,
+                 pid_k, K, stride_xt, stride_bs, stride_bt,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """One program's work: token block ``pid_m`` of slot ``lora``, slice ``sl``, K split ``pid_k`` (rank > 0)."""
     count = tl.load(seg_len_ptr + lora)
     start = tl.load(seg_start_ptr + lora)
     idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,6 +96,50 @@ def _lora_shrink_kernel(
         tl.store(out_ptrs, acc, mask=out_mask)
     else:
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
+    # x [T, K]; entries [L, S, 3] (A address, B address, rank); buf [S, T, R] fp32; order [T] tokens sorted by
+    # slot; seg_* [L]; scaling [>= L]
+    K, L,
+    stride_xt, stride_el, stride_es, stride_bs, stride_bt,
+    W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    lora, pid_m, past = slot_block(tl.program_id(0), seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
+    pid_z = tl.program_id(1)
+    if past:  # past the token blocks the slots use
+        return
+    sl = pid_z // SPLIT_K
+    a_ptr, rank = weight_entry(entries_ptr, lora, sl, stride_el, stride_es, 0, W_DTYPE)
+    if rank == 0:  # this slot's adapter does not target the slice: its rows stay zero
+        return
+    _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr, lora, pid_m, sl,
+                 pid_z % SPLIT_K, K, stride_xt, stride_bs, stride_bt, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
+
+
+@triton.jit
+def _lora_shrink_compact_kernel(
+    x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,  # as _lora_shrink_kernel
+    K, L,
+    stride_xt, stride_el, stride_es, stride_bs, stride_bt,
+    W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr, NUM_Z: tl.constexpr,
+):
+    """COMPACT: a 1-D grid smaller than the worst case walks the used work items w = (flat block, slice, split),
+    w = pid, pid + grid, ...; one scan of the segment lengths per program, programs past the work leave at once."""
+    blocks, ends, lv = used_blocks(seg_len_ptr, L, BLOCK_M, BLOCK_L)
+    for w in range(tl.program_id(0), tl.sum(blocks, 0) * NUM_Z, tl.num_programs(0)):
+        lora, pid_m = block_at(w // NUM_Z, blocks, ends, lv)
+        pid_z = w % NUM_Z
+        sl = pid_z // SPLIT_K
+        a_ptr, rank = weight_entry(entries_ptr, lora, sl, stride_el, stride_es, 0, W_DTYPE)
+        if rank > 0:  # a slice the slot's adapter does not target keeps its rows zero
+            _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr, lora,
+                         pid_m, sl, pid_z % SPLIT_K, K, stride_xt, stride_bs, stride_bt, BLOCK_M, BLOCK_R, BLOCK_K,
+                         SPLIT_K, EVEN_K)
 
 
 def lora_segments(token_lora_idx: torch.Tensor, max_loras: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,12 +189,16 @@ def lora_shrink(x: torch.Tensor, lora_a: LoRATable | torch.Tensor, token_lora_id
     order, seg_start, seg_len = segments or lora_segments(token_lora_idx, max_loras)
     block_m, block_k = int(cfg["BLOCK_M"]), int(cfg["BLOCK_K"])
     ent = table.entries
-    grid = (flat_blocks(num_tokens, max_loras, block_m), num_slices * split_k)
-    _lora_shrink_kernel[grid](
+    num_flat, num_z = flat_blocks(num_tokens, max_loras, block_m), num_slices * split_k
+    compact = int(cfg.get("COMPACT", 0))
+    kernel, grid, extra = _lora_shrink_kernel, (num_flat, num_z), {}
+    if compact:  # a smaller 1-D grid walking the used work (module docstring)
+        kernel, grid, extra = _lora_shrink_compact_kernel, (triton.cdiv(num_flat, compact) * num_z,), {"NUM_Z": num_z}
+    kernel[grid](
         x, ent, buf, order, seg_start, seg_len, scaling, in_features, max_loras,
         x.stride(0), ent.stride(0), ent.stride(1), buf.stride(0), buf.stride(1),
         W_DTYPE=tl_dtype(table.dtype), BLOCK_M=block_m, BLOCK_R=block_r(rank), BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=in_features % (block_k * split_k) == 0, BLOCK_L=triton.next_power_of_2(max_loras),
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **extra,
     )
     return buf

@@ -7,7 +7,8 @@
    the expert layer with expert LoRA minus the layer without (``moe_experts_lora`` - ``fused_moe``), each
    fused_moe_lora target (its alignment included), moe_align_lora over the graph's table and over the used slots
    only, and the attention LoRA as the engine runs it (lora_shrink + lora_expand given the step's segments, qkv
-   and o; qkv again through a table of only the 32 adapters: the cost of the graph table's idle slots). Each
+   and o; qkv again through a table of only the 32 adapters: the cost of the graph table's idle slots; the same
+   shrink and expand calls with "COMPACT" 1, 2, 4 beside them, checked against the reference first). Each
    under three tuning folders: "default" (no LoRA tuning files), "committed" (tuning_configs/) and "tuned"
    (tuning_configs/ with step 1's entries merged in). Byte floor: the LoRA factors the batch reads (the
    distinct (adapter, expert) pairs' R x (K + N), the used adapters' attention factors) at ``--peak-tbps``.
@@ -36,9 +37,11 @@ import torch  # noqa: E402
 
 from loraplex.kernels import tuning  # noqa: E402
 from loraplex.kernels.tuning_cases import (PRESETS, ModelShapes, adapter_indices, bench_time_ms,  # noqa: E402
-                                           dense_lora_cases, serving_mix, tunable_cases, widen_table)
+                                           dense_lora_cases, rel_error, serving_mix, tunable_cases, widen_table)
 
 LORA_OPS = ("fused_moe_lora", "lora_shrink", "lora_expand", "lora_shrink_expand")
+COMPACT_VALUES = (1, 2, 4)  # lora_shrink / lora_expand "COMPACT" rows beside the plain grid
+CHECK_TOL = 2e-2  # relative error of a bf16 LoRA op against the fp32-accumulating reference
 # the dry run's model: tiny dims, GPT-OSS's activation and expert bias
 TINY = ModelShapes("tiny", hidden=64, num_experts=4, top_k=2, moe_intermediate=32, num_heads=4, num_kv_heads=2,
                    head_dim=16, activation="swiglu_clamp", expert_bias=True, router_scoring="topk_softmax")
@@ -150,12 +153,31 @@ def probe_calls(s: ModelShapes, m: int, rank: int, dtype, device) -> tuple[dict,
             weights = used * rank * (a_elems if case.label.startswith("lora_shrink") else b_elems) * elem
             calls[case.label] = (lambda case=case: case.run(None), weights)
             attn_floor += weights
+    # the COMPACT variants of the same calls (configs looked up when called, COMPACT set), checked first
+    compact_errors = {}
+    for target in ("qkv", "o"):
+        for case in dense_lora_cases(s, m, inp["mix"], rank, dtype, device, shared_metadata=True, target=target):
+            op = case.label.split("[")[0]
+            for c in COMPACT_VALUES:
+                cfg = lambda case=case, op=op, c=c: {  # noqa: E731
+                    **tuning.get_config(op, case.shape, m, case.default), "COMPACT": c}
+                label = f"{case.label} COMPACT={c}"
+                if op == "lora_shrink":  # against the plain grid, itself checked against the reference below
+                    err = rel_error(case.run(cfg()), case.run(None))
+                    compact_errors[f"{case.label} (plain grid vs reference)"] = case.check()
+                else:
+                    err = case.check(cfg())
+                compact_errors[label] = err
+                calls[label] = (lambda case=case, cfg=cfg: case.run(cfg()), 0)
+    bad = {k: v for k, v in compact_errors.items() if not v <= CHECK_TOL}
+    if bad:
+        raise SystemExit(f"COMPACT variants disagree with the reference: {bad}")
     # the same tokens through a table of only the adapters (no idle slots): what the graph's width costs
     narrow = dataclasses.replace(inp["mix"], table_slots=0)
     for case in dense_lora_cases(s, m, narrow, rank, dtype, device, shared_metadata=True, target="qkv"):
         calls[f"{case.label}, table of {narrow.slots}"] = (lambda case=case: case.run(None), 0)
     facts = dict(m=m, mix=str(inp["mix"]), used_adapters=used, expert_pairs=inp["pairs"],
-                 expert_floor_bytes=inp["floor_bytes"], attention_bytes=attn_floor)
+                 expert_floor_bytes=inp["floor_bytes"], attention_bytes=attn_floor, compact_rel_errors=compact_errors)
     return calls, facts
 
 
@@ -219,9 +241,14 @@ def main() -> int:
     times["expert LoRA (layer + LoRA - layer)"] = {k: v - base[k] for k, v in times["expert layer + LoRA"].items()}
     floors = {label: f for label, (_, f) in calls.items()}
     floors["expert LoRA (layer + LoRA - layer)"] = facts["expert_floor_bytes"]
-    attn = [label for label in times if label.startswith(("lora_shrink[", "lora_expand[")) and "table of" not in label]
+    attn = [label for label in times if label.startswith(("lora_shrink[", "lora_expand["))
+            and "table of" not in label and "COMPACT" not in label]
     times["attention LoRA (qkv + o)"] = {k: sum(times[a][k] for a in attn) for k in base}
     floors["attention LoRA (qkv + o)"] = facts["attention_bytes"]
+    for c in COMPACT_VALUES:
+        label = f"attention LoRA (qkv + o), COMPACT={c}"
+        times[label] = {k: sum(times[f"{a} COMPACT={c}"][k] for a in attn) for k in base}
+        floors[label] = facts["attention_bytes"]
     step = {k: args.layers * (times["expert LoRA (layer + LoRA - layer)"][k] + times["attention LoRA (qkv + o)"][k])
             for k in base}
     floors_step = args.layers * (facts["expert_floor_bytes"] + facts["attention_bytes"])
