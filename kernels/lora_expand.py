@@ -23,11 +23,11 @@ import triton.language as tl
 from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid
-from loraplex.kernels.lora_shrink import block_at, block_r, lora_segments, used_blocks
+from loraplex.kernels.lora_shrink import block_r, lora_segments
 from loraplex.kernels.lora_table import LoRATable, as_table
 from loraplex.kernels.reference_lora import check_slices
-from loraplex.kernels.slot_blocks import (flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, slot_block,
-                                          tl_dtype, weight_entry)
+from loraplex.kernels.slot_blocks import (block_at, flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait,
+                                          segment_rows, slot_block, tl_dtype, used_blocks, weight_entry)
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2, "PDL": 0}
 MAX_SLICES = 3
@@ -38,11 +38,7 @@ def _expand_rows(y_ptr, buf_ptr, b_ptr, rank, order_ptr, seg_start_ptr, seg_len_
                  R, offset, width, stride_yt, stride_bs, stride_bt,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program's work: token block ``pid_m`` of slot ``lora`` x column block ``pid_n`` of slice ``sl``."""
-    count = tl.load(seg_len_ptr + lora)
-    start = tl.load(seg_start_ptr + lora)
-    idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = idx < count
-    tok = tl.load(order_ptr + start + idx, mask=row_ok, other=0).to(tl.int64)
+    tok, row_ok = segment_rows(order_ptr, seg_start_ptr, seg_len_ptr, lora, pid_m, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,7 +97,7 @@ def _lora_expand_compact_kernel(
     n0 = tl.cdiv(W0, BLOCK_N)
     n01 = n0 + tl.cdiv(W1, BLOCK_N)
     per_block = n01 + tl.cdiv(W2, BLOCK_N)
-    blocks, ends, lv = used_blocks(seg_len_ptr, L, BLOCK_M, BLOCK_L)
+    blocks, ends, lv = used_blocks(seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
     for w in range(tl.program_id(0), tl.sum(blocks, 0) * per_block, tl.num_programs(0)):
         lora, pid_m = block_at(w // per_block, blocks, ends, lv)
         c = w % per_block

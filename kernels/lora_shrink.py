@@ -21,7 +21,8 @@ import triton.language as tl
 from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
 from loraplex.kernels.lora_table import LoRATable, as_table
-from loraplex.kernels.slot_blocks import flat_blocks, slot_block, tl_dtype, weight_entry
+from loraplex.kernels.slot_blocks import (block_at, flat_blocks, segment_rows, slot_block, tl_dtype, used_blocks,
+                                         weight_entry)
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 
@@ -43,33 +44,12 @@ def default_config(k: int) -> dict:
 
 
 @triton.jit
-def used_blocks(seg_len_ptr, L, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
-    """(token blocks of each slot [BLOCK_L], their running ends, the slot index vector): one scan of the step's
-    segment lengths that ``block_at`` then reads for any number of flat blocks."""
-    lv = tl.arange(0, BLOCK_L)
-    rows = tl.load(seg_len_ptr + lv, mask=lv < L, other=0)
-    blocks = (rows + BLOCK_M - 1) // BLOCK_M
-    return blocks, tl.cumsum(blocks, 0), lv
-
-
-@triton.jit
-def block_at(f, blocks, ends, lv):
-    """(slot, token block within the slot) of used flat block f (f < the sum of ``blocks``)."""
-    slot = tl.sum((ends <= f).to(tl.int32), 0)
-    return slot, f - tl.sum(tl.where(lv < slot, blocks, 0), 0)
-
-
-@triton.jit
 def _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr, lora, pid_m, sl,
                  pid_k, K, stride_xt, stride_bs, stride_bt,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_K: tl.constexpr):
     """One program's work: token block ``pid_m`` of slot ``lora``, slice ``sl``, K split ``pid_k`` (rank > 0)."""
-    count = tl.load(seg_len_ptr + lora)
-    start = tl.load(seg_start_ptr + lora)
-    idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = idx < count
-    tok = tl.load(order_ptr + start + idx, mask=row_ok, other=0).to(tl.int64)
+    tok, row_ok = segment_rows(order_ptr, seg_start_ptr, seg_len_ptr, lora, pid_m, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -130,7 +110,7 @@ def _lora_shrink_compact_kernel(
 ):
     """COMPACT: a 1-D grid smaller than the worst case walks the used work items w = (flat block, slice, split),
     w = pid, pid + grid, ...; one scan of the segment lengths per program, programs past the work leave at once."""
-    blocks, ends, lv = used_blocks(seg_len_ptr, L, BLOCK_M, BLOCK_L)
+    blocks, ends, lv = used_blocks(seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
     for w in range(tl.program_id(0), tl.sum(blocks, 0) * NUM_Z, tl.num_programs(0)):
         lora, pid_m = block_at(w // NUM_Z, blocks, ends, lv)
         pid_z = w % NUM_Z

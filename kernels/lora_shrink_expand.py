@@ -20,7 +20,7 @@ from loraplex.kernels.lora_expand import MAX_SLICES
 from loraplex.kernels.lora_shrink import block_r, lora_segments
 from loraplex.kernels.lora_table import as_table
 from loraplex.kernels.reference_lora import dense_table
-from loraplex.kernels.slot_blocks import flat_blocks, slot_block, tl_dtype, weight_entry
+from loraplex.kernels.slot_blocks import flat_blocks, segment_rows, slot_block, tl_dtype, weight_entry
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
@@ -45,12 +45,8 @@ def _lora_shrink_expand_kernel(
     b_ptr, _ = weight_entry(entries_ptr, lora, sl, stride_el, stride_es, 1, W_DTYPE)
     if rank == 0:  # the slot's adapter does not target this slice
         return
-    count = tl.load(seg_len_ptr + lora)
     offset = tl.where(sl == 0, 0, tl.where(sl == 1, OFF1, OFF2))
-    start = tl.load(seg_start_ptr + lora)
-    idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = idx < count
-    tok = tl.load(order_ptr + start + idx, mask=row_ok, other=0).to(tl.int64)
+    tok, row_ok = segment_rows(order_ptr, seg_start_ptr, seg_len_ptr, lora, pid_m, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     # ---- shrink: h = x_rows @ A.T (A [rank, K] row-major)

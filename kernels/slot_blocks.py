@@ -30,22 +30,43 @@ except ImportError:  # pragma: no cover  (older Triton: PDL stays off, see pdl_e
 
 
 @triton.jit
-def slot_block(f, rows_ptr, L, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, ROWS_PADDED: tl.constexpr):
-    """(slot, block within the slot, whether f lies past the used blocks) of flat block f.
-
-    rows_ptr [L]: rows of each slot (a multiple of BLOCK_M if ROWS_PADDED, e.g. moe_align's
-    num_tokens_post_pad; else a token count, rounded up to whole blocks here).
-    """
+def used_blocks(rows_ptr, L, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, ROWS_PADDED: tl.constexpr):
+    """(blocks of each slot [BLOCK_L], their running ends, the slot index vector): one scan of ``rows_ptr`` [L] (rows of
+    each slot: a multiple of BLOCK_M if ROWS_PADDED, e.g. moe_align's num_tokens_post_pad; else a token count,
+    rounded up to whole blocks here) that ``block_at`` reads for any number of flat blocks."""
     lv = tl.arange(0, BLOCK_L)
     rows = tl.load(rows_ptr + lv, mask=lv < L, other=0)
     if ROWS_PADDED:
         blocks = rows // BLOCK_M
     else:
         blocks = (rows + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(blocks, 0)
+    return blocks, tl.cumsum(blocks, 0), lv
+
+
+@triton.jit
+def block_at(f, blocks, ends, lv):
+    """(slot, block within the slot) of flat block f, from ``used_blocks``."""
     slot = tl.sum((ends <= f).to(tl.int32), 0)
-    before = tl.sum(tl.where(lv < slot, blocks, 0), 0)
-    return slot, f - before, f >= tl.sum(blocks, 0)
+    return slot, f - tl.sum(tl.where(lv < slot, blocks, 0), 0)
+
+
+@triton.jit
+def slot_block(f, rows_ptr, L, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, ROWS_PADDED: tl.constexpr):
+    """(slot, block within the slot, whether f lies past the used blocks) of flat block f (``used_blocks``)."""
+    blocks, ends, lv = used_blocks(rows_ptr, L, BLOCK_M, BLOCK_L, ROWS_PADDED)
+    slot, within = block_at(f, blocks, ends, lv)
+    return slot, within, f >= tl.sum(blocks, 0)
+
+
+@triton.jit
+def segment_rows(order_ptr, seg_start_ptr, seg_len_ptr, lora, pid_m, BLOCK_M: tl.constexpr):
+    """(token ids [BLOCK_M] int64, which of them exist) of token block ``pid_m`` of slot ``lora``'s segment
+    (``lora_segments``: tokens grouped by slot)."""
+    count = tl.load(seg_len_ptr + lora)
+    start = tl.load(seg_start_ptr + lora)
+    idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = idx < count
+    return tl.load(order_ptr + start + idx, mask=row_ok, other=0).to(tl.int64), row_ok
 
 
 @triton.jit
