@@ -1,7 +1,7 @@
 """Expert LoRA in Triton (gate_up or down): shrink and expand over pairs aligned by (adapter slot, expert).
 
     moe_align_lora ─> shrink: buf[p] = scaling[l] * A[l][e] @ x_row(p)      grid (flat blocks, SPLIT_K)
-                   └> expand: y[p] += w(p) * B[l][e] @ buf[p]  (fused add)   grid (flat blocks x column blocks)
+                   └> expand: y[p] += w(p) * B[l][e] @ buf[p]  (fused add)   grid (flat blocks x column groups)
     FUSED=1 (small M): one kernel, grid (flat blocks x column blocks); each program recomputes its rows'
                    rank-R h = scaling * A[l, e] @ x_row in registers (A re-read from L2 per column block),
                    then adds w(p) * B-tile @ h into y: one launch instead of two, no buffer.
@@ -12,7 +12,10 @@ Each slot's factors are read at its own rank r through the ``LoRATable`` (A [E, 
 A slot's table holds only pairs of tokens using it; the grid's block dimension runs over the blocks all slots
 use together (``slot_blocks``: each program finds its slot and block from num_tokens_post_pad), so tokens
 without an adapter and idle slots launch nothing and the few programs past the used blocks exit at once.
-Split-K shrink writes one partial buffer per split that expand sums (decode: saves the zeroing launch), or, for
+Expand's program covers COLS column blocks of BLOCK_N (config key "COLS", default 1): the slot search, the
+alignment rows and h are read once for them, and each next B tile is loaded before the current y tile is written,
+so a decode step's few-row blocks keep more bytes in flight per program. Split-K shrink writes one partial buffer
+per split that expand sums (decode: saves the zeroing launch), or, for
 many pairs, adds into one zeroed buffer with relaxed atomics. Each pair has exactly one slot, so expand's
 read-add-write of y needs no atomics. gate_up reads the token's row (x [T, K], pair p -> token p // A); down
 reads the pair's own row (x [T*A, K]).
@@ -40,7 +43,7 @@ from loraplex.kernels.slot_blocks import (flat_blocks, pdl_enabled, pdl_launch, 
                                           tl_dtype, weight_entry)
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4,
-                  "num_stages": 2, "FUSED": 0, "PDL": 0}
+                  "num_stages": 2, "FUSED": 0, "PDL": 0, "COLS": 1}
 
 
 def default_config(k: int) -> dict:
@@ -145,11 +148,13 @@ def _moe_lora_expand_kernel(
     num_pairs, capacity, num_blocks, num_flat, N, R, L,
     stride_yt, stride_el, stride_split,
     W_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_N: tl.constexpr, BLOCK_L: tl.constexpr, NUM_PARTS: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_G: tl.constexpr, COLS: tl.constexpr, BLOCK_L: tl.constexpr, NUM_PARTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    # NUM_G column groups of COLS column blocks each: a program adds its row block's delta over COLS * BLOCK_N
+    # columns, so the slot search, the alignment rows and h (the split-K sum) are read once for all of them
     # ---- before pdl_wait: only the alignment tables (made before shrink), the LoRA table and the weights
-    flat, pid_n = _grouped_pid(tl.program_id(0), num_flat, NUM_N, GROUP_M)
+    flat, pid_g = _grouped_pid(tl.program_id(0), num_flat, NUM_G, GROUP_M)
     lora, pid_m, past = slot_block(flat, num_post_ptr, L, BLOCK_M, BLOCK_L, True)
     if past:
         return
@@ -163,10 +168,10 @@ def _moe_lora_expand_kernel(
     pairs64 = pairs.to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_rows = b_ptr + (expert * rank + r[:, None]) * N  # B stored as B^T [E, r, N]
+    cols = pid_g * (COLS * BLOCK_N) + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    b = tl.load(b_ptr + (expert * rank + r[:, None]) * N + cols[None, :],  # B stored as B^T [E, r, N]
-                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    b = tl.load(b_rows + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
     # ---- after: shrink's buf, the base output y, the routing weights
     pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)
@@ -175,7 +180,14 @@ def _moe_lora_expand_kernel(
     h = tl.load(h_ptrs, mask=h_ok, other=0.0)
     for part in range(1, NUM_PARTS):  # split-K partial sums
         h += tl.load(h_ptrs + part * stride_split, mask=h_ok, other=0.0)
-    _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
+    for j in tl.static_range(COLS):  # unrolled; the next B tile is loaded before this one's y is written
+        if j + 1 < COLS:
+            nxt = cols + BLOCK_N
+            nxt_ok = nxt < N
+            b_nxt = tl.load(b_rows + nxt[None, :], mask=r_ok[:, None] & nxt_ok[None, :], other=0.0)
+        _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
+        if j + 1 < COLS:
+            b, cols, col_ok = b_nxt, nxt, nxt_ok
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
@@ -297,9 +309,11 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
         ROW_DIV=top_k if per_token else 1, W_DTYPE=w_dtype, BLOCK_M=bm, BLOCK_R=rank_tile, BLOCK_K=bk,
         SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl,
         **launch, **pdl_launch(shrink_pdl))
-    _moe_lora_expand_kernel[(num_flat * num_n,)](
+    cols = max(1, min(int(cfg.get("COLS", 1)), num_n))
+    num_g = triton.cdiv(num_n, cols)
+    _moe_lora_expand_kernel[(num_flat * num_g,)](
         y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
         rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0),
         W_DTYPE=w_dtype, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank_tile,
-        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl, **launch,
-        **pdl_launch(pdl))
+        GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl,
+        **launch, **pdl_launch(pdl))

@@ -9,7 +9,8 @@ Shape legend: M tokens, H hidden, E experts, A top-k, I expert intermediate, L a
 Adapters: the LoRA cases' tokens use the adapters of an :class:`AdapterMix` (an int n stands for n adapters round
 robin). ``serving_mix(m)``, what ``loraplex tune`` uses by default, follows a multi-tenant replica: 32 adapters
 Zipf-distributed over the tokens from M = 64, read through a table as wide as the engine's decode graph of M rows;
-8 adapters round robin below.
+8 adapters round robin below; from M = 1024 an eager mixed step: one request's prompt chunk (one adapter) beside
+M / 16 decode tokens of 32 adapters Zipf.
 
 Byte model (``nbytes``, the least an op must move; bandwidth = nbytes / CUDA-graph replay time):
 - expert GEMMs: the weights (and int8 / MXFP4 scales) of the experts the batch activates, x read, the intermediate
@@ -78,6 +79,7 @@ PRESETS = {
 
 MAX_STEP_SLOTS = 256  # the engine's default max_num_seqs: a decode graph of b rows holds min(b, this) step slots
 SERVING_MIN_M = 64  # serving_mix: from this M on, the high-concurrency mix
+PREFILL_MIN_M = 1024  # serving_mix: from this M on, a mixed prefill + decode step
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ class AdapterMix:
     """The adapters of a LoRA case's M tokens (step slots 0..k-1 of the k distinct adapters drawn).
 
     ``dist`` "even": token t uses adapter t mod n (all n once M >= n); "zipf": each token draws adapter j with
-    P(j) proportional to 1 / (j + 1), as ``loraplex bench serve --mix zipf`` assigns requests (a seeded draw per M).
+    P(j) proportional to 1 / (j + 1), as ``loraplex bench serve --mix zipf`` assigns requests (a seeded draw per M);
+    "prefill": an eager mixed step, the first M - M // 16 tokens one request's prompt chunk (adapter 0), the last
+    M // 16 decode tokens drawn as "zipf".
     The kernels read a LoRA table of ``slots`` step slots: ``table_slots`` (0: n); slots no token uses have rank 0,
     as in the engine's decode graphs, whose table holds min(batch bucket, max_step_slots) slots whatever the step
     uses (the LoRA alignment and the slot search of every LoRA program run over all of them).
@@ -96,8 +100,8 @@ class AdapterMix:
     table_slots: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_adapters < 1 or self.dist not in ("even", "zipf"):
-            raise ValueError(f"AdapterMix needs num_adapters >= 1 and dist 'even' or 'zipf', got "
+        if self.num_adapters < 1 or self.dist not in ("even", "zipf", "prefill"):
+            raise ValueError(f"AdapterMix needs num_adapters >= 1 and dist 'even', 'zipf' or 'prefill', got "
                              f"{self.num_adapters} and {self.dist!r}")
         if self.table_slots and self.table_slots < self.num_adapters:
             raise ValueError(f"table_slots {self.table_slots} < num_adapters {self.num_adapters}")
@@ -118,7 +122,10 @@ def as_mix(adapters: "int | AdapterMix") -> AdapterMix:
 def serving_mix(m: int, max_step_slots: int = MAX_STEP_SLOTS) -> AdapterMix:
     """The mix of a multi-tenant batch of M tokens: from SERVING_MIN_M, 32 adapters Zipf through a table of
     min(M, max_step_slots) slots (the engine's decode graph of M rows; at least 32); below, 8 adapters round robin
-    in a table of 8 (small batches of a few tenants)."""
+    in a table of 8 (small batches of a few tenants); from PREFILL_MIN_M, a mixed step (eager: its table holds the
+    adapters it uses): one prompt chunk beside M / 16 decodes of 32 adapters Zipf."""
+    if m >= PREFILL_MIN_M:
+        return AdapterMix(32, "prefill")
     if m >= SERVING_MIN_M:
         return AdapterMix(32, "zipf", max(32, min(m, max_step_slots)))
     return AdapterMix(8)
@@ -254,12 +261,29 @@ MOE_LORA_SPACE = _cfgs(_MOE_LORA_KEYS, [
 MOE_LORA_FUSED_SPACE = _cfgs(_MOE_LORA_KEYS, [
     (16, 256, 128, 1, 1, 4, 3, 1, 1), (16, 128, 128, 1, 1, 4, 3, 1, 1), (16, 256, 128, 1, 1, 4, 3, 1, 0),
     (16, 512, 128, 1, 1, 8, 3, 1, 1), (16, 256, 256, 1, 1, 8, 3, 1, 1), (16, 128, 256, 1, 1, 4, 4, 1, 1)])
+MOE_LORA_SPACE = [{**c, "COLS": 1} for c in MOE_LORA_SPACE]  # one column block a program (the grid of old)
+MOE_LORA_FUSED_SPACE = [{**c, "COLS": 1} for c in MOE_LORA_FUSED_SPACE]  # COLS unused by the one-kernel path
+# expand programs over COLS column blocks (one slot search and h read for all, the next B tile in flight while
+# the current y tile is written): the decode candidates' best bets with 2..8 column blocks a program
+MOE_LORA_COLS_SPACE = [{**MOE_LORA_SPACE[i], "COLS": c} for i, c in
+                       ((1, 4), (1, 8), (0, 4), (1, 2), (2, 2), (7, 8), (0, 8), (10, 4))]
+# mixed prefill + decode steps (M in the thousands, one adapter's prompt chunk): taller row blocks, no split-K
+# (no zeroed buffer and atomics at thousands of pairs), wide column groups
+MOE_LORA_PREFILL_SPACE = _cfgs(_MOE_LORA_KEYS + ("COLS",), [
+    (64, 128, 64, 1, 1, 4, 3, 0, 0, 4), (32, 128, 64, 1, 1, 4, 3, 0, 0, 4), (64, 128, 64, 1, 1, 8, 3, 0, 0, 2),
+    (32, 128, 128, 1, 1, 4, 3, 0, 0, 2), (64, 64, 64, 1, 1, 4, 3, 0, 0, 8), (16, 128, 128, 1, 1, 4, 3, 0, 0, 4),
+    (64, 128, 128, 1, 1, 8, 3, 0, 0, 1), (32, 128, 64, 2, 1, 4, 3, 0, 0, 4)])
 FUSED_MAX_M = 16  # the one-kernel path recomputes shrink per column block: only worth trying at small M
 
 
 def moe_lora_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_lora`` at M tokens: best bets first; the one-kernel candidates only up to
-    FUSED_MAX_M, three of them right after the first three PDL candidates."""
+    FUSED_MAX_M, three of them right after the first three PDL candidates; the COLS candidates after the first
+    three from M = 64; the mixed-step candidates first from PREFILL_MIN_M."""
+    if m >= PREFILL_MIN_M:
+        return list(MOE_LORA_PREFILL_SPACE) + MOE_LORA_SPACE[:3] + MOE_LORA_COLS_SPACE[:3] + MOE_LORA_SPACE[3:]
+    if m >= SERVING_MIN_M:
+        return MOE_LORA_SPACE[:3] + MOE_LORA_COLS_SPACE + MOE_LORA_SPACE[3:]
     if m > FUSED_MAX_M:
         return list(MOE_LORA_SPACE)
     return MOE_LORA_SPACE[:3] + MOE_LORA_FUSED_SPACE[:3] + MOE_LORA_SPACE[3:6] + MOE_LORA_FUSED_SPACE[3:] \
@@ -284,7 +308,10 @@ def adapter_indices(m: int, adapters: "int | AdapterMix", device) -> torch.Tenso
     if mix.dist == "even":
         return (torch.arange(m, device=device) % mix.num_adapters).to(torch.int32)
     weights = 1.0 / torch.arange(1, mix.num_adapters + 1, dtype=torch.float64)
-    draws = torch.multinomial(weights, m, replacement=True, generator=torch.Generator().manual_seed(m))
+    drawn = m // 16 if mix.dist == "prefill" else m
+    draws = torch.multinomial(weights, drawn, replacement=True, generator=torch.Generator().manual_seed(m))
+    if drawn < m:  # the prompt chunk's tokens: adapter 0
+        draws = torch.cat([torch.zeros(m - drawn, dtype=draws.dtype), draws])
     _, slots = torch.unique(draws, return_inverse=True)  # adapter j -> step slot by rank among those drawn
     return slots.to(torch.int32).to(device)
 

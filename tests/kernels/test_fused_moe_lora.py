@@ -18,6 +18,11 @@ CONFIGS = [
      "FUSED": 1, "PDL": 1},
     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4, "GROUP_M": 3, "num_warps": 4, "num_stages": 1,
      "FUSED": 1},  # SPLIT_K ignored by the fused kernel; grouped column order
+    # expand programs over several column blocks: 3 of 16 leave a group with columns past N (N = 48, 40)
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 2, "GROUP_M": 1, "num_warps": 4, "num_stages": 1,
+     "COLS": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 1, "GROUP_M": 2, "num_warps": 4, "num_stages": 1,
+     "COLS": 2, "PDL": 1},
 ]
 
 
@@ -42,7 +47,7 @@ def _routing(num_tokens):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])
 @pytest.mark.parametrize("target", ["gate_up", "down"])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["plain", "split_k", "fused_pdl", "fused_grouped"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["plain", "split_k", "fused_pdl", "fused_grouped", "cols3", "cols2"])
 def test_fused_moe_lora_matches_reference(num_tokens, target, cfg):
     k, n = (40, 48) if target == "gate_up" else (24, 40)  # K not a multiple of BLOCK_K
     lora_a, lora_b, scaling = _expert_lora(k, n)

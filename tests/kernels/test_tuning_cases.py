@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from loraplex.kernels import tuning
-from loraplex.kernels.tuning_cases import (AdapterMix, ModelShapes, misc_cases, serving_mix, shared_metadata_cases,
-                                           tunable_cases)
+from loraplex.kernels.tuning_cases import (AdapterMix, ModelShapes, adapter_indices, misc_cases, serving_mix,
+                                           shared_metadata_cases, tunable_cases)
 
 TINY = ModelShapes("tiny", hidden=32, num_experts=4, top_k=2, moe_intermediate=16, num_heads=4, num_kv_heads=2,
                    head_dim=16, activation="swiglu_clamp", expert_bias=True)
@@ -141,10 +141,32 @@ def test_serving_mix_follows_the_engine_batch():
     assert serving_mix(16) == AdapterMix(8) and serving_mix(63).slots == 8
     assert serving_mix(64) == AdapterMix(32, "zipf", 64)
     assert serving_mix(128).slots == 128 and serving_mix(512).slots == 256
+    assert serving_mix(2048) == AdapterMix(32, "prefill") and serving_mix(2048).slots == 32
     with pytest.raises(ValueError, match="table_slots 4 < num_adapters 8"):
         AdapterMix(8, "even", 4)
-    with pytest.raises(ValueError, match="dist 'even' or 'zipf'"):
+    with pytest.raises(ValueError, match="dist 'even', 'zipf' or 'prefill'"):
         AdapterMix(8, "pareto")
+
+
+def test_prefill_mix_is_one_prompt_chunk_beside_zipf_decodes():
+    """A mixed step's tokens: the first M - M/16 one adapter (slot 0, the Zipf head), the last M/16 Zipf draws."""
+    idx = adapter_indices(2048, AdapterMix(32, "prefill"), "cpu")
+    chunk, decodes = idx[:1920], idx[1920:]
+    assert torch.equal(chunk, torch.zeros(1920, dtype=torch.int32))
+    assert decodes.numel() == 128 and int(decodes.max()) + 1 == idx.unique().numel() > 8
+    assert torch.equal(idx, adapter_indices(2048, AdapterMix(32, "prefill"), "cpu"))  # seeded
+
+
+def test_moe_lora_space_puts_column_groups_and_mixed_step_candidates_first():
+    from loraplex.kernels.tuning_cases import MOE_LORA_PREFILL_SPACE, moe_lora_space
+
+    decode = moe_lora_space(128)
+    assert all(c.get("COLS", 1) == 1 for c in decode[:3]) and decode[3]["COLS"] > 1
+    assert len({tuple(sorted(c.items())) for c in decode}) == len(decode)
+    prefill = moe_lora_space(2048)
+    assert prefill[:len(MOE_LORA_PREFILL_SPACE)] == MOE_LORA_PREFILL_SPACE
+    assert all(c["SPLIT_K"] <= 2 and c["FUSED"] == 0 for c in MOE_LORA_PREFILL_SPACE)
+    assert all(c["COLS"] == 1 for c in moe_lora_space(16))  # small M: the grid of old and the one-kernel path
 
 
 def test_zipf_adapters_are_compact_skewed_and_seeded():
