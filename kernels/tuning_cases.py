@@ -278,16 +278,15 @@ FUSED_MAX_M = 16  # the one-kernel path recomputes shrink per column block: only
 
 def moe_lora_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_lora`` at M tokens: best bets first; the one-kernel candidates only up to
-    FUSED_MAX_M, three of them right after the first three PDL candidates; the COLS candidates after the first
-    three from M = 64; the mixed-step candidates first from PREFILL_MIN_M."""
+    FUSED_MAX_M, three of them after the first three PDL candidates and four COLS ones; the other COLS candidates
+    after the first three above FUSED_MAX_M; the mixed-step candidates first from PREFILL_MIN_M."""
     if m >= PREFILL_MIN_M:
         return list(MOE_LORA_PREFILL_SPACE) + MOE_LORA_SPACE[:3] + MOE_LORA_COLS_SPACE[:3] + MOE_LORA_SPACE[3:]
-    if m >= SERVING_MIN_M:
-        return MOE_LORA_SPACE[:3] + MOE_LORA_COLS_SPACE + MOE_LORA_SPACE[3:]
+    cols = MOE_LORA_COLS_SPACE
     if m > FUSED_MAX_M:
-        return list(MOE_LORA_SPACE)
-    return MOE_LORA_SPACE[:3] + MOE_LORA_FUSED_SPACE[:3] + MOE_LORA_SPACE[3:6] + MOE_LORA_FUSED_SPACE[3:] \
-        + MOE_LORA_SPACE[6:]
+        return MOE_LORA_SPACE[:3] + cols + MOE_LORA_SPACE[3:]
+    return MOE_LORA_SPACE[:3] + cols[:4] + MOE_LORA_FUSED_SPACE[:3] + MOE_LORA_SPACE[3:6] + MOE_LORA_FUSED_SPACE[3:] \
+        + cols[4:] + MOE_LORA_SPACE[6:]
 
 
 def moe_lora_variants(cfg: dict) -> dict[str, dict]:
