@@ -62,6 +62,9 @@ class _Resident:
     handle: CopyHandle | None = None
 
 
+EAGER_MIN_STEP_SLOTS = 16  # eager steps' LoRA slot count: one power-of-two bucket for steps of up to 16 adapters
+
+
 class LoRASlots:
     """Owns the resident adapters' device blobs, the step's LoRA table and the per-step token -> slot map.
 
@@ -308,8 +311,16 @@ class LoRASlots:
         keys = torch.tensor(distinct, dtype=torch.int64)
         local = torch.where(token_slots < 0, -1, torch.searchsorted(keys, token_slots.clamp(min=0)))
         state.token_lora_idx = local.to(torch.int32).to(self.device, non_blocking=True)
-        state.active_slots, state.num_slots = frozenset(distinct), len(distinct)
+        state.active_slots, state.num_slots = frozenset(distinct), self.eager_step_slots(len(distinct))
         state.segments = ops.lora_segments(state.token_lora_idx, state.num_slots)
+
+    def eager_step_slots(self, used: int) -> int:
+        """The step slots L an eager step's LoRA kernels see for ``used`` distinct adapters: a power of two, at
+        least EAGER_MIN_STEP_SLOTS (capped by max_step_slots). The kernels are compiled per power-of-two slot
+        count, so an exact L would compile new kernel variants mid-serving whenever a step's adapter count
+        reaches a new bucket (seconds of stall for every running request); the slots past ``used`` hold no
+        token, so they launch no LoRA work (as in the decode graphs' wide tables)."""
+        return min(self.max_step_slots, max(EAGER_MIN_STEP_SLOTS, 1 << max(0, used - 1).bit_length()))
 
     def bind_static_token_slots(self, token_lora_idx: torch.Tensor, num_slots: int) -> None:
         """Graph mode: every wrapper reads ``token_lora_idx`` (a static [T] int32 buffer of step slots on the

@@ -29,6 +29,7 @@ from loraplex.bench.engine_setup import engine_info, engine_kwargs, timed_model_
 from loraplex.bench.measure import Measurement, summarize_run
 from loraplex.bench.probe import EngineProbe
 from loraplex.bench.workload import SCALES, PlannedRequest, request_plan, write_model_config, write_random_adapter
+from loraplex.kernels import compile_watch
 
 WARMUP_OUTPUT_LEN = 8
 WARMUP_FULL_PROMPTS = 16
@@ -187,6 +188,8 @@ class EngineRun:
         if replayed is not None:
             m = replace(m, name=m.name + " [replayed proposals]")
         spec0 = speculative.snapshot(self.engine)
+        watch = compile_watch.install()
+        compiled0 = watch.snapshot() if watch is not None else None
         probe = EngineProbe(self.engine)
         start = time.monotonic()
         soft = hard = None
@@ -212,7 +215,10 @@ class EngineRun:
                                     "cuda_graphs": info.get("cuda_graphs"),
                                     "quantization": info.get("quantization"),
                                     "speculative": speculative.delta(spec0, speculative.snapshot(self.engine)),
-                                    "no_speculation": replayed}).to_dict()
+                                    "no_speculation": replayed,
+                                    # kernels compiled inside the run: each one stalled every running request
+                                    "kernel_compiles": watch.since(compiled0) if watch is not None else None,
+                                    }).to_dict()
 
     def _record_for_replay(self, m: Measurement, deadline: float | None) -> dict:
         """``m``'s primary load once with speculation off, its outputs recorded for the replay proposer."""

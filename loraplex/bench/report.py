@@ -17,12 +17,22 @@ def _fmt(v, digits: int = 1) -> str:
 
 
 def _note(s: dict) -> str:
-    """Truncation, and how many of the scenario's engine steps replayed a CUDA graph (decode steps)."""
+    """Truncation, how many of the scenario's engine steps replayed a CUDA graph (decode steps), and kernels
+    compiled inside the run (each a stall of every running request)."""
     extra = s.get("extra") or {}
     parts = ["truncated"] if s["truncated"] else []
     if extra.get("graph_steps") is not None and extra.get("engine_steps"):
         parts.append(f"graph steps {extra['graph_steps']}/{extra['engine_steps']}")
-    return "; ".join(parts)
+    parts.append(compiles_note(extra))
+    return "; ".join(filter(None, parts))
+
+
+def compiles_note(extra: dict) -> str:
+    """"N kernel compiles (S s)" for a run that compiled kernels, else ""."""
+    c = extra.get("kernel_compiles") or {}
+    if not c.get("compiles"):
+        return ""
+    return f"{c['compiles']} kernel compiles ({c['seconds']:.1f} s)"
 
 
 def to_markdown(report: dict) -> str:

@@ -31,7 +31,7 @@ from loraplex.bench.config import QUANTIZATIONS, ServeBenchConfig  # noqa: F401 
 from loraplex.bench.engine_run import EngineRun, prepare_adapters  # noqa: F401  (re-exported)
 from loraplex.bench.naming import result_stem
 from loraplex.bench.ratios import report_ratios
-from loraplex.bench.report import write_report
+from loraplex.bench.report import compiles_note, write_report
 from loraplex.bench.scenarios import RunSequence, phases
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ def _row_line(label: str, s: dict) -> str:
             f", TPOT {s['tpot_mean_ms']:.1f} ms, TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 {s['ttft_p99_ms']:.0f} ms"
             + (f", graph steps {e['graph_steps']}/{e['engine_steps']}" if e.get("graph_steps") is not None
                and e.get("engine_steps") else "")
+            + (f", {compiles_note(e)}: {e['kernel_compiles']['kernels']}" if compiles_note(e) else "")
             + f", {s['duration_s']:.1f} s{' (truncated)' if s['truncated'] else ''}")
 
 

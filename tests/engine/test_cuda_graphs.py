@@ -179,6 +179,23 @@ def test_largest_adapter_estimate_is_what_the_slots_take(family, tiny_checkpoint
     assert slots.nbytes == want
 
 
+def test_eager_steps_see_power_of_two_slot_buckets(tiny_checkpoint):
+    """An eager step's L is a power of two of at least 16 (capped by max_step_slots): steps whose adapter counts
+    differ inside a bucket launch the same compiled kernels, and the slots past the used ones carry no tokens."""
+    model, cfg = load_model(tiny_checkpoint("qwen3_moe"), progress=False)
+    slots = LoRASlots(model, cfg, max_rank=4, max_step_slots=64, device="cpu", dtype=torch.float32)
+    assert [slots.eager_step_slots(u) for u in (1, 2, 16, 17, 32, 33, 64)] == [16, 16, 16, 32, 32, 64, 64]
+    for slot in (3, 5, 9):
+        slots.load(slot, random_adapter(slots, f"a{slot}", rank=2, seed=slot))
+    slots.set_token_slots(torch.tensor([9, 3, -1, 5, 3], dtype=torch.int32))
+    st = slots.state
+    assert st.num_slots == 16 and st.active_slots == {3, 5, 9} and slots.step_table.slots == [3, 5, 9]
+    assert st.token_lora_idx.tolist() == [2, 0, -1, 1, 0]
+    table = slots.step_table.view(0, in_features=4, out_features=(4,), max_rank=4, dtype=torch.float32,
+                                  lookup=lambda c, e: ("factors", c)).at(st.num_slots)
+    assert [table.lookup(l, 0) for l in (0, 2, 3, 15)] == [("factors", 3), ("factors", 9), None, None]
+
+
 def test_token_slot_state(tiny_checkpoint):
     model, cfg = load_model(tiny_checkpoint("qwen3_moe"), progress=False)
     slots = LoRASlots(model, cfg, max_rank=4, max_step_slots=4, device="cpu", dtype=torch.float32)
@@ -186,7 +203,8 @@ def test_token_slot_state(tiny_checkpoint):
         slots.load(slot, random_adapter(slots, f"a{slot}", rank=2 + slot % 2, seed=slot))
     st = slots.state
     slots.set_token_slots(torch.tensor([7, -1, 1, 7], dtype=torch.int32))
-    assert st.active_slots == {1, 7} and st.num_slots == 2 and st.segments is None and not st.always_on
+    # two adapters, but the eager step's kernels see the power-of-two bucket (here capped by max_step_slots = 4)
+    assert st.active_slots == {1, 7} and st.num_slots == 4 and st.segments is None and not st.always_on
     assert st.token_lora_idx.tolist() == [1, -1, 0, 1]  # step slots: resident 1 -> 0, 7 -> 1
     assert slots.step_table.slots == [1, 7]
     slots.bind_static_token_slots(torch.full((4,), -1, dtype=torch.int32), 4)
