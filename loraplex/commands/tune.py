@@ -1,7 +1,7 @@
 """``loraplex tune``: search Triton launch configs for a model's shapes on the current GPU and write
 ``tuning_configs/<device>/<op>.json`` through ``kernels.tuning.write_configs`` (the loader's naming function).
 
-    loraplex tune --model gpt-oss-20b --rank 32 --m 1,16,64,128,256,512,2048
+    loraplex tune --model gpt-oss-20b --rank 32 --m 1,16,64,128,256,512
     loraplex tune --model gpt-oss-20b --ops fused_moe_lora,lora_shrink --m 128,512 --time-budget 90 --out /tmp/t
     loraplex tune --model /path/to/checkpoint --out /tmp/tuning      # any MoE config.json the engine reads
 
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-loras", type=int, default=None,
                    help="N adapters round robin at every M (default: the serving mix per M, see above)")
     p.add_argument("--rank", type=int, default=32, help="max LoRA rank (adapters are padded to it)")
-    p.add_argument("--m", default="1,16,64,128,256,512,2048", help="token counts to tune, comma-separated")
+    p.add_argument("--m", default="1,16,64,128,256,512", help="token counts to tune, comma-separated")
     p.add_argument("--ops", default="", help="only these ops (comma-separated tuning-file names)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--out", default=None, help="tuning folder (default: LORAPLEX_TUNING_DIR or tuning_configs/)")

@@ -223,4 +223,4 @@ def test_tune_defaults_cover_high_concurrency_m_with_the_serving_mix():
     parser = argparse.ArgumentParser()
     tune.register(parser.add_subparsers())
     args = parser.parse_args(["tune", "--model", "gpt-oss-20b"])
-    assert tune.parse_ms(args.m) == [1, 16, 64, 128, 256, 512, 2048] and args.max_loras is None
+    assert tune.parse_ms(args.m) == [1, 16, 64, 128, 256, 512] and args.max_loras is None
