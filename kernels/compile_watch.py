@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -37,6 +37,7 @@ class CompileWatch:
         self.compiles = 0
         self.seconds = 0.0
         self.kernels: Counter[str] = Counter()
+        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT)  # (compile number, Triton's repr of it)
 
     def pre_hook(self, previous):
         """Triton's ``jit_cache_hook``: called before a compile; a truthy return skips it (only ``previous``'s)."""
@@ -55,6 +56,7 @@ class CompileWatch:
                 self.compiles += 1
                 self.seconds += now - t0
                 self.kernels[name] += 1
+                self.recent.append((self.compiles, str(kwargs.get("repr") or name)[:REPR_CHARS]))
             return previous(key=key, fn=fn, **kwargs) if previous is not None else None
         return hook
 
@@ -63,17 +65,22 @@ class CompileWatch:
             return Snapshot(self.compiles, self.seconds, dict(self.kernels))
 
     def since(self, before: Snapshot) -> dict:
-        """Compiles after ``before``: count, seconds and count per kernel."""
+        """Compiles after ``before``: count, seconds, count per kernel, and Triton's description of the last few
+        (kernel, launch options and each argument's specialisation: what made the variant new)."""
         now = self.snapshot()
         kernels = {k: n - before.kernels.get(k, 0) for k, n in now.kernels.items() if n > before.kernels.get(k, 0)}
+        with self._lock:
+            variants = [r for i, r in self.recent if i > before.compiles]
         return {"compiles": now.compiles - before.compiles, "seconds": round(now.seconds - before.seconds, 3),
-                "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+                "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])), "variants": variants}
 
 
 def _name(fn) -> str:
     return str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or fn)
 
 
+RECENT = 16  # compiles whose description is kept
+REPR_CHARS = 600
 _WATCH: CompileWatch | None = None
 _INSTALL_LOCK = threading.Lock()
 

@@ -33,7 +33,8 @@ def test_counts_compiles_per_kernel_and_keeps_the_previous_hooks():
     assert delta["compiles"] == 3 and delta["kernels"] == {"_expand": 2, "_shrink": 1} and delta["seconds"] >= 0
     assert calls[:2] == [("pre", "_expand"), ("post", "_expand")] and len(calls) == 7
     mid = watch.snapshot()
-    assert watch.since(mid) == {"compiles": 0, "seconds": 0.0, "kernels": {}}
+    assert watch.since(mid) == {"compiles": 0, "seconds": 0.0, "kernels": {}, "variants": []}
+    assert delta["variants"] == ["_expand", "_expand", "_shrink"]  # Triton's repr of each compile
 
 
 def test_install_chains_onto_tritons_hooks_once():
