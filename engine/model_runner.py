@@ -89,6 +89,9 @@ class ModelRunner:
             logger.info("quantization %s: %s layers converted", config.quantization, converted)
         if self.device.type == "cuda":
             from loraplex.engine.quantization.mxfp4_experts import use_mxfp4_kernel_layout
+            from loraplex.kernels import compile_watch
+
+            compile_watch.install()  # the engine's stats count every Triton compile from here on
 
             if n := use_mxfp4_kernel_layout(self.model):
                 logger.info("MXFP4 experts: %d layers repacked for the CUDA GEMMs", n)

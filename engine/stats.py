@@ -93,6 +93,17 @@ def adapter_stats(manager: Any) -> dict:
     }
 
 
+def compile_stats() -> dict:
+    """Triton kernels compiled in this process since its engine started (``kernels.compile_watch``; 0 where no
+    watch is installed: CPU engines): after warm-up, each one stalled every running request."""
+    from loraplex.kernels import compile_watch
+
+    watch = compile_watch.current()
+    snap = watch.snapshot() if watch is not None else None
+    return {"kernel_compiles": snap.compiles if snap else 0,
+            "kernel_compile_seconds": round(snap.seconds, 3) if snap else 0.0}
+
+
 def runner_stats(runner: Any) -> dict:
     """The KV pool size and CUDA-graph count of a ``ModelRunner`` (None: no model)."""
     if runner is None:
@@ -151,6 +162,7 @@ def engine_stats(llm_engine: Any) -> dict:
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": _ratio(hits, queries),
         **runner_stats(getattr(llm_engine, "runner", None)),
+        **compile_stats(),
         **adapter_stats(getattr(llm_engine, "adapters", None)),
         **tenant_stats(scheduler),
         "speculative": spec.snapshot() if (spec := getattr(llm_engine, "spec", None)) is not None else None,
@@ -162,4 +174,5 @@ def empty_stats() -> dict:
     return {"requests_running": 0, "requests_waiting": 0, "queue_length": 0, "num_preemptions": 0,
             "kv_blocks_total": 0, "kv_blocks_free": 0, "kv_blocks_used": 0, "kv_usage": 0.0, "kv_cached_blocks": 0,
             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": None, **runner_stats(None),
+            "kernel_compiles": 0, "kernel_compile_seconds": 0.0,
             **adapter_stats(None), **_empty_tenants(), "speculative": None}

@@ -85,6 +85,11 @@ _WATCH: CompileWatch | None = None
 _INSTALL_LOCK = threading.Lock()
 
 
+def current() -> CompileWatch | None:
+    """The installed watch, or None (nothing installed it in this process)."""
+    return _WATCH
+
+
 def install() -> CompileWatch | None:
     """The process's watch, its hooks chained onto Triton's on the first call; None without Triton or its hooks."""
     global _WATCH
@@ -119,4 +124,4 @@ def _hook_holder():
     return None
 
 
-__all__ = ["CompileWatch", "Snapshot", "install"]
+__all__ = ["CompileWatch", "Snapshot", "current", "install"]

@@ -18,6 +18,8 @@ gauges (the same numbers, polled by the platform and labelled ``replica``): a Pr
     loraplex_engine_server_adapter_load_seconds{stage}      histogram of loads since start: stage "cpu" (fetch or
                                                             disk -> CPU weights), "gpu" (CPU -> GPU copy)
     loraplex_engine_server_prefix_cache_queries_total / _hits_total, _preemptions_total, _adapter_cold_starts_total
+    loraplex_engine_server_kernel_compiles_total / _kernel_compile_seconds_total   Triton compiles in the process
+                                                            (a rise after warm-up is a stall of every request)
     loraplex_engine_server_adapter_events_total{event}      the adapter manager's counters (fetches, loads,
                                                             activations = GPU loads, evictions = GPU evictions,
                                                             disk_evictions, ...)
@@ -93,6 +95,9 @@ COUNTERS = (
     ("slot_preemptions", "slot_preemptions", "Sequence groups preempted to give their slots to a tenant far below"),
     ("budget_yields", "budget_yields", "Decode entries that gave a step's budget to a tenant far below"),
     ("adapter_cold_starts", "adapter_cold_starts", "Adapter loads from disk or the blob store"),
+    ("kernel_compiles", "kernel_compiles", "Triton kernels compiled (or loaded from the disk cache) since start; "
+     "after warm-up each one stalled every running request"),
+    ("kernel_compile_seconds", "kernel_compile_seconds", "Seconds spent compiling Triton kernels since start"),
 )
 
 
