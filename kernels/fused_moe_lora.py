@@ -14,8 +14,9 @@ use together (``slot_blocks``: each program finds its slot and block from num_to
 without an adapter and idle slots launch nothing and the few programs past the used blocks exit at once.
 Expand's program covers COLS column blocks of BLOCK_N (config key "COLS", default 1): the slot search, the
 alignment rows and h are read once for them, and each next B tile is loaded before the current y tile is written,
-so a decode step's few-row blocks keep more bytes in flight per program. Split-K shrink writes one partial buffer
-per split that expand sums (decode: saves the zeroing launch), or, for
+so a decode step's few-row blocks keep more bytes in flight per program.
+
+Split-K shrink writes one partial buffer per split that expand sums (decode: saves the zeroing launch), or, for
 many pairs, adds into one zeroed buffer with relaxed atomics. Each pair has exactly one slot, so expand's
 read-add-write of y needs no atomics. gate_up reads the token's row (x [T, K], pair p -> token p // A); down
 reads the pair's own row (x [T*A, K]).
