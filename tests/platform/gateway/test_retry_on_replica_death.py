@@ -170,20 +170,33 @@ def test_stream_that_sent_tokens_is_not_retried(serve, tmp_path, tiny_base, adap
 
 
 class Scripted(NullEngineClient):
-    """An in-process replica that yields ``chunks`` tokens, then raises ``error`` (None: ends normally)."""
+    """An in-process replica that yields ``chunks`` tokens, then raises ``error`` (None: ends normally). Once it
+    has raised ``EngineUnavailableError`` it is dead: the gateway's probe (its residency poll) and health checks
+    fail too, so the router never puts it back in the rotation, however long the test takes."""
 
     def __init__(self, chunks: int, error: Exception | None) -> None:
         super().__init__(num_tokens=8)
-        self.chunks, self.error, self.calls = chunks, error, 0
+        self.chunks, self.error, self.calls, self.dead = chunks, error, 0, False
 
     async def generate(self, request):
         self.calls += 1
         n = 0
         async for chunk in super().generate(request):
             if self.error is not None and n == self.chunks:
+                self.dead = isinstance(self.error, EngineUnavailableError)
                 raise self.error
             n += 1
             yield chunk
+
+    async def residency(self):
+        if self.dead:
+            raise EngineUnavailableError("the replica died")
+        return await super().residency()
+
+    async def health(self):
+        if self.dead:
+            raise EngineUnavailableError("the replica died")
+        return await super().health()
 
 
 @pytest.mark.parametrize("chunks", [0, 2])
@@ -208,5 +221,6 @@ def test_retry_is_bounded_to_one(serve, tmp_path, tiny_base):
     r = server.http.post("/v1/completions", json=body, headers=headers)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
     assert [d.calls for d in dying] + [healthy.calls] == [1, 1, 0]   # a died, b (the retry) died, c untouched
+    time.sleep(0.5)  # a few health-probe rounds (residency_poll_s 0.2): dead replicas stay out of the rotation
     r = server.http.post("/v1/completions", json=body, headers=headers)   # a and b are down; the lease was freed
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " tok" * 8, r.text
