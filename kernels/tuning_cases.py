@@ -267,21 +267,14 @@ MOE_LORA_FUSED_SPACE = [{**c, "COLS": 1} for c in MOE_LORA_FUSED_SPACE]  # COLS 
 # the current y tile is written): the decode candidates' best bets with 2..8 column blocks a program
 MOE_LORA_COLS_SPACE = [{**MOE_LORA_SPACE[i], "COLS": c} for i, c in
                        ((1, 4), (1, 8), (0, 4), (1, 2), (2, 2), (7, 8), (0, 8), (10, 4))]
-# mixed prefill + decode steps (M in the thousands, one adapter's prompt chunk): taller row blocks, no split-K
-# (no zeroed buffer and atomics at thousands of pairs), wide column groups
-MOE_LORA_PREFILL_SPACE = _cfgs(_MOE_LORA_KEYS + ("COLS",), [
-    (64, 128, 64, 1, 1, 4, 3, 0, 0, 4), (32, 128, 64, 1, 1, 4, 3, 0, 0, 4), (64, 128, 64, 1, 1, 8, 3, 0, 0, 2),
-    (32, 128, 128, 1, 1, 4, 3, 0, 0, 2), (64, 64, 64, 1, 1, 4, 3, 0, 0, 8), (16, 128, 128, 1, 1, 4, 3, 0, 0, 4),
-    (64, 128, 128, 1, 1, 8, 3, 0, 0, 1), (32, 128, 64, 2, 1, 4, 3, 0, 0, 4)])
 FUSED_MAX_M = 16  # the one-kernel path recomputes shrink per column block: only worth trying at small M
 
 
 def moe_lora_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_lora`` at M tokens: best bets first; the one-kernel candidates only up to
     FUSED_MAX_M, three of them after the first three PDL candidates and four COLS ones; the other COLS candidates
-    after the first three above FUSED_MAX_M; the mixed-step candidates first from PREFILL_MIN_M."""
-    if m >= PREFILL_MIN_M:
-        return list(MOE_LORA_PREFILL_SPACE) + MOE_LORA_SPACE[:3] + MOE_LORA_COLS_SPACE[:3] + MOE_LORA_SPACE[3:]
+    after the first three above FUSED_MAX_M (at M = 2048 with the mixed-step mix the same space won on the H200:
+    row blocks of 32 and 64 without split-K lost)."""
     cols = MOE_LORA_COLS_SPACE
     if m > FUSED_MAX_M:
         return MOE_LORA_SPACE[:3] + cols + MOE_LORA_SPACE[3:]
