@@ -2,11 +2,14 @@
 ``TenantAdapter``; handlers never filter by tenant themselves."""
 from __future__ import annotations
 
+import contextlib
+import logging
 from datetime import timedelta, timezone
 from typing import Annotated, Iterator
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from loraplex.engine.config import ModelConfig
@@ -22,6 +25,7 @@ from loraplex.platform.engines.limits import EngineLimits
 from loraplex.platform.engines.notifier import EngineNotifier
 from loraplex.platform.schemas.adapters import NAME_PATTERN
 
+logger = logging.getLogger(__name__)
 LAST_USED_GRANULARITY = timedelta(minutes=1)  # last_used_at is written at most this often per key
 bearer = HTTPBearer(auto_error=False)
 
@@ -31,8 +35,20 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessionmaker() as session:
+    """The request's registry session. Closing it rolls back what the handler left open; when the database dropped
+    the connection meanwhile that rollback fails, and the failure must neither replace the handler's own error
+    (a 503 for the outage) nor hide its answer: the pool has already discarded the dead connection."""
+    session = request.app.state.sessionmaker()
+    try:
         yield session
+    finally:
+        try:
+            session.close()
+        except sa_exc.DBAPIError as e:
+            logger.warning("closing the registry session of %s %s failed (the connection is gone): %s",
+                           request.method, request.url.path, type(e.orig).__name__ if e.orig else type(e).__name__)
+            with contextlib.suppress(sa_exc.SQLAlchemyError):
+                session.invalidate()     # returns its connections to the pool as dead ones, without a ROLLBACK
 
 
 def get_blob_store(request: Request) -> BlobStore:

@@ -26,6 +26,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from loraplex.platform.blobs.base import BlobStore, BlobStoreUnavailable
+from loraplex.platform.blobs.removals import removals_of
 from loraplex.platform.core import checkpoints
 from loraplex.platform.crud import adapters as crud
 from loraplex.platform.db.models import AdapterStatus, AdapterVersion, Tenant
@@ -103,6 +104,8 @@ def register_upload(*, session: Session, store: BlobStore, tenant: Tenant, name:
             on_progress=_heartbeat(session, version.id, heartbeat_s))
     except BlobStoreUnavailable as e:
         log.warning("upload of %s/%s v%d: %s", tenant.id, name, version.number, e)
+        if not reused:      # the store may hold the blob although the write failed (its answer was lost)
+            _remove_own_blob(store, key)
         _mark_failed(session, version, "blob store unavailable during upload")
         raise UploadError(503, "the blob store is unavailable; nothing was stored — retry the upload later",
                           code="blob_store_unavailable") from None
@@ -193,10 +196,8 @@ def _expired_error(tenant: Tenant, name: str, version: AdapterVersion) -> Upload
 
 
 def _remove_own_blob(store: BlobStore, key: str) -> None:
-    try:
-        store.delete(key)
-    except BlobStoreUnavailable:
-        log.error("blob %s could not be removed after a failed upload; the janitor removes it later", key)
+    """Removes a failed upload's own blob: now, or in the background once the store answers again."""
+    removals_of(store).remove(key)
 
 
 def _mark_failed(session: Session, version: AdapterVersion, error: str) -> None:

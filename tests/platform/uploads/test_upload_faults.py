@@ -2,6 +2,7 @@
 error after the blob write. Nothing half-written may remain: no ready row, no object."""
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -93,3 +94,45 @@ def test_database_error_after_blob_write_removes_the_blob(pg_url, base_model_dir
     assert objects(moto, bucket) == []
     assert p.ready_rows() == 0
     assert [s for (s,) in p.sql("SELECT status FROM adapter_versions")] == ["failed"]
+
+
+def test_blob_stored_but_answer_lost_is_removed_once_the_store_is_back(pg_url, base_model_dir, moto, bucket,
+                                                                       adapter_dir):
+    """S3 completes the multipart upload, the answer is lost and the store stays down for the cleanup: the upload
+    is a 503 and a failed row, and its object goes as soon as the store answers again (not at the janitor's
+    stale age)."""
+    from botocore.exceptions import ConnectionClosedError
+
+    from loraplex.platform.blobs.removals import removals_of
+    from tests.utils.faults import FaultProxy
+
+    proxy = FaultProxy(moto.port)
+    p = s3_platform(pg_url, base_model_dir, proxy.endpoint, bucket)
+    _, auth = p.new_tenant()
+    client = p.store.client
+    real_complete = client.complete_multipart_upload
+
+    def complete_then_lose_the_answer(**kw):
+        real_complete(**kw)
+        proxy.down()
+        raise ConnectionClosedError(endpoint_url=proxy.endpoint)
+
+    client.complete_multipart_upload = complete_then_lose_the_answer
+    try:
+        r = p.upload(auth, "m", read_files(adapter_dir(seed=1)))
+        assert r.status_code == 503, r.text
+        assert "blob store is unavailable; nothing was stored" in r.json()["error"]["message"]
+        stored = [o["Key"] for o in objects(moto, bucket)]
+        assert len(stored) == 1, "the store never completed the write, so the fault came too early"
+        assert removals_of(p.store).pending() == stored
+        assert [s for (s,) in p.sql("SELECT status FROM adapter_versions")] == ["failed"]
+        time.sleep(0.5)
+        assert [o["Key"] for o in objects(moto, bucket)] == stored   # still down: nothing could remove it
+        proxy.up()
+        deadline = time.monotonic() + 15
+        while objects(moto, bucket) or removals_of(p.store).pending():
+            assert time.monotonic() < deadline, (objects(moto, bucket), removals_of(p.store).pending())
+            time.sleep(0.1)
+        assert p.ready_rows() == 0
+    finally:
+        proxy.close()
