@@ -71,6 +71,9 @@ class EngineConfig:
     enforce_eager: bool = False             # never capture graphs: every step runs eagerly
     cuda_graph_max_batch_size: int | None = None  # largest decode batch replayed from a graph (None: max_num_seqs)
     cuda_graph_capture_budget_s: float = 120.0   # start-up time allowed for capturing (buckets past it run padded)
+    # start-up compile of the eager steps' kernel variants (docs/engine.md, "Eager warm-up"; engine/eager_warmup.py):
+    # seconds allowed, CUDA and tensor_parallel_size 1 only; 0 = off (variants then compile on first use)
+    eager_warmup_budget_s: float = 90.0
     # overlapped scheduling (docs/engine.md, "Overlapped scheduling"): launch decode step n+1 before step n's tokens
     # are read. None: on when decode steps replay CUDA graphs; True: also on the eager padded path (any device);
     # False: off
@@ -143,6 +146,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_batch_size must be None (max_num_seqs) or an integer >= 1, got {cg!r}")
         if not self.cuda_graph_capture_budget_s > 0:
             raise ValueError(f"cuda_graph_capture_budget_s must be positive, got {self.cuda_graph_capture_budget_s}")
+        if not self.eager_warmup_budget_s >= 0:
+            raise ValueError(f"eager_warmup_budget_s must be >= 0 (0: off), got {self.eager_warmup_budget_s}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be None (auto), True or False, got {self.async_scheduling!r}")
         if self.async_scheduling and tp > 1:

@@ -41,6 +41,7 @@ from loraplex.kernels import ops
 
 if TYPE_CHECKING:
     from loraplex.engine.cuda_graphs import DecodeGraphs
+    from loraplex.engine.eager_warmup import WarmupReport
     from loraplex.engine.lora.slots import LoRASlots
     from loraplex.engine.structured.bitmask import TokenBitmask
 
@@ -270,6 +271,19 @@ class ModelRunner:
             return None
         self.decode_graphs = graphs
         return graphs
+
+    def warm_up_eager_steps(self) -> "WarmupReport | None":
+        """Compile the eager steps' kernel variants now (``engine/eager_warmup.py``), within
+        ``eager_warmup_budget_s``: CUDA and one rank only (elsewhere nothing compiles, or each rank would need the
+        same dummy steps). Call at start, before any sequence holds KV blocks."""
+        from loraplex.engine import eager_warmup
+
+        budget = getattr(self.config, "eager_warmup_budget_s", 0.0)
+        if not budget or self.device.type != "cuda" or self.config.tensor_parallel_size != 1:
+            return None
+        report = eager_warmup.run(self, budget_s=budget)
+        logger.info("eager warm-up: %s", report.summary())
+        return report
 
     @property
     def num_cuda_graphs(self) -> int:

@@ -102,7 +102,7 @@ def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_y
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "L"])
 def _moe_lora_shrink_kernel(
     x_ptr, entries_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     # x [T or T*A, K]; entries [L, 1, 3] (A [E, r, K] address, B address, r); buf [SPLIT_K or 1, T*A, R] fp32;
@@ -141,7 +141,7 @@ def _moe_lora_shrink_kernel(
         tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat", "L"])
 def _moe_lora_expand_kernel(
     y_ptr, buf_ptr, entries_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     # y [T*A, N]; buf [NUM_PARTS, T*A, R] fp32; entries [L, 1, 3] (A address, B^T [E, r, N] address, r);
@@ -191,7 +191,7 @@ def _moe_lora_expand_kernel(
             b, cols, col_ok = b_nxt, nxt, nxt_ok
 
 
-@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat"])
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat", "L"])
 def _moe_lora_fused_kernel(
     y_ptr, x_ptr, entries_ptr, scaling_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     # y [T*A, N]; x [T or T*A, K]; entries [L, 1, 3] (A [E, r, K] address, B^T [E, r, N] address, r);

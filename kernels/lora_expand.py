@@ -56,7 +56,7 @@ def _expand_rows(y_ptr, buf_ptr, b_ptr, rank, order_ptr, seg_start_ptr, seg_len_
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_flat"])
+@triton.jit(do_not_specialize=["num_flat", "L"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, entries_ptr, order_ptr, seg_start_ptr, seg_len_ptr,
     # y [T, N]; buf [S, T, R] fp32; entries [L, S, 3] (A, B^T addresses, rank); order [T]; seg_start, seg_len [L]
@@ -82,7 +82,7 @@ def _lora_expand_kernel(
                  offset, width, stride_yt, stride_bs, stride_bt, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _lora_expand_compact_kernel(
     y_ptr, buf_ptr, entries_ptr, order_ptr, seg_start_ptr, seg_len_ptr,
     R, L, OFF1, OFF2, W0, W1, W2,

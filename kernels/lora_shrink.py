@@ -78,7 +78,7 @@ def _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _lora_shrink_kernel(
     x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
     # x [T, K]; entries [L, S, 3] (A address, B address, rank); buf [S, T, R] fp32; order [T] tokens sorted by
@@ -100,7 +100,7 @@ def _lora_shrink_kernel(
                  pid_z % SPLIT_K, K, stride_xt, stride_bs, stride_bt, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _lora_shrink_compact_kernel(
     x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,  # as _lora_shrink_kernel
     K, L,

@@ -25,7 +25,7 @@ from loraplex.kernels.slot_blocks import flat_blocks, segment_rows, slot_block, 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _lora_shrink_expand_kernel(
     y_ptr, x_ptr, entries_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
     # y [T, N]; x [T, K]; entries [L, S, 3] (A address, B address, rank); order [T]; seg_* [L]; scaling [>= L]

@@ -30,7 +30,7 @@ _TARGET_PROGRAMS = 528  # ~4 waves of an H100/H200's 132 SMs
 _MIN_TILES_PER_SPLIT = 4
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Q, D]; k, v caches [NB, BS, KV, D]
     bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,  # block_tables [B, MB]; seq_lens [B]; query_start_loc [B+1]; sinks [Q]

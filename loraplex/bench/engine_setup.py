@@ -73,6 +73,11 @@ def engine_info(engine) -> dict:
         info["cuda_graph_buckets"] = runner.cuda_graph_buckets
         info["cuda_graph_capture_seconds"] = graphs.capture_seconds
         info["cuda_graph_memory_bytes"] = graphs.graph_memory_bytes
+    warmup = getattr(engine, "warmup", None)
+    if warmup is not None:   # the start-up compile of eager steps' kernel variants (engine/eager_warmup.py)
+        info["eager_warmup"] = {"shapes": warmup.shapes, "planned": warmup.planned,
+                                "seconds": round(warmup.seconds, 2), "compiles": warmup.compiles,
+                                "compile_seconds": warmup.compile_seconds}
     return info
 
 

@@ -21,10 +21,12 @@ def test_graph_and_quantization_flags_reach_the_engine_config(monkeypatch):
           "--max-num-seqs", "128"])
     main(["engine", "serve", "--model", "/m", "--enable-lora", "--adapter-memory-fraction", "0.5"])
     main(["engine", "serve", "--model", "/m", "--quantization", "none"])  # float experts (MXFP4 dequantised)
+    main(["engine", "serve", "--model", "/m", "--eager-warmup-budget-s", "0"])
     assert [(kw["enforce_eager"], kw["cuda_graph_max_batch_size"], kw["quantization"]) for kw in seen[:2]] == [
         (False, None, "auto"), (True, 16, "int8")]
     assert seen[4]["quantization"] is None
     assert seen[0]["max_num_seqs"] is None and seen[0]["cuda_graph_capture_budget_s"] == 120.0
+    assert (seen[0]["eager_warmup_budget_s"], seen[5]["eager_warmup_budget_s"]) == (90.0, 0.0)
     assert (seen[2]["adapter_memory_bytes"], seen[2]["max_loras"], seen[2]["max_num_seqs"]) == (8 << 30, 12, 128)
     assert (seen[3]["adapter_memory_bytes"], seen[3]["adapter_memory_fraction"], seen[3]["max_loras"]) == \
         (None, 0.5, None)
