@@ -17,8 +17,8 @@ Every tile config the tuning files give a token count is reached (the tuned Ms l
 each is nearest to one of them or is one), as are both sides of the split-K partials limit. Dummy tokens write
 no KV (slot -1) and read only block 0, zeroed first (no sequence exists yet); LoRA runs in always-on mode with no
 token mapped to an adapter, as in graph capture, so its kernels launch and compile but add nothing. Once
-``budget_s`` is spent the warm-up stops (the rest compiles on first use, as without it). ``run`` returns what it
-did; the engine logs it:
+``budget_s`` is spent the warm-up stops (the rest compiles on first use, as without it); a dummy step that
+raises stops it with a warning (serving goes on). ``run`` returns what it did; the engine logs it:
 
     report = run(runner, budget_s=90.0)     # -> WarmupReport(shapes=.., seconds=.., compiles=.., skipped=..)
 """
@@ -60,11 +60,13 @@ class WarmupReport:
     compiles: int | None = None          # Triton compiles during the warm-up (None: this Triton has no JIT hooks)
     compile_seconds: float | None = None
     skipped: list[Shape] = field(default_factory=list)   # left out once the budget was spent
+    failed: str | None = None            # the shape whose dummy step raised (the warm-up stopped there)
 
     def summary(self) -> str:
         compiled = (f", {self.compiles} kernel compiles ({self.compile_seconds:.1f} s)"
                     if self.compiles is not None else "")
-        left = f"; budget spent, {len(self.skipped)} shapes left to compile on first use" if self.skipped else ""
+        left = (f"; stopped by an error at {self.failed}" if self.failed else
+                f"; budget spent, {len(self.skipped)} shapes left to compile on first use" if self.skipped else "")
         return f"{self.shapes} of {self.planned} step shapes in {self.seconds:.1f} s{compiled}{left}"
 
 
@@ -108,15 +110,21 @@ def run(runner: "ModelRunner", *, budget_s: float, max_tokens: int | None = None
     for k_cache, v_cache in runner.kv_caches:
         k_cache[0].zero_()
         v_cache[0].zero_()
-    with torch.inference_mode():
-        for i, shape in enumerate(shapes):
-            if time.perf_counter() - start > budget_s:
-                report.skipped = shapes[i:]
-                break
-            _step(runner, shape)
-            report.shapes += 1
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
+    i = 0
+    try:
+        with torch.inference_mode():
+            for i, shape in enumerate(shapes):
+                if time.perf_counter() - start > budget_s:
+                    report.skipped = shapes[i:]
+                    break
+                _step(runner, shape)
+                report.shapes += 1
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+    except Exception as e:  # noqa: BLE001 - the warm-up only saves compiles; serving goes on without the rest
+        report.failed = f"{shapes[i]}: {type(e).__name__}: {e}"
+        report.skipped = shapes[i:]
+        logger.warning("eager warm-up stopped at %s; the remaining shapes compile on first use", report.failed)
     report.seconds = time.perf_counter() - start
     if watch is not None:
         done = watch.since(before)

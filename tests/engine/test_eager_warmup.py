@@ -96,6 +96,29 @@ def test_budget_spent_leaves_the_rest_for_first_use(tiny_checkpoint):
     assert "budget spent" in report.summary()
 
 
+def test_a_failing_dummy_step_stops_the_warm_up_without_failing_the_engine(tiny_checkpoint, monkeypatch):
+    engine = LLMEngine.from_pretrained(tiny_checkpoint("qwen3"), **BASE)
+    runner, model = engine.runner, engine.runner.model
+    seen = []
+
+    def forward(input_ids, positions, attn, kv_caches):
+        seen.append(input_ids.shape[0])
+        if runner.lora.state.always_on and input_ids.shape[0] == 8:
+            raise RuntimeError("out of memory (test)")
+        return model(input_ids, positions, attn, kv_caches)
+
+    monkeypatch.setattr(runner, "model", forward)
+    report = eager_warmup.run(runner, budget_s=600.0)
+    assert eager_warmup.eager_slot_counts(runner) == [8]            # max_num_seqs 8 caps the slot count
+    assert report.failed == "prefill T=8 L=8: RuntimeError: out of memory (test)"
+    assert report.skipped[0] == eager_warmup.Shape(8, False, 8) and report.shapes + len(report.skipped) == \
+        report.planned
+    assert "stopped by an error at prefill T=8 L=8" in report.summary()
+    lora = runner.lora
+    assert lora.state.token_lora_idx is None and not lora.state.always_on
+    assert seen[-1] == 8 and len(seen) == report.shapes + 1
+
+
 def test_budget_setting_is_validated():
     with pytest.raises(ValueError, match="eager_warmup_budget_s must be >= 0"):
         EngineConfig(model="/m", eager_warmup_budget_s=-1.0)
