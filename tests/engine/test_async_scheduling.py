@@ -25,6 +25,7 @@ from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
 from loraplex.engine.sequence import SequenceGroup, SequenceStatus
 from loraplex.engine.step_pipeline import PendingTokens
+from tests.utils.adapters import peft_adapter_of
 
 BASE = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=32, progress=False)
 
@@ -38,22 +39,8 @@ def peft_folders(tmp_path_factory):
 
     def make(base: str) -> dict[str, str]:
         if base not in cache:
-            from peft import LoraConfig, get_peft_model
-            from transformers import AutoModelForCausalLM
-
-            folders = {}
-            for name, r, seed in (("a", 4, 1), ("b", 8, 2)):
-                model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-                moe = model.config.model_type in ("gpt_oss", "qwen3_moe", "mixtral")
-                torch.manual_seed(seed)
-                cfg = LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-                                 + ([] if moe else ["gate_proj", "up_proj", "down_proj"]),
-                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if moe
-                                 else None)
-                folders[name] = str(tmp_path_factory.mktemp(f"lora-{name}"))
-                get_peft_model(model, cfg).save_pretrained(folders[name])
-            cache[base] = folders
+            cache[base] = {name: peft_adapter_of(base, str(tmp_path_factory.mktemp(f"lora-{name}")), r=r, seed=seed)
+                           for name, r, seed in (("a", 4, 1), ("b", 8, 2))}
         return cache[base]
 
     return make

@@ -11,26 +11,10 @@ from loraplex.engine import LLMEngine, SamplingParams
 from loraplex.engine import eager_warmup
 from loraplex.engine.engine_config import EngineConfig
 from loraplex.engine.lora.ref import AdapterRef
+from tests.utils.adapters import peft_adapter_of
 
 BASE = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=40, progress=False,
             enable_lora=True, max_lora_rank=8, max_loras=4)
-
-
-def peft_adapter(base: str, out: str, r: int, seed: int) -> str:
-    """A PEFT adapter of ``base`` (random non-zero weights) on attention and the MLP, the fused experts on MoE."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    moe = model.config.model_type in ("gpt_oss", "qwen3_moe", "mixtral")
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-                     + ([] if moe else ["gate_proj", "up_proj", "down_proj"]),
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if moe else None)
-    get_peft_model(model, cfg).save_pretrained(out)
-    return out
 
 
 def test_token_counts_cover_each_power_of_two_its_odd_successor_and_the_step_limit():
@@ -59,7 +43,7 @@ def test_eager_slot_counts_are_the_powers_of_two_an_eager_step_uses(tiny_checkpo
 @pytest.mark.parametrize("family", ["gpt_oss", "llama"])
 def test_warmed_up_engine_serves_the_same_tokens(family, tiny_checkpoint, tmp_path):
     path = tiny_checkpoint(family)
-    refs = [AdapterRef(f"t/{n}/1", "file://" + peft_adapter(path, str(tmp_path / n), r, seed))
+    refs = [AdapterRef(f"t/{n}/1", "file://" + peft_adapter_of(path, str(tmp_path / n), r=r, seed=seed))
             for n, r, seed in (("a", 4, 1), ("b", 8, 2))]
     prompts = [[5, 9, 2, 7, 11, 3, 8], [4, 4, 1], [13, 2, 9, 9, 6, 1, 1, 2, 3, 10, 12], [7]]
     adapters = [refs[0], None, refs[1], refs[0]]

@@ -1,6 +1,7 @@
 """Real PEFT adapters of the tiny base models, and hand-made safetensors files for hostile uploads.
 
     folder = make_peft_adapter("mixtral", out_dir, r=4)            # adapter_config.json + adapter_model.safetensors
+    folder = peft_adapter_of(checkpoint_dir, out_dir, r=8, seed=2)  # of a saved checkpoint (its own shapes)
     write_safetensors(path, {"name": ("F32", (4, 40))})            # zero-filled, any names/shapes/dtypes
 """
 from __future__ import annotations
@@ -48,6 +49,22 @@ def make_peft_adapter(family: str, out_dir: str, *, r: int = 4, alpha: float = 8
         st = os.path.join(out_dir, "adapter_model.safetensors")
         tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in load_file(st).items()}
         save_file(tensors, st)
+    return out_dir
+
+
+def peft_adapter_of(base: str, out_dir: str, *, r: int, seed: int, alpha: float | None = None) -> str:
+    """A PEFT adapter (random, non-zero weights, ``lora_alpha`` 2r unless given) of the checkpoint saved at ``base``:
+    attention everywhere, the dense MLP on dense families and the fused experts on MoE ones."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    moe = model.config.model_type in MOE
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r if alpha is None else alpha, init_lora_weights=False,
+                     target_modules=ATTN + ([] if moe else DENSE_MLP), target_parameters=EXPERTS if moe else None)
+    get_peft_model(model, cfg).save_pretrained(out_dir)
     return out_dir
 
 
