@@ -8,13 +8,14 @@ compile inside a serving step, stalling every running request for as long (secon
 before any request, the warm-up runs the model eagerly on dummy inputs over the step shapes the engine can
 schedule:
 
-    token counts T = 1, 2, 4, ... up to max_num_batched_tokens, and T + 1 (odd counts), each
+    token counts T = 1, 2, 4, ... up to max_num_batched_tokens, T + 1 (odd counts) and every M of the device's
+    tuning files, each
         as prefill-like sequences of up to max_model_len tokens     (attention's prefill tiles)
         as T decode rows of one token, T <= max_num_seqs             (attention's decode tiles, key splits or not)
     LoRA step slots L: none first, then each eager slot count (16, 32, ... up to max_step_slots), prefill-like
 
-Every tile config the tuning files give a token count is reached (the tuned Ms lie between powers of two and
-each is nearest to one of them or is one), as are both sides of the split-K partials limit. Dummy tokens write
+Every tile config the tuning files give a token count is reached (its own M is among the counts), as are both
+sides of the split-K partials limit (pairs x SPLIT_K crosses it at a power of two). Dummy tokens write
 no KV (slot -1) and read only block 0, zeroed first (no sequence exists yet); LoRA runs in always-on mode with no
 token mapped to an adapter, as in graph capture, so its kernels launch and compile but add nothing. Once
 ``budget_s`` is spent the warm-up stops (the rest compiles on first use, as without it); a dummy step that
@@ -70,19 +71,22 @@ class WarmupReport:
         return f"{self.shapes} of {self.planned} step shapes in {self.seconds:.1f} s{compiled}{left}"
 
 
-def token_counts(max_tokens: int) -> list[int]:
-    """1, 2, 4, ... up to ``max_tokens`` (always included), each with its successor (odd counts)."""
+def token_counts(max_tokens: int, tuned: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """1, 2, 4, ... up to ``max_tokens`` (always included), each with its successor (odd counts), and the ``tuned``
+    token counts of the tuning files (a tuned config's range of counts may hold no power of two)."""
     counts, t = set(), 1
     while t <= max_tokens:
         counts.update((t, t + 1))
         t *= 2
     counts.add(max_tokens)
-    return sorted(c for c in counts if c <= max_tokens)
+    counts.update(tuned)
+    return sorted(c for c in counts if 1 <= c <= max_tokens)
 
 
-def plan(max_tokens: int, max_num_seqs: int, slot_counts: list[int]) -> list[Shape]:
+def plan(max_tokens: int, max_num_seqs: int, slot_counts: list[int],
+         tuned: set[int] | frozenset[int] = frozenset()) -> list[Shape]:
     """The dummy steps in the order they run: no LoRA (prefill-like and decode rows), then per slot count."""
-    counts = token_counts(max_tokens)
+    counts = token_counts(max_tokens, tuned)
     shapes = [Shape(t, decode) for t in counts for decode in (False, True) if not decode or t <= max_num_seqs]
     shapes += [Shape(t, False, slots) for slots in slot_counts for t in counts]
     return shapes
@@ -99,10 +103,11 @@ def eager_slot_counts(runner: "ModelRunner") -> list[int]:
 def run(runner: "ModelRunner", *, budget_s: float, max_tokens: int | None = None) -> WarmupReport:
     """Runs the dummy steps of ``plan`` on ``runner`` until ``budget_s`` seconds have passed. Call it at start,
     before any sequence holds KV blocks (block 0 is overwritten)."""
-    from loraplex.kernels import compile_watch
+    from loraplex.kernels import compile_watch, tuning
 
     max_tokens = max_tokens or runner.config.max_num_batched_tokens
-    shapes = plan(max_tokens, runner.max_num_seqs, eager_slot_counts(runner))
+    tuned = tuning.tuned_ms() if runner.device.type == "cuda" else set()
+    shapes = plan(max_tokens, runner.max_num_seqs, eager_slot_counts(runner), tuned)
     report = WarmupReport(planned=len(shapes))
     watch = compile_watch.install()
     before = watch.snapshot() if watch is not None else None

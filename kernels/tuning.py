@@ -112,6 +112,18 @@ def nearest_m(available: list[int] | set[int] | dict, m: int) -> int:
     return min(available, key=lambda k: (abs(k - m), k))
 
 
+def tuned_ms(device_name: str | None = None, root: str | os.PathLike | None = None) -> set[int]:
+    """Every token count M some tuning file of the device has an entry for (all ops and shapes): each is the
+    middle of a range of M that shares one tuned config (the engine's eager warm-up runs one step per range)."""
+    folder = config_path("any", device_name, root).parent
+    ms: set[int] = set()
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        table = _load(str(path))
+        for by_m in (table or {}).values():
+            ms.update(by_m)
+    return ms
+
+
 def get_config(op: str, shape: Mapping[str, int], m: int, default: Mapping[str, Any], *,
                device_name: str | None = None) -> dict[str, Any]:
     """The tuned config of ``op`` at ``shape`` nearest to ``m`` tokens, else a copy of ``default``.

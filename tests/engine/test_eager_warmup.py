@@ -21,6 +21,17 @@ def test_token_counts_cover_each_power_of_two_its_odd_successor_and_the_step_lim
     assert eager_warmup.token_counts(40) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 40]
     assert eager_warmup.token_counts(4096)[-2:] == [2049, 4096]
     assert eager_warmup.token_counts(1) == [1]
+    assert eager_warmup.token_counts(40, {24, 100}) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33, 40]
+
+
+def test_tuned_token_counts_of_the_device(tmp_path):
+    from loraplex.kernels import tuning
+
+    tuning.write_configs("lora_shrink", {"K=8,N=4": {24: {"BLOCK_M": 16}, 512: {"BLOCK_M": 64}}},
+                         device_name="Test GPU", root=tmp_path)
+    tuning.write_configs("fused_moe", {"E=2": {1: {"BLOCK_M": 16}}}, device_name="Test GPU", root=tmp_path)
+    assert tuning.tuned_ms("Test GPU", tmp_path) == {1, 24, 512}
+    assert tuning.tuned_ms("Other GPU", tmp_path) == set()
 
 
 def test_plan_runs_base_shapes_first_then_each_slot_count():
