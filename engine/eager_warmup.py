@@ -13,6 +13,7 @@ schedule:
         as prefill-like sequences of up to max_model_len tokens     (attention's prefill tiles)
         as T decode rows of one token, T <= max_num_seqs             (attention's decode tiles, key splits or not)
     LoRA step slots L: none first, then each eager slot count (16, 32, ... up to max_step_slots), prefill-like
+    the copy-on-write block copy (n > 1, beam search), once the step shapes are done
 
 Every tile config the tuning files give a token count is reached (its own M is among the counts), as are both
 sides of the split-K partials limit (pairs x SPLIT_K crosses it at a power of two). Dummy tokens write
@@ -124,10 +125,13 @@ def run(runner: "ModelRunner", *, budget_s: float, max_tokens: int | None = None
                     break
                 _step(runner, shape)
                 report.shapes += 1
+            else:
+                i = len(shapes)
+                _copy_blocks(runner)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     except Exception as e:  # noqa: BLE001 - the warm-up only saves compiles; serving goes on without the rest
-        report.failed = f"{shapes[i]}: {type(e).__name__}: {e}"
+        report.failed = f"{shapes[i] if i < len(shapes) else 'copy-on-write block copy'}: {type(e).__name__}: {e}"
         report.skipped = shapes[i:]
         logger.warning("eager warm-up stopped at %s; the remaining shapes compile on first use", report.failed)
     report.seconds = time.perf_counter() - start
@@ -135,6 +139,14 @@ def run(runner: "ModelRunner", *, budget_s: float, max_tokens: int | None = None
         done = watch.since(before)
         report.compiles, report.compile_seconds = done["compiles"], done["seconds"]
     return report
+
+
+def _copy_blocks(runner: "ModelRunner") -> None:
+    """The copy-on-write block copy (``n`` > 1, beam search, forks): block 0 onto itself."""
+    from loraplex.kernels import ops
+
+    ops.copy_blocks([k for k, _ in runner.kv_caches], [v for _, v in runner.kv_caches],
+                    torch.tensor([[0, 0]], dtype=torch.int64, device=runner.device))
 
 
 def _step(runner: "ModelRunner", shape: Shape) -> None:
