@@ -149,29 +149,39 @@ def _copy_blocks(runner: "ModelRunner") -> None:
                     torch.tensor([[0, 0]], dtype=torch.int64, device=runner.device))
 
 
-def _step(runner: "ModelRunner", shape: Shape) -> None:
-    """One dummy forward of ``shape`` (hidden states discarded)."""
-    dev, t = runner.device, shape.tokens
+def dummy_inputs(shape: Shape, *, block_size: int, max_model_len: int,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, attention metadata) of one dummy step: ``shape.tokens`` tokens as decode rows of
+    one token, or as sequences of up to ``max_model_len`` new tokens; no KV write (slot -1), every block-table
+    entry block 0."""
+    t = shape.tokens
     if shape.decode:
         lens = [1] * t
     else:
-        per_seq = max(1, runner.max_model_len)
+        per_seq = max(1, max_model_len)
         lens = [per_seq] * (t // per_seq) + ([t % per_seq] if t % per_seq else [])
-    width = max(1, -(-max(lens) // runner.block_size))
+    width = max(1, -(-max(lens) // block_size))
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
     attn = AttentionMetadata(
-        slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
-        block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         max_query_len=max(lens), max_seq_len=max(lens))
-    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(dev)
-    input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(device)
+    return torch.zeros(t, dtype=torch.int64, device=device), positions, attn
+
+
+def _step(runner: "ModelRunner", shape: Shape) -> None:
+    """One dummy forward of ``shape`` (hidden states discarded)."""
+    dev = runner.device
+    input_ids, positions, attn = dummy_inputs(shape, block_size=runner.block_size,
+                                              max_model_len=runner.max_model_len, device=dev)
     lora = runner.lora
     if shape.slots is not None:
-        lora.bind_static_token_slots(torch.full((t,), -1, dtype=torch.int32, device=dev), shape.slots)
+        lora.bind_static_token_slots(torch.full((shape.tokens,), -1, dtype=torch.int32, device=dev), shape.slots)
     try:
         runner.model(input_ids, positions, attn, runner.kv_caches)
     finally:

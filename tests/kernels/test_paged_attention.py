@@ -169,3 +169,28 @@ def test_paged_attention_kernels_build_for_sm90():
     assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     sizes = json.loads(lines[0][len("RESULT "):])
     assert len(sizes) == 6 and all(n > 1000 for n in sizes.values()), sizes
+
+
+@pytest.mark.parametrize("tokens,decode", [(1, True), (7, True), (1, False), (9, False), (17, False)])
+@pytest.mark.parametrize("window", [None, 6])
+def test_eager_warmup_dummy_steps_run_the_triton_kernels(tokens, decode, window):
+    """The start-up warm-up's dummy steps (engine/eager_warmup.py: slot -1, every table entry block 0, zeroed;
+    prefill-like sequences of at most max_model_len tokens or decode rows) through the Triton reshape_and_cache and
+    paged attention: nothing is written to the cache and the output matches the reference (zeros read, sinks
+    applied), with default tiles and key splits, so the kernels compile for that shape without faulting."""
+    from loraplex.engine.eager_warmup import Shape, dummy_inputs
+    from loraplex.kernels.reshape_and_cache import reshape_and_cache
+
+    _, positions, attn = dummy_inputs(Shape(tokens, decode), block_size=4, max_model_len=8, device="cpu")
+    assert attn.query_start_loc[-1] == tokens == positions.shape[0] and int(attn.seq_lens.max()) <= 8
+    k_cache, v_cache = torch.randn(6, 4, 2, 32), torch.randn(6, 4, 2, 32)
+    k_cache[0] = v_cache[0] = 0
+    before = (k_cache.clone(), v_cache.clone())
+    reshape_and_cache(torch.randn(tokens, 2, 32), torch.randn(tokens, 2, 32), k_cache, v_cache, attn.slot_mapping)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    q, sinks = torch.randn(tokens, 4, 32), torch.randn(4)
+    args = (q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, 0.2)
+    got = paged_attention(*args, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(got, reference.paged_attention(*args, sliding_window=window, sinks=sinks),
+                               rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(got).all()
