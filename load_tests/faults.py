@@ -6,8 +6,8 @@ checked on the quiet stack before the load goes on.
     engine      SIGKILL of engine replica i (round robin); restarted on its port after the hold
                 recovered: the restarted replica served a request (its admissions counter moved)
     redis       the own redis-server SIGKILLed; restarted empty          recovered: a completion answered 200
-    redis_stall the own Redis stalled for writes (``CLIENT PAUSE <hold> WRITE``) while streams end; it resumes by
-                itself                                                   recovered: a completion answered 200;
+    redis_stall the own Redis stalled for writes (``CLIENT PAUSE WRITE``, lifted by ``CLIENT UNPAUSE`` after the
+                hold) while streams end                                  recovered: a completion answered 200;
                 the lease invariant is then given ``STALL_LEASE_TIMEOUT_S`` (released leases must all be gone)
     postgres    the own cluster stopped ``-m immediate`` (or, on the proxy fallback, cut); started again
                 recovered: ``GET /v1/adapters`` answered 200 (a database read)
@@ -43,6 +43,7 @@ from load_tests.population import Population, new_tenant, upload
 from load_tests.records import Record, error_kind
 
 FAULTS = ("engine", "redis", "redis_stall", "postgres", "s3_down", "s3_slow", "disconnect")
+PAUSE_SLACK_S = 20.0     # redis_stall: how much longer than the hold the pause may last before Redis lifts it
 ALLOWED: dict[str, set[str]] = {
     "engine": {"engine_unavailable"},                       # streams/completions running on the killed replica
     "redis": {"quota_store_unavailable"},                   # fail closed
@@ -313,12 +314,16 @@ class FaultSchedule:
 
     def _redis_stall(self, inj: Injection) -> None:
         """Writes (every quota script) block for ``hold_s`` while the load runs: acquires time out and fail closed,
-        streams that end meanwhile cannot release their leases until it is over."""
+        streams that end meanwhile cannot release their leases until it is over. The pause is set for longer and
+        lifted by hand (``CLIENT UNPAUSE``) once ``hold_s`` has passed and the probe has its answer, so a probe the
+        loaded machine delays still lands inside it (Redis itself ends the pause after PAUSE_SLACK_S at worst)."""
         start = time.monotonic()
-        _redis_command(self.local.redis.url, "CLIENT", "PAUSE", str(int(self.hold_s * 1000)), "WRITE")
+        _redis_command(self.local.redis.url, "CLIENT", "PAUSE", str(int((self.hold_s + PAUSE_SLACK_S) * 1000)),
+                       "WRITE")
         inj.figures["during_kind"] = self._complete("redis_stall").kind
         time.sleep(max(0.0, self.hold_s - (time.monotonic() - start)))
-        inj.restored_s = self.now()                        # the pause ends by itself
+        _redis_command(self.local.redis.url, "CLIENT", "UNPAUSE")
+        inj.restored_s = self.now()
         self._until(inj, lambda: self._complete("redis_stall").kind == "ok")
 
     def _postgres(self, inj: Injection) -> None:
