@@ -35,6 +35,7 @@ captured one (more padded rows, same result). The log line gives the buckets, th
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
@@ -147,27 +148,31 @@ class DecodeGraphs:
     def run_rows(self, entries: list[tuple[list[int], int, list[int]]], row_slots: list[int]) -> torch.Tensor:
         """Hidden [R, H] of the R = sum(len(token_ids)) rows of ``entries`` (token_ids, start, block_ids) in order:
         entry i's token j is a one-token decode at position start_i + j over block_ids_i (a verify step's rows,
-        spec_decode/verify_graphs.py). ``row_slots[i]``: entry i's LoRA step slot input (-1: base). Written an entry
-        at a time (its rows are consecutive positions over one block table: numpy slices, no object per row)."""
-        n = sum(len(t) for t, _, _ in entries)
+        spec_decode/verify_graphs.py). ``row_slots[i]``: entry i's LoRA step slot input (-1: base). Written for all
+        entries at once (a fixed number of numpy calls whatever the entry count): the entries' tables as one
+        [E, W] array, each row picking its entry's table, its position = its entry's start + its index there."""
+        num_rows = [len(t) for t, _, _ in entries]
+        widths = [len(blocks) for _, _, blocks in entries]
+        n = sum(num_rows)
         b = self.bucket_for(n)
         ids, pos, slots, src, seq_lens, _, tables = self._host_buffers(b)
         bs = self.runner.block_size
-        per_row_slots: list[int] = []
-        r = 0
-        for (tokens, start, blocks), slot in zip(entries, row_slots):
-            k = len(tokens)
-            p = np.arange(start, start + k)
-            table = np.asarray(blocks, dtype=np.int64)
-            ids[r:r + k] = tokens
-            pos[r:r + k] = p
-            slots[r:r + k] = table[p // bs] * bs + p % bs
-            seq_lens[r:r + k] = p + 1
-            tables[r:r + k, :len(blocks)] = table
-            per_row_slots += [slot] * k
-            r += k
+        e = len(entries)
+        entry_of_block = np.repeat(np.arange(e), widths)
+        first_block = np.repeat(np.cumsum(widths) - widths, widths)
+        table = np.zeros((e, max(widths, default=0)), dtype=np.int64)
+        table[entry_of_block, np.arange(entry_of_block.size) - first_block] = np.fromiter(
+            itertools.chain.from_iterable(blocks for _, _, blocks in entries), np.int64, entry_of_block.size)
+        entry_of_row = np.repeat(np.arange(e), num_rows)
+        starts = np.fromiter((start for _, start, _ in entries), np.int64, e)
+        p = np.arange(n) + np.repeat(starts - (np.cumsum(num_rows) - num_rows), num_rows)
+        ids[:n] = list(itertools.chain.from_iterable(t for t, _, _ in entries))
+        pos[:n] = p
+        slots[:n] = table[entry_of_row, p // bs] * bs + p % bs
+        seq_lens[:n] = p + 1
+        tables[:n, :table.shape[1]] = table[entry_of_row]
         src[:n] = -1
-        self._send_inputs(n, b, per_row_slots, "verify")
+        self._send_inputs(n, b, np.repeat(row_slots, num_rows).tolist(), "verify")
         return self._replay(b, n)
 
     def _replay(self, b: int, n: int) -> torch.Tensor:

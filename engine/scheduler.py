@@ -806,16 +806,12 @@ class Scheduler:
         group = self._groups[seq.request_id]
         if group.first_token_time is None:
             group.first_token_time = now
-        entries = entries or [None] * len(tokens)
         seq.num_computed_tokens += len(tokens)
-        status = None
-        for token, entry in zip(tokens, entries):
-            seq.append_token(token, entry.logprob if entry is not None else 0.0)
-            if self.counters is not None:
-                group.tenant_state.output_tokens += 1
-            status = self._stop_status(seq, group, token)
-            if status is not None:
-                break
+        n, status = self._verified_stop(seq, group, tokens)
+        logprobs = [e.logprob if e is not None else 0.0 for e in entries[:n]] if entries else None
+        seq.append_tokens(tokens[:n], logprobs)
+        if self.counters is not None:
+            group.tenant_state.output_tokens += n
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         self.kv.cache_full_blocks(seq)
         if status is not None:
@@ -970,6 +966,22 @@ class Scheduler:
         if self._reaches_length_limit(seq):
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def _verified_stop(self, seq: Sequence, group: SequenceGroup,
+                       tokens: list[int]) -> tuple[int, SequenceStatus | None]:
+        """``_stop_status`` after each of ``tokens`` appended in turn to ``seq``, without appending them: (tokens to
+        append, up to and including the first that stops; the status it stops with, None: all, no stop)."""
+        params = group.sampling_params
+        # the length limit holds once n tokens are in, n >= room (at least the first token is appended)
+        room = max(1, min(params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens))
+        eos = () if params.ignore_eos else self.config.eos_token_ids
+        stops = params.stop_token_ids
+        for i, token in enumerate(tokens[:room]):
+            if token in eos or token in stops:
+                return i + 1, SequenceStatus.FINISHED_STOPPED
+        if room <= len(tokens):
+            return room, SequenceStatus.FINISHED_LENGTH
+        return len(tokens), None
 
     def _reaches_length_limit(self, seq: Sequence) -> bool:
         """``max_tokens`` or ``max_model_len`` reached (by count: a pending token counts)."""

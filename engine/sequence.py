@@ -114,6 +114,17 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.cumulative_logprob += logprob
 
+    def append_tokens(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
+        """Add several output tokens at once (a verify step's accepted ones); the same stream and score as
+        ``append_token`` on each in order (``logprobs`` parallel to ``token_ids``; None: 0.0 each)."""
+        self.output_token_ids.extend(token_ids)
+        if logprobs is None:
+            if token_ids:
+                self.cumulative_logprob += 0.0  # x + 0.0 + 0.0 == x + 0.0, bit for bit (-0.0 becomes 0.0 once)
+            return
+        for logprob in logprobs:  # one addition per token, in order: the same rounding as append_token
+            self.cumulative_logprob += logprob
+
     def append_pending_token(self) -> None:
         """Add one output token whose value is still on the device (an overlapped step sampled it)."""
         if self.num_pending_tokens:

@@ -10,7 +10,7 @@
 
 A tiny random llama (hidden 72, vocab ``--vocab``, with its byte-level tokenizer) runs on CPU through
 ``LLMEngine.step`` with the padded decode path of the CUDA-graph runs (``init_decode_graphs(capture=False)``),
-so the host-side work is the same as on the GPU. Every phase is timed with ``time.perf_counter`` wrappers:
+so the host-side work is the same as on the GPU. Every phase is timed with ``time.perf_counter`` wrappers (``--clock``):
 
     schedule   Scheduler.schedule
     pack       decode input packing (DecodeGraphs._write_inputs; ModelRunner.prepare on the eager path)
@@ -40,7 +40,9 @@ drafts count. Extra phases: "propose" (SpecDecoder.propose) and, for verify step
 (VerifyExecutor._graph_step) and "sample" the acceptance (VerifyExecutor._verify, _verify_outcomes).
 ``--async-scheduling`` turns on overlapped scheduling (verify steps stay in flight while the previous step's
 outputs are built and delivered; plain decode steps do not overlap here: the text-forcing logits hook keeps them
-synchronous). ``--profile N`` runs cProfile
+synchronous). ``--clock thread`` times with the main thread's CPU time instead of wall time: on a shared machine
+the time the thread waits descheduled drops out (steadier; blocking waits, e.g. a device sync, drop out too, so
+use it on CPU only). ``--profile N`` runs cProfile
 over the timed steps ("model" calls left out) and prints the N functions with the largest own time, µs per step.
 On CPU, vocabulary-sized work (argmax, gathers of logits rows) is host time but device work on a GPU: a small
 ``--vocab`` (1024) keeps it near a kernel launch's cost.
@@ -64,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+_clock = time.perf_counter  # --clock thread: time.thread_time
 PHASES = ("propose", "schedule", "pack", "model", "sample", "runner", "update", "output", "deliver", "host",
           "exposed")
 
@@ -85,11 +88,11 @@ class _Timer:
             if prof is not None:
                 prof.disable()
             inner.append(0.0)
-            t0 = time.perf_counter()
+            t0 = _clock()
             try:
                 return fn(*a, **kw)
             finally:
-                elapsed = time.perf_counter() - t0
+                elapsed = _clock() - t0
                 cur[phase] += elapsed - inner.pop()
                 if inner:
                     inner[-1] += elapsed
@@ -276,12 +279,12 @@ def measure(base: str, adapters: list[str], batch: int, sampled: bool, args, spe
             timer.profile = prof
             prof.enable()
         overlapped = engine.num_overlapped_verify_steps
-        t0 = time.perf_counter()
+        t0 = _clock()
         outs = engine.step()
-        t1 = time.perf_counter()
+        t1 = _clock()
         if deliverer is not None:
             _deliver_step(deliverer, outs)
-        t2 = time.perf_counter()
+        t2 = _clock()
         if prof is not None and timed:
             prof.disable()
             timer.profile = None
@@ -375,7 +378,11 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions per step (0: off)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="overlapped scheduling on (verify steps stay in flight while outputs are built)")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="wall: perf_counter; thread: the main thread's CPU time (steadier on a shared CPU)")
     args = ap.parse_args()
+    global _clock
+    _clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
     import logging
     logging.disable(logging.WARNING)
@@ -385,7 +392,7 @@ def main() -> None:
         adapters = make_adapters(base, tmp, 8) if any("lora" in v for v in args.variants) else []
         path = "eager prepare" if args.eager else "CUDA graphs" if args.device == "cuda" else "padded graph path"
         print(f"µs per decode step (median of {args.steps}; history {args.output_len} tokens; vocab {args.vocab}; "
-              f"{args.device}, {path})")
+              f"{args.device}, {path}; {args.clock} clock)")
         print(f"{'batch':>5} {'variant':<18}" + "".join(f"{p:>10}" for p in PHASES))
         for batch in args.batches:
             for variant in args.variants:

@@ -132,16 +132,22 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if computed_blocks and seq.block_ids:
             raise ValueError(f"sequence {seq.seq_id} already has blocks; a prefix hit applies only to a new one")
-        if self._num_blocks_short(seq, num_new_tokens, computed_blocks) > 0:
-            return False
         if computed_blocks:
+            if self._num_blocks_short(seq, num_new_tokens, computed_blocks) > 0:
+                return False
             self.pool.touch(computed_blocks)  # prefix hit: out of the free queue before allocating new blocks
             seq.block_ids = list(computed_blocks)
             seq.num_computed_tokens = len(computed_blocks) * self.block_size
             self._block_hashes[seq.seq_id] = [self.pool.blocks[b].block_hash for b in computed_blocks]
+            need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
         else:
-            self._copy_on_write(seq, num_new_tokens)
-        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
+            # one pass over the written blocks serves the room check and the copies (_num_blocks_short's count)
+            shared = self._shared_write_blocks(seq, num_new_tokens)
+            need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
+            if need + len(shared) > self.pool.num_free_blocks:
+                return False
+            if shared:
+                self._copy_on_write(seq, shared)
         if need > 0:
             seq.block_ids.extend(self.pool.allocate(need))
         self._seqs[seq.seq_id] = seq
@@ -159,10 +165,13 @@ class KVCacheManager:
             return []
         first = seq.num_computed_tokens // self.block_size
         last = min(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens), len(seq.block_ids))
-        return [i for i in range(first, last) if self._sharers(seq.block_ids[i]) > 1]
+        blocks, table = self.pool.blocks, seq.block_ids
+        # ref count = sharers + pins: a block with one reference has no other sharer (the common case, no lookup)
+        return [i for i in range(first, last) if blocks[table[i]].ref_cnt > 1 and self._sharers(table[i]) > 1]
 
-    def _copy_on_write(self, seq: Sequence, num_new_tokens: int) -> None:
-        for i in self._shared_write_blocks(seq, num_new_tokens):
+    def _copy_on_write(self, seq: Sequence, shared: list[int]) -> None:
+        """Give ``seq`` a private copy of each block at the ``shared`` indices of its table (_shared_write_blocks)."""
+        for i in shared:
             src = seq.block_ids[i]
             dst = self.pool.allocate(1)[0]
             if i * self.block_size < seq.num_computed_tokens:  # holds computed tokens: copy them
