@@ -107,8 +107,7 @@ def run(runner: "ModelRunner", *, budget_s: float, max_tokens: int | None = None
     from loraplex.kernels import compile_watch, tuning
 
     max_tokens = max_tokens or runner.config.max_num_batched_tokens
-    tuned = tuning.tuned_ms() if runner.device.type == "cuda" else set()
-    shapes = plan(max_tokens, runner.max_num_seqs, eager_slot_counts(runner), tuned)
+    shapes = plan(max_tokens, runner.max_num_seqs, eager_slot_counts(runner), tuning.tuned_ms())
     report = WarmupReport(planned=len(shapes))
     watch = compile_watch.install()
     before = watch.snapshot() if watch is not None else None

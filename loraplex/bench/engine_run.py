@@ -141,6 +141,8 @@ class EngineRun:
             info["description"] = phase.description
         if info["cuda_graphs"]:
             self.setup_s[f"graph_capture_{label}"] = info["cuda_graph_capture_seconds"]
+        if info.get("eager_warmup"):
+            self.setup_s[f"eager_warmup_{label}"] = info["eager_warmup"]["seconds"]
         self.engine_info[label] = info
         print(f"[bench] engine {label}: started in {self.setup_s[f'engine_start_{label}']:.1f} s (weights "
               f"{self.setup_s.get(f'model_load_{label}', float('nan')):.1f} s, graph capture "

@@ -6,6 +6,7 @@ once; when the store refuses that too, the key waits here and a background threa
 store answers (or ``give_up_after_s`` passes: the janitor's orphan pass removes it later in any case).
 
     removals_of(store).remove(key)       # now if the store answers, else soon after it is back
+    removals_of(store).remove_later(key) # the store just failed: straight to the retry thread (no blocking retry)
     removals_of(store).pending()         # keys still waiting
 
 Only keys that nothing else may point at belong here (an upload's own, version-specific key)."""
@@ -39,13 +40,18 @@ class PendingRemovals:
         if self._try(key):
             return True
         log.warning("blob %s could not be removed (the blob store is unavailable); retrying in the background", key)
+        self.remove_later(key)
+        return False
+
+    def remove_later(self, key: str) -> None:
+        """Leaves ``key`` to the retry thread, which tries at once and then with backoff: for a caller whose store
+        call just failed, so that its own answer does not wait for another round of timeouts."""
         with self._lock:
             self._keys.setdefault(key, time.monotonic())
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="loraplex-blob-removals", daemon=True)
                 self._thread.start()
         self._wake.set()
-        return False
 
     def pending(self) -> list[str]:
         with self._lock:
@@ -74,19 +80,19 @@ class PendingRemovals:
                         self._thread = None
                         return
                 continue
-            removed_any = False
+            settled = False
             for key, since in keys.items():
-                done = self._try(key)
-                if done:
+                if self._try(key):
                     log.info("blob %s removed after the blob store came back", key)
                 elif time.monotonic() - since > self.give_up_after_s:
                     log.error("blob %s still could not be removed after %.0f s; the janitor's orphan pass removes "
                               "it", key, self.give_up_after_s)
-                if done or time.monotonic() - since > self.give_up_after_s:
-                    removed_any = True
-                    with self._lock:
-                        self._keys.pop(key, None)
-            delay = self.first_retry_s if removed_any else min(delay * 2, self.max_retry_s)
+                else:
+                    continue
+                settled = True
+                with self._lock:
+                    self._keys.pop(key, None)
+            delay = self.first_retry_s if settled else min(delay * 2, self.max_retry_s)
 
 
 _BY_STORE: "weakref.WeakKeyDictionary[BlobStore, PendingRemovals]" = weakref.WeakKeyDictionary()

@@ -105,7 +105,7 @@ def register_upload(*, session: Session, store: BlobStore, tenant: Tenant, name:
     except BlobStoreUnavailable as e:
         log.warning("upload of %s/%s v%d: %s", tenant.id, name, version.number, e)
         if not reused:      # the store may hold the blob although the write failed (its answer was lost)
-            _remove_own_blob(store, key)
+            removals_of(store).remove_later(key)   # the store just failed: the 503 does not wait on a retry
         _mark_failed(session, version, "blob store unavailable during upload")
         raise UploadError(503, "the blob store is unavailable; nothing was stored — retry the upload later",
                           code="blob_store_unavailable") from None

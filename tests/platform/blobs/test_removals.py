@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 
 from loraplex.platform.blobs.base import BlobStoreUnavailable
@@ -99,3 +100,20 @@ def test_gives_up_after_the_deadline_and_leaves_it_to_the_janitor(tmp_path):
 def test_one_instance_per_store(tmp_path):
     a, b = LocalBlobStore(str(tmp_path / "a")), LocalBlobStore(str(tmp_path / "b"))
     assert removals_of(a) is removals_of(a) and removals_of(a) is not removals_of(b)
+
+
+def test_remove_later_leaves_the_first_try_to_the_thread(tmp_path):
+    store = FlakyStore(str(tmp_path / "blobs"))
+    key = "adapters/t/a/later.safetensors"
+    put(store, tmp_path, key)
+    removals = PendingRemovals(store, first_retry_s=0.02, max_retry_s=0.1)
+    store.down = True
+    caller = threading.get_ident()
+    threads = []
+    real = store.delete
+    store.delete = lambda k: threads.append(threading.get_ident()) or real(k)
+    assert removals.remove_later(key) is None
+    wait_until(lambda: store.refused >= 2)
+    store.down = False
+    wait_until(lambda: not removals.pending())
+    assert store.list_keys() == [] and threads and caller not in threads
