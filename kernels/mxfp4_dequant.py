@@ -56,9 +56,12 @@ def load_mxfp4_tile(w_ptrs, s_ptrs, k0, K, col_ok, EVEN_K: tl.constexpr, BLOCK_K
 #     scales [32 lanes, RG, KA, 1] int32  (the lane's 4 scale bytes of the atom: k block kb x row half jr)
 #                           ──> w [BLOCK_N, BLOCK_K] (bf16: value * 2^-63, see below)
 #
-# The dims are ordered so that Triton's coalesced layout gives lane i the words of lane i (16 contiguous bytes)
-# and warps the row groups, which is where wgmma and mma.sync want them: the reshape / permute at the end moves no
-# data. Each word becomes four bf16x2 registers with 9 integer operations (``_bf16x2_codes``): value * 2^-126,
+# The words are loaded as a 2-D [KA * RG * 32, 4] tile (rows: atom, then row group, then lane; 16 contiguous bytes a
+# row), which every Triton release lays out the same way: lane i gets the words of lane i, warps the row groups,
+# registers the atoms, which is where wgmma and mma.sync want them, so the reshape / permute to [32, RG, KA, 4] and
+# the ones at the end move no data. (Loaded as [32, RG, KA, 4] the layout depends on how the release orders equal-
+# contiguity dims: Triton 3.6 gave the lanes the first dim, 3.7 and later the third, and there the decoded tile went
+# through shared memory, about a fifth more instructions per word.) Each word becomes four bf16x2 registers with 9 integer operations (``_bf16x2_codes``): value * 2^-126,
 # 0.5 a subnormal. The scale multiply then folds the 2^126 in: bf16 factor 2^(s - 64) (exact for E8M0 bytes
 # 65..191, i.e. scales 2^-62 .. 2^64), the MMA accumulates value * 2^-63 and the epilogue multiplies by 2^63.
 # DECODE selects how: DECODE_ASM one bf16x2 multiply per register (inline PTX), DECODE_BITS the same product in
@@ -82,26 +85,35 @@ def row_groups(first_row_group, num_row_groups, RG: tl.constexpr):
 
 @triton.jit
 def kernel_tile_ptrs(w_ptr, s_ptr, rg, atoms, BLOCK_K: tl.constexpr):
-    """Pointers of the first K step: words [32, RG, KA, 4] from int32 ``w_ptr`` and scales [32, RG, KA, 1] from
+    """Pointers of the first K step: words [KA * RG * 32, 4] from int32 ``w_ptr`` and scales [KA * RG * 32, 1] from
     ``s_ptr`` (the scale bytes read as int32) of the row groups ``rg`` [RG] of a matrix with ``atoms`` 64-K atoms
-    per group. A K step of BLOCK_K moves the words by 2 * BLOCK_K and the scales by BLOCK_K / 8."""
+    per group, row (ka, rg, lane); ``load_kernel_tile`` gives them the decode's shape. A K step of BLOCK_K moves the
+    words by 2 * BLOCK_K and the scales by BLOCK_K / 8. The multiple-of hint keeps the 16-byte loads (Triton 3.7
+    loses the offsets' divisibility through the reshape)."""
     KA: tl.constexpr = BLOCK_K // 64
-    atom = rg[None, :, None, None] * atoms + tl.arange(0, KA)[None, None, :, None]
-    lane = tl.arange(0, 32)[:, None, None, None]
-    w_ptrs = w_ptr + (atom * 32 + lane) * 4 + tl.arange(0, 4)[None, None, None, :]
-    s_ptrs = s_ptr + atom * 8 + lane // 4
+    RG: tl.constexpr = rg.shape[0]
+    atom = tl.arange(0, KA)[:, None, None] + rg[None, :, None] * atoms  # [KA, RG, 1]
+    lane = tl.arange(0, 32)[None, None, :]
+    quad = tl.multiple_of(tl.reshape((atom * 32 + lane) * 4, (KA * RG * 32, 1)), (4, 4))
+    w_ptrs = w_ptr + quad + tl.arange(0, 4)[None, :]
+    s_ptrs = s_ptr + tl.reshape(atom * 8 + lane // 4, (KA * RG * 32, 1))
     return w_ptrs, s_ptrs
 
 
 @triton.jit
 def load_kernel_tile(w_ptrs, s_ptrs, first_atom, limit, MASKED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The words and scales at ``w_ptrs`` / ``s_ptrs``; with MASKED, atoms ``first_atom`` + i at or past ``limit``
-    (the K tail, or a whole step past the end of a split) read as 0."""
+    """The words [32, RG, KA, 4] and scales [32, RG, KA, 1] at ``w_ptrs`` / ``s_ptrs`` (``kernel_tile_ptrs``);
+    with MASKED, atoms ``first_atom`` + i at or past ``limit`` (the K tail, or a whole step past the end of a
+    split) read as 0."""
+    KA: tl.constexpr = BLOCK_K // 64
+    RG: tl.constexpr = w_ptrs.shape[0] // (32 * KA)
     if MASKED:
-        ok = (first_atom + tl.arange(0, BLOCK_K // 64) < limit)[None, None, :, None]
-        return tl.load(w_ptrs, mask=ok, other=0), tl.load(s_ptrs, mask=ok, other=0)
+        ok = (first_atom + tl.arange(0, KA * RG * 32) // (RG * 32) < limit)[:, None]
+        words, scales = tl.load(w_ptrs, mask=ok, other=0), tl.load(s_ptrs, mask=ok, other=0)
     else:
-        return tl.load(w_ptrs), tl.load(s_ptrs)
+        words, scales = tl.load(w_ptrs), tl.load(s_ptrs)
+    words = tl.permute(tl.reshape(words, (KA, RG, 32, 4)), (2, 1, 0, 3))
+    return words, tl.permute(tl.reshape(scales, (KA, RG, 32, 1)), (2, 1, 0, 3))
 
 
 @triton.jit

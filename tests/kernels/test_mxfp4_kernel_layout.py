@@ -232,7 +232,7 @@ def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config)
 
 
 BUILD = r'''
-import json, triton
+import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loraplex.kernels import fused_moe_mxfp4 as fm
@@ -249,10 +249,14 @@ def build(kernel, consts, warps, stages):
              if n not in consts and (n.endswith("_ptr") or n in DIV16)}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
                     attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)).asm
+    ptx = asm["ptx"]
+    # a decoded weight tile [BLOCK_N, BLOCK_K] put in shared memory (only x^T [BLOCK_K, BLOCK_M] belongs there)
+    shape = "tensor<{}x{}x".format(consts["BLOCK_N"], consts["BLOCK_K"])
+    tile = re.search(r"local_alloc %\S+ : \(" + shape, asm["ttgir"])
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "shfl": "shfl.sync" in ptx,
-            "asm": "fma.rn.bf16x2" in ptx, "pdl": "griddepcontrol.wait" in ptx}
+            "asm": "fma.rn.bf16x2" in ptx, "pdl": "griddepcontrol.wait" in ptx, "smem_tile": tile is not None,
+            "vec16": re.search(r"ld\.global(\.nc)?\.v4\.b32|cp\.async\.cg\.shared\.global[^;\n]*, 0x10", ptx) is not None}
 
 out = []
 # (BLOCK_M, DECODE, EVEN_K, SPLIT_K, DIRECT, FUSED, PREFETCH, warps, stages)
@@ -270,7 +274,8 @@ print("RESULT " + json.dumps(out))
 def test_kernel_layout_gemms_build_for_sm90():
     """The kernel-layout GEMMs compile for sm_90 (both decodes, K tail, split-K, both gate_up epilogues, with and
     without the alignment tables, gate/up in one product, register prefetch, PDL): to register-operand wgmma at 4
-    warps and to mma.sync at 2, both times with the decoded fragment taken as it is (no lane shuffles), with the
+    warps and to mma.sync at 2, both times with the decoded fragment taken as it is (no lane shuffles, no trip
+    through shared memory, the words in 16-byte loads, whatever the installed Triton's layout heuristics), with the
     inline-PTX bf16x2 scale multiply where DECODE is "asm" (2) and the grid-dependency wait where PDL is on."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -282,4 +287,6 @@ def test_kernel_layout_gemms_build_for_sm90():
     assert [b["mma_sync"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
     assert [b["asm"] for b in got] == [True, True, False, False, True, True, True, True]
     assert not any(b["shfl"] for b in got)
+    assert not any(b["smem_tile"] for b in got)  # the decoded tile is the MMA's register operand
+    assert all(b["vec16"] for b in got)          # each lane's words in one 16-byte load
     assert [b["pdl"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
