@@ -232,31 +232,25 @@ def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config)
 
 
 BUILD = r'''
-import json, re, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, sys
+sys.path.insert(0, "benchmarks/kernels")
+from sm90_loops import build_sm90
 from loraplex.kernels import fused_moe_mxfp4 as fm
 
 TYPES = {"w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
-         "num_post_ptr": "*i32"}
-DIV16 = ("stride_xt", "stride_ht", "stride_we", "stride_se", "stride_be", "stride_ot", "stride_os", "N", "K")
+         "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
+
+VEC16 = r"ld\.global(\.nc)?\.v4\.b32|cp\.async\.cg\.shared\.global[^;\n]*, 0x10"  # 16-byte loads
 
 def build(kernel, consts, warps, stages):
-    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-    sig = {n: "constexpr" if n in consts else TYPES.get(n, "*bf16") if n.endswith("_ptr")
-           else "fp32" if n in ("alpha", "limit") else "i32" for n in kernel.arg_names}
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.arg_names
-             if n not in consts and (n.endswith("_ptr") or n in DIV16)}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
-                    attrs=attrs)
-    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)).asm
+    asm = build_sm90(kernel, consts, TYPES, warps, stages).asm
     ptx = asm["ptx"]
     # a decoded weight tile [BLOCK_N, BLOCK_K] put in shared memory (only x^T [BLOCK_K, BLOCK_M] belongs there)
     shape = "tensor<{}x{}x".format(consts["BLOCK_N"], consts["BLOCK_K"])
     tile = re.search(r"local_alloc %\S+ : \(" + shape, asm["ttgir"])
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "shfl": "shfl.sync" in ptx,
             "asm": "fma.rn.bf16x2" in ptx, "pdl": "griddepcontrol.wait" in ptx, "smem_tile": tile is not None,
-            "vec16": re.search(r"ld\.global(\.nc)?\.v4\.b32|cp\.async\.cg\.shared\.global[^;\n]*, 0x10", ptx) is not None}
+            "vec16": re.search(VEC16, ptx) is not None}
 
 out = []
 # (BLOCK_M, DECODE, EVEN_K, SPLIT_K, DIRECT, FUSED, PREFETCH, warps, stages)
