@@ -204,7 +204,8 @@ def run(groups: list[str], ms: list[int]) -> list[dict]:
     for group in groups:
         for m in ms:
             for name, kernel, consts, types, warps, stages, words in CASES[group](m):
-                row = {"case": name, "triton": triton.__version__, "num_warps": warps, "num_stages": stages}
+                row = {"case": name, "triton": triton.__version__, "num_warps": warps, "num_stages": stages,
+                       "constexprs": {k: v for k, v in consts.items() if isinstance(v, (bool, int, float))}}
                 try:
                     row.update(loop_stats(build_sm90(kernel, consts, types, warps, stages)))
                 except Exception as e:  # noqa: BLE001 - a case that does not build is reported, the rest go on

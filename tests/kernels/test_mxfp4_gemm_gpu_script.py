@@ -52,7 +52,7 @@ def test_byte_model_matches_the_tuning_case():
 
 def test_tiny_run_end_to_end(tmp_path, monkeypatch):
     mod = _script()
-    monkeypatch.delenv(tuning.TUNING_DIR_ENV, raising=False)  # the run points it at its output; restored after
+    monkeypatch.setenv(tuning.TUNING_DIR_ENV, "")  # the run points it at its output; unset again after the test
     monkeypatch.setattr(tuning_cases, "bench_time_ms", tuning_cases.bench_time_ms)  # --tiny swaps the timer
     try:
         rc = mod.main(["--tiny", "--out", str(tmp_path)])
