@@ -363,37 +363,58 @@ def check_kernel_weights(x, w13, s13, w2, s2, topk_weights, topk_ids, activation
             raise ValueError(f"{name} must be contiguous")
 
 
+def gate_up_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act: int, has_bias: bool,
+                       pdl: bool) -> dict:
+    """The constexprs ``gate_up`` launches ``_gate_up_kernel`` with for ``cfg`` at x [T, hidden] and
+    w13 [E, 2 * inter, ..] (``act``: an ACT_CODES value or ACT_NONE; ``pdl``: ``use_pdl``'s answer)."""
+    bm, bn, bk, gm, _ = _launch(cfg)
+    fused = bool(int(cfg.get("GU_FUSED", 0)))
+    if fused and bn % (2 * ROW_GROUP):
+        raise ValueError(f"GU_FUSED needs BLOCK_N a multiple of {2 * ROW_GROUP} (gate and up halves of whole row "
+                         f"groups), got {bn}")
+    return dict(TOP_K=top_k, ACT=act, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                NUM_N=triton.cdiv(inter, bn // 2 if fused else bn),
+                SPLIT_K=max(1, min(int(cfg.get("GU_SPLIT_K", 1)), triton.cdiv(hidden, bk))),
+                EVEN_K=hidden % bk == 0, DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))),
+                FUSED=fused, PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
+
+
+def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: bool,
+                    split_k: int | None = None) -> dict:
+    """The constexprs ``down`` launches ``_down_kernel`` with for ``cfg`` at h [T*A, inter] and w2 [E, hidden, ..]
+    (``split_k``: default cfg SPLIT_K, at most one split per K step)."""
+    bm, bn, bk, gm, _ = _launch(cfg)
+    splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
+    return dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=triton.cdiv(hidden, bn),
+                SPLIT_K=max(1, min(splits, triton.cdiv(inter, bk))), EVEN_K=inter % bk == 0,
+                DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))),
+                PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
+
+
 def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
             limit: float = 7.0) -> torch.Tensor:
     """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
     or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None. cfg GU_SPLIT_K > 1 splits K: float32
     partial sums [S, T*A, 2I], then one launch adds them and applies the activation."""
-    bm, bn, bk, gm, launch = _launch(cfg)
-    direct = bool(int(cfg.get("DIRECT", 0)))
-    fused = bool(int(cfg.get("GU_FUSED", 0)))
-    if fused and bn % (2 * ROW_GROUP):
-        raise ValueError(f"GU_FUSED needs BLOCK_N a multiple of {2 * ROW_GROUP} (gate and up halves of whole row "
-                         f"groups), got {bn}")
-    _check_align(align, bm, direct)
-    sorted_ids, expert_ids, num_post = align
+    launch = _launch(cfg)[4]
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
     inter = w13.shape[1] // 2
-    num_m = expert_ids.shape[0]
-    splits = max(1, min(int(cfg.get("GU_SPLIT_K", 1)), triton.cdiv(hidden, bk)))
     pdl = use_pdl(cfg, x.device)
     act = ACT_CODES[activation] if activation else ACT_NONE
+    meta = gate_up_constexprs(cfg, hidden=hidden, inter=inter, top_k=top_k, act=act, has_bias=b13 is not None,
+                              pdl=pdl)
+    _check_align(align, meta["BLOCK_M"], meta["DIRECT"])
+    sorted_ids, expert_ids, num_post = align
+    num_m = expert_ids.shape[0]
+    splits = meta["SPLIT_K"]
     width = inter if activation else 2 * inter
     out = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     dest = out if splits == 1 else torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
-    num_n = triton.cdiv(inter, bn // 2 if fused else bn)
-    _gate_up_kernel[(num_m * num_n, splits)](
+    _gate_up_kernel[(num_m * meta["NUM_N"], splits)](
         x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post,
         num_pairs, num_m, inter, hidden, float(alpha), float(limit),
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, dest.stride(-2),
-        dest.stride(0) if splits > 1 else 0,
-        TOP_K=top_k, ACT=act, HAS_BIAS=b13 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n,
-        SPLIT_K=splits, EVEN_K=hidden % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, FUSED=fused,
-        PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, **launch, **pdl_launch(pdl))
+        dest.stride(0) if splits > 1 else 0, **meta, **launch, **pdl_launch(pdl))
     if splits > 1:
         block = min(1024, triton.next_power_of_2(inter))
         _gate_up_finish_kernel[(num_pairs, triton.cdiv(inter, block))](
@@ -405,29 +426,24 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
 def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | None = None) -> torch.Tensor:
     """Kernel-layout down GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; with
     ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them)."""
-    bm, bn, bk, gm, launch = _launch(cfg)
-    direct = bool(int(cfg.get("DIRECT", 0)))
-    _check_align(align, bm, direct)
-    sorted_ids, expert_ids, num_post = align
+    launch = _launch(cfg)[4]
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
-    num_m = expert_ids.shape[0]
-    splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
-    splits = max(1, min(splits, triton.cdiv(inter, bk)))  # no empty splits
     pdl = use_pdl(cfg, h.device)
+    meta = down_constexprs(cfg, hidden=hidden, inter=inter, has_bias=b2 is not None, pdl=pdl, split_k=split_k)
+    _check_align(align, meta["BLOCK_M"], meta["DIRECT"])
+    sorted_ids, expert_ids, num_post = align
+    num_m = expert_ids.shape[0]
+    splits = meta["SPLIT_K"]
     if splits == 1:
         out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     else:
         out = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=h.device)
-    num_n = triton.cdiv(hidden, bn)
-    _down_kernel[(num_m * num_n, splits)](
+    _down_kernel[(num_m * meta["NUM_N"], splits)](
         h, w2, s2, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids, expert_ids,
         num_post, num_pairs, num_m, hidden, inter,
         h.stride(0), w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(-2),
-        out.stride(0) if splits > 1 else 0,
-        HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, SPLIT_K=splits,
-        EVEN_K=inter % bk == 0, DECODE=decode_mode(cfg), DIRECT=direct, PREFETCH=int(cfg.get("PREFETCH", 0)),
-        USE_PDL=pdl, **launch, **pdl_launch(pdl))
+        out.stride(0) if splits > 1 else 0, **meta, **launch, **pdl_launch(pdl))
     return out
 
 
@@ -477,5 +493,5 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     return sum_pairs(out, num_tokens, top_k, x.dtype, pdl=use_pdl(cfg, x.device))
 
 
-__all__ = ["DEFAULT_CONFIG", "check_kernel_weights", "decode_mode", "down", "fused_moe_mxfp4", "gate_up",
-           "kernel_config", "route_tables", "sum_pairs", "use_pdl"]
+__all__ = ["DEFAULT_CONFIG", "check_kernel_weights", "decode_mode", "down", "down_constexprs", "fused_moe_mxfp4",
+           "gate_up", "gate_up_constexprs", "kernel_config", "route_tables", "sum_pairs", "use_pdl"]

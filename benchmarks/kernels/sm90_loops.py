@@ -112,24 +112,21 @@ def _mxfp4_cases(m: int) -> list[tuple]:
     from loraplex.kernels.fused_moe import ACT_CODES
 
     cfg = _tuned("fused_moe_mxfp4", m, fm.DEFAULT_CONFIG)
-    bm, bn, bk = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    fused = bool(int(cfg.get("GU_FUSED", 0)))
-    prefetch = int(cfg.get("PREFETCH", 0))
-    stages = 1 if prefetch else int(cfg["num_stages"])
-    h, i = SHAPE["H"], SHAPE["I"]
-    common = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(cfg["GROUP_M"]),
-                  DECODE=int(fm.DECODES[cfg.get("DECODE", "asm")]), DIRECT=bool(int(cfg.get("DIRECT", 0))),
-                  PREFETCH=prefetch, USE_PDL=bool(int(cfg.get("PDL", 0))))
+    launch = fm._launch(cfg)[4]
+    pdl = bool(int(cfg.get("PDL", 0)))  # on sm_90, as use_pdl answers there
+    shape = dict(hidden=SHAPE["H"], inter=SHAPE["I"], has_bias=True, pdl=pdl)  # GPT-OSS's experts have biases
+    gate_up = fm.gate_up_constexprs(cfg, top_k=SHAPE["A"], act=ACT_CODES["swiglu_clamp"], **shape)
+    down = fm.down_constexprs(cfg, **shape)
     types = {**_TABLES, "w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "alpha": "fp32", "limit": "fp32"}
-    gu_split, down_split = int(cfg.get("GU_SPLIT_K", 1)), int(cfg.get("SPLIT_K", 1))
-    gate_up = dict(common, TOP_K=SHAPE["A"], ACT=ACT_CODES["swiglu_clamp"] if gu_split == 1 else 2, FUSED=fused,
-                   SPLIT_K=gu_split, NUM_N=-(-i // (bn // 2 if fused else bn)), EVEN_K=h % bk == 0)
-    down = dict(common, SPLIT_K=down_split, NUM_N=-(-h // bn), EVEN_K=i % bk == 0)
-    # words a loop iteration decodes per warp: rows x K / 8 codes a word, gate and up unless fused, over 32 lanes
-    words = lambda two: (2 if two else 1) * bn * bk // 8 // 32 // int(cfg["num_warps"])  # noqa: E731
-    return [(f"fused_moe_mxfp4 gate_up M={m}", fm._gate_up_kernel, gate_up, types, int(cfg["num_warps"]), stages,
-             words(not fused)),
-            (f"fused_moe_mxfp4 down M={m}", fm._down_kernel, down, types, int(cfg["num_warps"]), stages, words(False))]
+
+    def words(c: dict, matrices: int) -> int:
+        """Code words a K-loop iteration decodes per warp: rows x K / 8 codes a word, over 32 lanes."""
+        return matrices * c["BLOCK_N"] * c["BLOCK_K"] // 8 // 32 // launch["num_warps"]
+
+    return [(f"fused_moe_mxfp4 gate_up M={m}", fm._gate_up_kernel, gate_up, types, launch["num_warps"],
+             launch["num_stages"], words(gate_up, 1 if gate_up["FUSED"] else 2)),
+            (f"fused_moe_mxfp4 down M={m}", fm._down_kernel, down, types, launch["num_warps"], launch["num_stages"],
+             words(down, 1))]
 
 
 def _moe_cases(m: int) -> list[tuple]:
