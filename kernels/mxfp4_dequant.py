@@ -60,8 +60,8 @@ def load_mxfp4_tile(w_ptrs, s_ptrs, k0, K, col_ok, EVEN_K: tl.constexpr, BLOCK_K
 # row), which Triton 3.6, 3.7 and 3.9 lay out the same way: lane i gets the words of lane i, warps the row groups,
 # registers the atoms, which is where wgmma and mma.sync want them, so the reshape / permute to [32, RG, KA, 4] and
 # the ones at the end move no data. (Loaded as [32, RG, KA, 4] the layout depends on how the release orders equal-
-# contiguity dims: Triton 3.6 gave the lanes the first dim, 3.7 and later the third, and there the decoded tile went
-# through shared memory, about a fifth more instructions per word; ``benchmarks/kernels/sm90_loops.py`` shows it.)
+# contiguity dims: Triton 3.6 gave the lanes the first dim, 3.7 and later spread them over the others, and there the
+# decoded tile went through shared memory, about a fifth more instructions a word; benchmarks/kernels/sm90_loops.py.)
 # Each word becomes four bf16x2 registers with 9 integer operations (``_bf16x2_codes``): value * 2^-126,
 # 0.5 a subnormal. The scale multiply then folds the 2^126 in: bf16 factor 2^(s - 64) (exact for E8M0 bytes
 # 65..191, i.e. scales 2^-62 .. 2^64), the MMA accumulates value * 2^-63 and the epilogue multiplies by 2^63.
