@@ -12,7 +12,7 @@ schedule:
     tuning files, each
         as prefill-like sequences of up to max_model_len tokens     (attention's prefill tiles)
         as T decode rows of one token, T <= max_num_seqs             (attention's decode tiles, key splits or not)
-    LoRA step slots L: none first, then each eager slot count (16, 32, ... up to max_step_slots), prefill-like
+    LoRA step slots L: none first, then each eager slot count (8, 16, ... up to max_step_slots), prefill-like
     the copy-on-write block copy (n > 1, beam search), once the step shapes are done
 
 Every tile config the tuning files give a token count is reached (its own M is among the counts), as are both

@@ -46,7 +46,7 @@ def test_plan_runs_base_shapes_first_then_each_slot_count():
 
 def test_eager_slot_counts_are_the_powers_of_two_an_eager_step_uses(tiny_checkpoint):
     engine = LLMEngine.from_pretrained(tiny_checkpoint("qwen3"), **{**BASE, "max_num_seqs": 40})
-    assert eager_warmup.eager_slot_counts(engine.runner) == [16, 32, 40]
+    assert eager_warmup.eager_slot_counts(engine.runner) == [8, 16, 32, 40]
     plain = LLMEngine.from_pretrained(tiny_checkpoint("qwen3"), **{**BASE, "enable_lora": False})
     assert eager_warmup.eager_slot_counts(plain.runner) == []
 
