@@ -70,6 +70,8 @@ class DriveResult:
     end: float
     steps: int = 0
     step_times: list[float] = field(default_factory=list)               # clock after each step
+    step_seconds: list[float] = field(default_factory=list)             # wall time of each engine.step() call
+    step_outputs: list[int] = field(default_factory=list)               # request outputs each call returned
     tokens: dict[str, list[int]] = field(default_factory=dict)          # group -> tokens received per step
     in_flight: dict[str, list[int]] = field(default_factory=dict)       # group -> its requests in flight per step
 
@@ -188,10 +190,13 @@ def drive(engine, groups: list[LoadGroup], adapter_refs: list, *, prefix: str = 
             sleep(max(0.0, sends[0][0] - clock()))
             continue
         flight = {g.name: len(running[g.name]) for g in groups}
+        began = clock()
         outputs = engine.step()
         now = clock()
         result.steps += 1
         result.step_times.append(now)
+        result.step_seconds.append(now - began)
+        result.step_outputs.append(len(outputs))
         got = dict.fromkeys(running, 0)
         for out in outputs:
             t = timings[out.request_id]

@@ -209,7 +209,7 @@ class EngineRun:
             sent = sum(t.group == m.primary for t in res.timings)
             raise RuntimeError(f"scenario {m.name!r}: no request of {m.primary!r} finished within its time cap "
                                f"({sent} sent); raise --scenario-time or shrink the workload")
-        figures = probe.finish()
+        figures = probe.finish(res)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.is_cuda else None
         info = self.engine_info.get(m.phase, {})
         return summarize_run(m, res, peak_memory_gib=peak, engine_figures=figures,

@@ -107,11 +107,12 @@ def _engine_table(scenarios: list[dict]) -> list[str]:
     if not rows:
         return []
     out = ["", "| scenario | C | ramp s | steady output tok/s | queue wait p50 / p99 ms | graph / other steps | "
-               "KV usage peak | adapters resident peak | GPU loads / evictions | adapter load disk→CPU p50 / p99 "
+               "step ms p50, graph / eager | KV usage peak | adapters resident peak | GPU loads / evictions | adapter load disk→CPU p50 / p99 "
                "ms (n) | CPU→GPU p50 / p99 ms (n) | wait, adapter cold p50 / p99 ms | wait, adapter resident p50 / p99 ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in rows:
         e = s["extra"]
+        step_ms = e.get("step_ms") or {}
         loads = e.get("adapter_loads") or {}
         waits = e.get("adapter_wait_ms") or {}
         queue = {"p50": s.get("queue_wait_p50_ms"), "p99": s.get("queue_wait_p99_ms")}
@@ -122,6 +123,7 @@ def _engine_table(scenarios: list[dict]) -> list[str]:
         swaps = (f"{counters.get('activations', 0)} / {counters.get('evictions', 0)}" if counters else "-")
         out.append(f"| {s['name']} | {e['level'] or 'open'} | {_fmt(e.get('ramp_s'))} | "
                    f"{_fmt(s.get('steady_output_tok_s'))} | {_pair(queue)} | {steps} | "
+                   f"{_fmt((step_ms.get('graph') or {}).get('p50'))} / {_fmt((step_ms.get('eager') or {}).get('p50'))} | "
                    f"{'-' if kv is None else f'{100 * kv:.0f}%'} | {_fmt(e.get('adapters_resident_peak'))} | {swaps} | "
                    f"{_loads(loads, 'disk_to_cpu_ms')} | {_loads(loads, 'cpu_to_gpu_ms')} | "
                    f"{_pair(waits.get('cold'))} | {_pair(waits.get('warm'))} |")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from loraplex.bench.driver import closed_loop
+from loraplex.bench.driver import LoadGroup, closed_loop, drive
 from loraplex.bench.workload import request_plan
 
 
@@ -89,6 +89,15 @@ def test_closed_loop_keeps_c_in_flight_and_counts_tokens():
     assert all(t.output_tokens == 4 and t.arrival < t.first_token < t.finish for t in timings)
     # closed loop: a client's next request is sent the moment its previous one finished (same step)
     assert sorted(t.finish for t in timings[:3]) == sorted(t.arrival for t in timings[3:6]) == [4.0] * 3
+
+
+def test_each_step_call_is_timed_with_its_output_count():
+    eng = FakeEngine(step_s=0.5)
+    res = drive(eng, [LoadGroup("load", _plan(4), 3, concurrency=2)], ["A", "B"], clock=eng.clock,
+                sleep=eng.clock.sleep)
+    assert res.steps == len(res.step_seconds) == len(res.step_outputs) == 6
+    assert res.step_seconds == [0.5] * 6                    # the engine's step time, not the driver's work around it
+    assert res.step_outputs == [2, 2, 2, 2, 2, 2]           # two clients in flight, one output each per step
 
 
 def test_stagger_spreads_the_first_requests_while_the_engine_runs():
