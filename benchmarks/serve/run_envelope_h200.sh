@@ -6,6 +6,9 @@
 # Device kind: nvidia-h200 (one GPU; the stages run one after another on GPU 0).
 # Wall time: at most BUDGET + ~60 s (default BUDGET=510: under 9.5 minutes). Stage budgets are BUDGET shared by
 # weight (sweep 8, seed 2, churn 4, fairness 3) over the stages in STAGES.
+# Each stage starts its own engine: on a machine whose Triton cache is cold that takes about 125 s (graph capture
+# ~55 s, the eager warm-up ~65 s), later stages on the same machine about 15-50 s; a stage run alone needs a
+# budget of that plus its runs (seed alone on a cold machine: BUDGET=260 or more).
 #
 # Stages (STAGES, space-separated, default "sweep seed churn fairness"); GPT-OSS-20B shape, dummy bf16 weights,
 # adapters of rank 32 on attention and experts, 1600 input / 600 output tokens (EOS ignored), engine defaults:
