@@ -170,6 +170,7 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # the overlapped step launched and not yet resolved
         self.num_overlapped_steps = 0         # plain decode steps launched before the previous one was read
         self.num_overlapped_verify_steps = 0  # verify steps left in flight while the previous one's outputs are built
+        self.num_early_launched_steps = 0     # eager steps enqueued before the decode step in flight was read back
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -351,6 +352,11 @@ class LLMEngine:
             self._inflight = InflightStep(out, None, verify=True)
             self.num_overlapped_verify_steps += 1
             return failed + self._report(unreported)  # while the device verifies
+        early = None  # an eager step enqueued behind the decode step in flight, before reading that one back
+        if (self._inflight is not None and not self._inflight.verify and not spec_step
+                and self.runner.can_launch_early(out)):
+            early = self.runner.launch_eager(out, lora_slots, self._inflight.tokens)
+            self.num_early_launched_steps += 1
         resolved_here = unreported is not None or self._inflight is not None
         drained: list[RequestOutput] = self._report(unreported)
         if self._inflight is not None:  # not overlappable: finish the step in flight, then run this one as usual
@@ -364,6 +370,8 @@ class LLMEngine:
         else:
             mask = self._bitmask(out)
             kw = {"token_bitmask": mask} if mask is not None else {}
+            if early is not None:
+                kw["launched"] = early
             if self.adapters is None:
                 result = self.runner.execute(out, sampling, **kw)
             else:

@@ -76,6 +76,15 @@ class StepInputs:
     sample_seqs: list              # [N] the sequences those rows belong to
 
 
+@dataclass
+class EarlyStep:
+    """An eager step's forward and logits, enqueued before the overlapped step in flight was read back
+    (``ModelRunner.launch_eager``; step_pipeline's docstring); ``execute(..., launched=...)`` samples it."""
+
+    inputs: StepInputs
+    logits: torch.Tensor | None    # [N, V] of inputs.sample_rows (None: no row samples)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int, max_num_seqs: int | None):
         self.device = resolve_device(config.device)
@@ -296,9 +305,11 @@ class ModelRunner:
         return list(g.buckets) if g is not None and g.num_graphs else []
 
     # ---- one step -------------------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, pending: PendingTokens | None = None) -> StepInputs:
         """The eager step's inputs, built with a few array operations over all sequences (a mixed step of a prefill
-        chunk and many decodes is host-bound: no per-sequence tensors here)."""
+        chunk and many decodes is host-bound: no per-sequence tensors here). ``pending``: the sampled tokens of the
+        overlapped step in flight; a sequence whose input token is still pending takes it from them on the device.
+        On CUDA the inputs go up from pinned memory, so building them never waits for the device."""
         scheduled = out.scheduled
         n = len(scheduled)
         bs = self.block_size
@@ -321,9 +332,18 @@ class ModelRunner:
         sample = [i for i, s in enumerate(scheduled) if s.sample]
         sample_rows = qsl[1:][sample] - 1
         dev = self.device
+        pin = dev.type == "cuda"  # a pageable host->device copy can wait for the work already on the stream
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+            t = torch.from_numpy(a)
+            return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
+
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        input_ids = (input_ids.pin_memory() if pin else input_ids).to(dev, non_blocking=True)
+        src = self._pending_rows(scheduled, starts, counts, qsl, pending)
+        if src is not None:  # rows whose token the step in flight samples: gathered from its tokens
+            src_dev = to_dev(src)
+            input_ids = torch.where(src_dev >= 0, pending.device_ids[src_dev.clamp(min=0)], input_ids)
 
         attn = AttentionMetadata(
             slot_mapping=to_dev(slot_mapping), block_tables=to_dev(block_tables), seq_lens=to_dev(seq_lens),
@@ -331,10 +351,29 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=to_dev(positions), attn=attn, sample_rows=to_dev(sample_rows.astype(np.int64)),
-            sample_seqs=[scheduled[i].seq for i in sample],
+            input_ids=input_ids, positions=to_dev(positions), attn=attn,
+            sample_rows=to_dev(sample_rows.astype(np.int64)), sample_seqs=[scheduled[i].seq for i in sample],
         )
+
+    @staticmethod
+    def _pending_rows(scheduled: list, starts: np.ndarray, counts: np.ndarray, qsl: np.ndarray,
+                      pending: PendingTokens | None) -> np.ndarray | None:
+        """[T] row of ``pending`` whose token is the input at each position (-1: known on the host), or None when
+        no input is pending. A pending input without ``pending`` holding its sequence is an error."""
+        src = None
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            if not seq.num_pending_tokens:
+                continue
+            at = seq.num_tokens - 1  # the pending token is always the last
+            if not starts[i] <= at < starts[i] + counts[i]:
+                continue
+            if pending is None or seq.seq_id not in pending.row_of:
+                raise RuntimeError(f"sequence {seq.seq_id}'s input token is pending and no step in flight holds it")
+            if src is None:
+                src = np.full(int(qsl[-1]), -1, dtype=np.int64)
+            src[qsl[i] + at - starts[i]] = pending.row_of[seq.seq_id]
+        return src
 
     # ---- multi-LoRA -----------------------------------------------------------------------------------------
     def init_lora(self, *, max_rank: int, copier=None) -> "LoRASlots":
@@ -403,12 +442,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],
                 lora_slots: dict[int, int] | None = None,
-                token_bitmask: "TokenBitmask | None" = None) -> ModelStepOutput:
+                token_bitmask: "TokenBitmask | None" = None, launched: EarlyStep | None = None) -> ModelStepOutput:
         """Run one step. ``sampling`` maps each sampling sequence id to its params and generator (None: unseeded;
         at a fork step a list of ``num_samples`` generators, one per future sequence); ``lora_slots`` maps
         sequence ids to the LoRA slot of their adapter (absent / None: base model); ``token_bitmask`` holds the
-        grammar masks of constrained sequences."""
+        grammar masks of constrained sequences. ``launched``: this step's forward, already enqueued by
+        ``launch_eager`` for a schedule that may since have lost sequences (finished when the step in flight was
+        read): their rows are dropped and the rest sampled."""
         result = ModelStepOutput()
+        if launched is not None:
+            if not out.scheduled or launched.logits is None:
+                return result
+            sampling_ids = {s.seq.seq_id for s in out.scheduled if s.sample}
+            rows = [j for j, seq in enumerate(launched.inputs.sample_seqs) if seq.seq_id in sampling_ids]
+            if not rows:
+                return result
+            sample_seqs = [launched.inputs.sample_seqs[j] for j in rows]
+            logits = launched.logits if len(rows) == len(launched.inputs.sample_seqs) else launched.logits[rows]
+            return self._sample_step(out, sampling, sample_seqs, logits, result, token_bitmask)
         self.move_blocks(out)
         if not out.scheduled:
             return result
@@ -431,6 +482,11 @@ class ModelRunner:
         if not sample_seqs:
             return result
         logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
+        return self._sample_step(out, sampling, sample_seqs, logits, result, token_bitmask)
+
+    def _sample_step(self, out: SchedulerOutput, sampling: dict, sample_seqs: list, logits: torch.Tensor,
+                     result: ModelStepOutput, token_bitmask: "TokenBitmask | None") -> ModelStepOutput:
+        """The sampling half of ``execute``: logits [N, V] of ``sample_seqs`` -> drawn tokens or beam rows."""
         if self.logits_hook is not None:
             self.logits_hook(sample_seqs, logits)
         by_id = {s.seq.seq_id: s for s in out.scheduled if s.sample}
@@ -445,6 +501,29 @@ class ModelRunner:
         if draw_rows:
             self._draw(logits, draw_rows, sample_seqs, by_id, sampling, result, token_bitmask)
         return result
+
+    def can_launch_early(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` may be enqueued by ``launch_eager`` before the overlapped step in flight is read back: it
+        runs the eager path (not the padded decode path), moves no blocks and asks for no prompt logprobs (their
+        rows are read by the schedule as it was, which the read-back may change)."""
+        if not out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            return False
+        if self.decode_graphs is not None and self.decode_graphs.can_run(out):
+            return False
+        return all(s.prompt_logprobs is None for s in out.scheduled)
+
+    @torch.inference_mode()
+    def launch_eager(self, out: SchedulerOutput, lora_slots: dict[int, int] | None,
+                     pending: PendingTokens) -> EarlyStep:
+        """Enqueue an eager step's forward and its sampled rows' logits while the overlapped step in flight still
+        runs (``can_launch_early``): inputs whose token that step samples are gathered from ``pending`` on the
+        device, nothing is read back; ``execute(..., launched=...)`` samples it once the step in flight is read."""
+        self._check_lora_slots(out, lora_slots)
+        inputs = self.prepare(out, pending)
+        self._set_lora_tokens(out, lora_slots)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_seqs else None
+        return EarlyStep(inputs, logits)
 
     @torch.inference_mode()
     def launch_decode(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],

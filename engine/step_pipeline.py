@@ -18,7 +18,17 @@ keeps one step in flight (pipeline depth one):
       3. wait for step n's tokens     PendingTokens.wait(); Scheduler.update_resolved() writes them in and runs
                                       the stop checks; the engine applies stop strings and builds the outputs
       4. Scheduler.update_launched()  step n+1's surviving sequences: input token computed, a pending token added
-      not overlappable:               drain step n (3), then run step n+1 synchronously as without overlap
+      not overlappable:               drain step n (3), then run step n+1 synchronously as without overlap;
+                                      an eager step (a prefill chunk beside decodes: an arrival) is enqueued
+                                      first (``ModelRunner.launch_eager``: inputs from pinned memory, pending
+                                      ones gathered from step n's tokens on the device), then step n is drained
+                                      and step n+1 sampled and read back as usual
+
+The eager step's early launch hides its host work (packing, LoRA token maps, hundreds of kernel launches) behind
+step n's device time instead of after it, so an arrival's first token and the running requests' next one come one
+host launch sooner. It applies when the step moves no blocks and asks for no prompt logprobs; rows of sequences
+that finish when step n is read (EOS, stop strings, length) were computed and are dropped before sampling, their KV
+writes landing in freed blocks as described below.
 
 A step with grammar-constrained sequences (structured outputs) overlaps too, with 2 split in two: its masks need
 step n's tokens, so the engine launches step n+1's forward (``ModelRunner.launch_forward``), resolves step n's

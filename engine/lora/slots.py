@@ -313,7 +313,10 @@ class LoRASlots:
         self._step_slots(distinct)
         keys = torch.tensor(distinct, dtype=torch.int64)
         local = torch.where(token_slots < 0, -1, torch.searchsorted(keys, token_slots.clamp(min=0)))
-        state.token_lora_idx = local.to(torch.int32).to(self.device, non_blocking=True)
+        local = local.to(torch.int32)
+        if self.device.type == "cuda":  # pinned: a pageable copy can wait for the work already on the stream
+            local = local.pin_memory()
+        state.token_lora_idx = local.to(self.device, non_blocking=True)
         state.active_slots, state.num_slots = frozenset(distinct), self.eager_step_slots(len(distinct))
         state.segments = ops.lora_segments(state.token_lora_idx, state.num_slots)
 
