@@ -6,7 +6,8 @@ so buckets 1/2/4/8 and block boundaries are crossed); transformers + PEFT score 
 teacher-forced forward. PASS: graphs were captured and replayed, graph tokens == eager tokens == HF/PEFT greedy,
 and the worst step's relative logits error (max|d| / max|ref|) against HF/PEFT <= --tol. A third engine runs with
 overlapped (async) scheduling (no logits hook: a hook keeps steps synchronous): its tokens must equal the graph
-run's and HF/PEFT greedy, with overlapped steps replayed from the graphs.
+run's and HF/PEFT greedy, with overlapped steps replayed from the graphs and arrivals' eager steps launched before
+the decode step in flight was read back (half the requests arrive 3 steps apart while the others decode).
 
 Stage "perf": a GPT-OSS-20B-shape bf16 model with dummy weights, 8 random rank-32 adapters resident; decode step time (``LLMEngine.step``, synchronised) with graphs and eager (same engine, graphs switched
 off) at batch 1 and 16, without adapters (every request on the base) and with 8 (requests spread over the slots);
@@ -57,6 +58,9 @@ def make_adapter(base: str, out: str, r: int, seed: int) -> str:
     return out
 
 
+ARRIVAL_GAP = 3  # steps between the later requests' arrivals
+
+
 def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager: bool, device: str,
                     dtype: str = "float32", overlap: bool = False):
     """Final tokens, logits rows per request (none with ``overlap``: a logits hook would keep steps synchronous)
@@ -75,20 +79,29 @@ def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager
     if not overlap:
         engine.runner.logits_hook = lambda seqs, lg: [logits[s.request_id].append(lg[j].float().cpu())
                                                       for j, s in enumerate(seqs)]
-    for rid, name, prompt, n in requests:
+    def add(rid, name, prompt, n):
         engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
                            adapter=AdapterRef(f"t/{name}/1", f"file://{folders[name]}") if name else None)
-    final = {}
-    while engine.has_unfinished_requests():
+
+    # the first half at once, the rest arriving ARRIVAL_GAP steps apart while those decode (with overlap, each
+    # arrival's step is launched before the decode step in flight is read back)
+    first, later = requests[:(len(requests) + 1) // 2], requests[(len(requests) + 1) // 2:]
+    for r in first:
+        add(*r)
+    final, step = {}, 0
+    while engine.has_unfinished_requests() or later:
+        if later and step and step % ARRIVAL_GAP == 0:
+            add(*later.pop(0))
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out.output_token_ids
+        step += 1
     g = engine.runner.decode_graphs
     info = dict(num_graphs=engine.runner.num_cuda_graphs, buckets=engine.runner.cuda_graph_buckets,
                 replays=g.num_steps if g is not None else 0,
                 capture_s=round(g.capture_seconds, 2) if g is not None else None,
                 graph_mib=round(g.graph_memory_bytes / 2**20, 1) if g is not None else None,
-                overlapped_steps=engine.num_overlapped_steps)
+                overlapped_steps=engine.num_overlapped_steps, early_launched_steps=engine.num_early_launched_steps)
     del engine
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -140,14 +153,17 @@ def stage_tiny(family: str, args) -> dict:
                 worst_eager = float("inf")
     same_as_eager = sum(got[r] == want[r] for r in got)
     async_same = sum(overlapped.get(r) == got[r] for r in got)
-    async_ok = (async_info["overlapped_steps"] > 0 and async_info["replays"] > 0 and async_same == len(requests)
+    async_ok = (async_info["overlapped_steps"] > 0 and async_info["early_launched_steps"] > 0
+                and async_info["replays"] > 0 and async_same == len(requests)
                 and async_hf_agree == len(requests))
     ok = (info["num_graphs"] > 0 and info["replays"] > 0 and same_as_eager == len(requests)
           and hf_agree == len(requests) and worst_hf <= args.tol and async_ok)
     return dict(stage=f"tiny-{family}", ok=ok, requests=len(requests), same_tokens_as_eager=same_as_eager,
                 hf_greedy_agree=hf_agree, worst_rel_err_vs_hf=worst_hf, worst_rel_err_vs_eager=worst_eager,
                 async_same_tokens_as_graphs=async_same, async_hf_greedy_agree=async_hf_agree,
-                async_overlapped_steps=async_info["overlapped_steps"], async_replays=async_info["replays"], **info)
+                async_overlapped_steps=async_info["overlapped_steps"],
+                async_early_launched_steps=async_info["early_launched_steps"], async_replays=async_info["replays"],
+                **info)
 
 
 # ---- perf: GPT-OSS-20B shape, bf16, dummy weights -------------------------------------------------------------
@@ -281,7 +297,8 @@ def print_summary(results: list[dict]) -> None:
                   f"HF/PEFT greedy {r['hf_greedy_agree']}/{r['requests']}  rel err vs HF {r['worst_rel_err_vs_hf']:.2e}"
                   f"  vs eager {r['worst_rel_err_vs_eager']:.2e}  async: tokens==graphs "
                   f"{r['async_same_tokens_as_graphs']}/{r['requests']} HF/PEFT {r['async_hf_greedy_agree']}/"
-                  f"{r['requests']} overlapped steps {r['async_overlapped_steps']}")
+                  f"{r['requests']} overlapped steps {r['async_overlapped_steps']} "
+                  f"early-launched arrivals {r['async_early_launched_steps']}")
         elif r["stage"] == "perf" and "error" not in r:
             print(f"perf: start {r['start_s']}s, {r['num_graphs']} graphs {r['buckets']} captured in {r['capture_s']}s "
                   f"({r['graph_mib']} MiB), KV {r['kv_blocks']} blocks ({r['kv_gib']} GiB)")
