@@ -53,6 +53,7 @@ class EngineProbe:
         self._graphs = graphs if engine.runner.num_cuda_graphs else None
         self._graph_steps0 = self._graphs.num_steps if self._graphs is not None else None
         self._graph_seen, self._graph_calls = self._graph_steps0, []
+        self._early0 = getattr(engine, "num_early_launched_steps", 0)
         first = engine_stats(engine)
         self._counters0 = dict(first.get("adapter_counters") or {})
         self.kv_usage_peak = first["kv_usage"]
@@ -89,7 +90,9 @@ class EngineProbe:
         out = {"kv_usage_peak": self.kv_usage_peak, "requests_running_peak": self.running_peak,
                "adapters_resident_peak": self.adapters_peak, "adapters_resident_end": last["adapter_tiers"]["gpu"],
                "adapter_counters": grew,
-               "graph_steps": (self._graphs.num_steps - self._graph_steps0) if self._graphs is not None else 0}
+               "graph_steps": (self._graphs.num_steps - self._graph_steps0) if self._graphs is not None else 0,
+               # eager steps enqueued before the decode step in flight was read back (engine/step_pipeline.py)
+               "early_launched_steps": getattr(self.engine, "num_early_launched_steps", 0) - self._early0}
         if result is not None:
             out["step_ms"] = self.step_ms(result.step_seconds, result.step_outputs)
         manager = getattr(self.engine, "adapters", None)
