@@ -27,7 +27,7 @@ keeps one step in flight (pipeline depth one):
 The eager step's early launch hides its host work (packing, LoRA token maps, hundreds of kernel launches) behind
 step n's device time instead of after it, so an arrival's first token and the running requests' next one come one
 host launch sooner. It applies when the step moves no blocks and asks for no prompt logprobs; rows of sequences
-that finish when step n is read (EOS, stop strings, length) were computed and are dropped before sampling, their KV
+that finish when step n is read (EOS, a stop token or string) were computed and are dropped before sampling, their KV
 writes landing in freed blocks as described below.
 
 A step with grammar-constrained sequences (structured outputs) overlaps too, with 2 split in two: its masks need

@@ -102,13 +102,18 @@ def _loads(loads: dict, key: str) -> str:
     return "-"
 
 
+def _step_p50(step_ms: dict, kind: str) -> str:
+    return _fmt((step_ms.get(kind) or {}).get("p50"))
+
+
 def _engine_table(scenarios: list[dict]) -> list[str]:
     rows = [s for s in scenarios if (s.get("extra") or {}).get("level") is not None]
     if not rows:
         return []
     out = ["", "| scenario | C | ramp s | steady output tok/s | queue wait p50 / p99 ms | graph / other steps | "
-               "step ms p50, graph / eager | KV usage peak | adapters resident peak | GPU loads / evictions | adapter load disk→CPU p50 / p99 "
-               "ms (n) | CPU→GPU p50 / p99 ms (n) | wait, adapter cold p50 / p99 ms | wait, adapter resident p50 / p99 ms |",
+               "step ms p50, graph / eager | KV usage peak | adapters resident peak | GPU loads / evictions | "
+               "adapter load disk→CPU p50 / p99 ms (n) | CPU→GPU p50 / p99 ms (n) | wait, adapter cold p50 / p99 ms | "
+               "wait, adapter resident p50 / p99 ms |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in rows:
         e = s["extra"]
@@ -123,7 +128,7 @@ def _engine_table(scenarios: list[dict]) -> list[str]:
         swaps = (f"{counters.get('activations', 0)} / {counters.get('evictions', 0)}" if counters else "-")
         out.append(f"| {s['name']} | {e['level'] or 'open'} | {_fmt(e.get('ramp_s'))} | "
                    f"{_fmt(s.get('steady_output_tok_s'))} | {_pair(queue)} | {steps} | "
-                   f"{_fmt((step_ms.get('graph') or {}).get('p50'))} / {_fmt((step_ms.get('eager') or {}).get('p50'))} | "
+                   f"{_step_p50(step_ms, 'graph')} / {_step_p50(step_ms, 'eager')} | "
                    f"{'-' if kv is None else f'{100 * kv:.0f}%'} | {_fmt(e.get('adapters_resident_peak'))} | {swaps} | "
                    f"{_loads(loads, 'disk_to_cpu_ms')} | {_loads(loads, 'cpu_to_gpu_ms')} | "
                    f"{_pair(waits.get('cold'))} | {_pair(waits.get('warm'))} |")
