@@ -338,8 +338,7 @@ class ModelRunner:
             t = torch.from_numpy(a)
             return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
 
-        input_ids = torch.tensor(ids, dtype=torch.int64)
-        input_ids = (input_ids.pin_memory() if pin else input_ids).to(dev, non_blocking=True)
+        input_ids = torch.tensor(ids, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
         src = self._pending_rows(scheduled, starts, counts, qsl, pending)
         if src is not None:  # rows whose token the step in flight samples: gathered from its tokens
             src_dev = to_dev(src)
