@@ -37,7 +37,8 @@ def test_sweep_runs_every_level_on_one_engine(sweep):
         assert e["graph_steps"] == 0 and e["eager_steps"] == e["engine_steps"] > 0   # CPU: no CUDA graphs
         assert e["step_ms"]["graph"]["n"] == 0 and 0 < e["step_ms"]["eager"]["n"] <= e["engine_steps"]
         assert e["early_launched_steps"] == 0   # no overlapped decode step on this CPU engine to launch behind
-        assert 0 < e["step_ms"]["eager"]["p50"] <= e["step_ms"]["eager"]["mean"] * e["step_ms"]["eager"]["n"]
+        eager = e["step_ms"]["eager"]  # ms each: the calls' time fits in the run's wall time
+        assert eager["p50"] > 0 and 0 < eager["mean"] * eager["n"] / 1e3 <= s["duration_s"]
         assert s["queue_wait_p50_ms"] is not None
         # with one client it is always in flight; at C=2 the ramp (from C=1's figures) may outlast a request here
         steady = s["steady_output_tok_s"]
