@@ -28,15 +28,13 @@ and applies the activation, ``_sum_pairs_kernel`` adds down's splits and top-k i
 the pairs' outputs are written and the top-k sum is torch's, as in ``fused_moe``.
 
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
-block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), DOWN_BLOCK_N (the
-down GEMM's weight rows where they differ, a power of two: 0 or absent = BLOCK_N; a smaller tile gives down, whose
-N is half gate_up's, more programs to fill the SMs at decode), BLOCK_K (a multiple of 64), GROUP_M, SPLIT_K
-(down), GU_SPLIT_K (gate_up), GU_FUSED, PREFETCH (1: the next K step loaded into registers while this one computes,
-instead of Triton's cp.async pipeline; launched with num_stages 1), PDL (1: every kernel of the op launched with
-programmatic dependent launch on sm_90+: it starts while the previous kernel drains, waits for it before reading,
-and lets the next one start after its K loop), DECODE ("asm": the scale multiply as inline PTX; "bits": the same
-in plain Triton), DIRECT (1: one routed pair per block and no moe_align launch, ``route_tables``; for a token or
-two), num_warps, num_stages. Under TRITON_INTERPRET the
+block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
+of 64), GROUP_M, SPLIT_K (down), GU_SPLIT_K (gate_up), GU_FUSED, PREFETCH (1: the next K step loaded into
+registers while this one computes, instead of Triton's cp.async pipeline; launched with num_stages 1), PDL (1:
+every kernel of the op launched with programmatic dependent launch on sm_90+: it starts while the previous kernel
+drains, waits for it before reading, and lets the next one start after its K loop), DECODE
+("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
+and no moe_align launch, ``route_tables``; for a token or two), num_warps, num_stages. Under TRITON_INTERPRET the
 decode runs in float32 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in
 float32.
 """
@@ -384,12 +382,8 @@ def gate_up_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act: i
 def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: bool,
                     split_k: int | None = None) -> dict:
     """The constexprs ``down`` launches ``_down_kernel`` with for ``cfg`` at h [T*A, inter] and w2 [E, hidden, ..]
-    (``split_k``: default cfg SPLIT_K, at most one split per K step; BLOCK_N: cfg DOWN_BLOCK_N where set)."""
+    (``split_k``: default cfg SPLIT_K, at most one split per K step)."""
     bm, bn, bk, gm, _ = _launch(cfg)
-    bn = int(cfg.get("DOWN_BLOCK_N") or bn)
-    if bn % ROW_GROUP or bn & (bn - 1):
-        raise ValueError(f"the MXFP4 kernel layout needs DOWN_BLOCK_N a power of two and a multiple of {ROW_GROUP}, "
-                         f"got {bn}")
     splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
     return dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=triton.cdiv(hidden, bn),
                 SPLIT_K=max(1, min(splits, triton.cdiv(inter, bk))), EVEN_K=inter % bk == 0,

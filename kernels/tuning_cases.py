@@ -205,8 +205,7 @@ MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while to
 def mxfp4_moe_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first: at M <= 16 the decode
     tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first
-    three candidates up to M = 64, at M <= 16 the first two with the down GEMM's tile halved (DOWN_BLOCK_N), at
-    M <= 2 also DIRECT."""
+    three candidates up to M = 64, at M <= 2 also DIRECT."""
     if m >= MXFP4_PREFILL_MIN_M:
         return list(MXFP4_PREFILL_SPACE) + MXFP4_MID_SPACE[:2]
     if m >= MXFP4_MID_MIN_M:
@@ -217,9 +216,7 @@ def mxfp4_moe_space(m: int) -> list[dict]:
     splits = [{**c, "SPLIT_K": s, "GU_SPLIT_K": g} for c in MXFP4_DECODE_SPACE[:3] for s, g in MXFP4_SPLITS]
     space = splits[:4] + MXFP4_DECODE_SPACE + splits[4:] if m <= 4 else MXFP4_DECODE_SPACE[:6] + splits \
         + MXFP4_DECODE_SPACE[6:]
-    # the down GEMM (N = H, half gate_up's 2I) with half the weight rows: twice its programs to fill the SMs
-    narrow = [{**c, "DOWN_BLOCK_N": c["BLOCK_N"] // 2} for c in space[:2] if c["BLOCK_N"] >= 32]
-    space = space[:3] + [{**c, "PDL": 1} for c in space[:3]] + narrow + space[3:]
+    space = space[:3] + [{**c, "PDL": 1} for c in space[:3]] + space[3:]
     if m <= MXFP4_DIRECT_MAX_M:
         space = space[:2] + [{**c, "DIRECT": 1} for c in (space[0], space[1], MXFP4_DECODE_SPACE[0])] + space[2:]
     return space + MXFP4_BLOCK16_SPACE[:2]

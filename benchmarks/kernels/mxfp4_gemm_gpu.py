@@ -20,8 +20,7 @@ Phases, each wrapped (a failure is a row or a line, and the next phase runs):
       kernel layout             fused_moe_mxfp4 on ``mxfp4.prepare_for_kernel``'s layout, tuned config
       kernel layout, <knob>     the tuned config with one knob changed (``RELATIVE_VARIANTS``: the scale multiply
                                 in plain Triton, split-K on both GEMMs, register prefetch, gate/up in one product,
-                                PDL launches, one pair per block without moe_align at M <= 4, the down GEMM
-                                with narrower weight tiles: DOWN_BLOCK_N 32 and 16)
+                                PDL launches, one pair per block without moe_align at M <= 4)
       <family>                  fixed configs of each kernel family (``DECODE_FAMILIES`` at M <= 64,
                                 ``PREFILL_FAMILIES`` above), the first being the previous best ("run-1 ...")
       checkpoint layout         fused_moe's W_MXFP4 kernels on the checkpoint's bytes
@@ -91,8 +90,6 @@ RELATIVE_VARIANTS = {  # the tuned config with one knob changed (split-K / direc
     "kernel layout, fused gate/up": {"GU_FUSED": 1},
     "kernel layout, PDL": {"PDL": 1},
     "kernel layout, direct": {"DIRECT": 1},
-    "kernel layout, down BLOCK_N 32": {"DOWN_BLOCK_N": 32},
-    "kernel layout, down BLOCK_N 16": {"DOWN_BLOCK_N": 16},
 }
 SPLIT_VARIANT_MAX_M = 64  # the split-K rows only up to this M
 DIRECT_MAX_M = 4  # the "direct" rows (one pair per block: experts shared by pairs are read again)
@@ -112,8 +109,6 @@ def relative_variants(m: int, tuned: dict) -> dict[str, dict]:
             continue
         if "GU_FUSED" in extra and int(tuned["BLOCK_N"]) % 32:
             continue
-        if "DOWN_BLOCK_N" in extra and extra["DOWN_BLOCK_N"] >= int(tuned.get("DOWN_BLOCK_N") or tuned["BLOCK_N"]):
-            continue  # only down tiles narrower than the tuned one
         cfg = {**tuned, **extra}
         if cfg != tuned:
             out[name] = cfg
@@ -486,8 +481,7 @@ def time_rows(s: Shapes, m: int, args, run: Run, timer, copy_tbs: float) -> list
         for variant, cfg in relative_variants(m, tuned).items():
             mx_row(variant, cfg)
     if m in args.gemm_m:
-        narrow = {k: v for k, v in relative_variants(m, tuned).items() if "DOWN_BLOCK_N" in RELATIVE_VARIANTS[k]}
-        gemm_rows(s, m, inp, row, elem, {"kernel layout": tuned, **narrow,
+        gemm_rows(s, m, inp, row, elem, {"kernel layout": tuned,
                                          **{k: {**DEFAULT_CONFIG, **v} for k, v in DECODE_FAMILIES.items()}})
     if m in args.lora_m:
         lora_rows(s, m, inp, args, row, mx_bytes)
