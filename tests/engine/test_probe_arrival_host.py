@@ -1,0 +1,42 @@
+"""benchmarks/engine/probe_arrival_host.py on the CPU (tiny model): both phases report their arrivals, each arrival's
+steps end with its first token, and the sections show the LoRA path only where adapters run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", "engine", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+probe = _load("probe_arrival_host")
+
+
+def test_probe_reports_both_phases_by_section(tmp_path):
+    out = tmp_path / "out"
+    rc = probe.main(["--scale", "tiny", "--device", "cpu", "--concurrency", "3", "--num-adapters", "2",
+                     "--adapter-files", "2", "--rank", "4", "--prompt-len", "20", "--arrivals", "3", "--skip", "1",
+                     "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "probe_arrival_host.json").read_text())
+    rows = report["rows"]
+    # arrivals 1 and 2 of each phase (0 skipped), each served as in flight and after a sync
+    assert [(r["phase"], r["arrival"], r["after_sync"]) for r in rows] == [
+        (phase, a, synced) for phase in ("base", "adapters") for a in (1, 2) for synced in (False, True)]
+    for r in rows:
+        assert r["steps_ms"] and all(ms > 0 for ms in r["steps_ms"])
+        sections = r["sections"]
+        calls, ms = sections["model.forward"]
+        assert calls == len(r["steps_ms"]) and 0 < ms <= sum(r["steps_ms"])
+        assert sections["schedule"][0] == len(r["steps_ms"])
+        # the tiny model's attention and expert modules are the LoRA wrappers in both phases
+        assert sections["LoRALinear.forward"][0] > 0 and sections["LoRAFusedExperts.forward"][0] > 0
+        # the step's LoRA table is written only when a scheduled sequence has an adapter
+        assert ("step_table.write" in sections) == (r["phase"] == "adapters")
