@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -45,9 +46,9 @@ def _launch(x: torch.Tensor, act: int, alpha: float, limit: float) -> torch.Tens
         x = x.contiguous()
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(max(inter, 16)))
+    block = min(1024, next_power_of_2(max(inter, 16)))
     if num_tokens and inter:
-        _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        _act_and_mul_kernel[(num_tokens, cdiv(inter, block))](
             x, out, inter, x.stride(0), out.stride(0), float(alpha), float(limit), ACT=act, BLOCK=block,
             num_warps=4)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
               torch.uint8: tl.uint8, torch.int8: tl.int8}
@@ -47,6 +48,6 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], bloc
         raise ValueError(f"block_mapping must be [N, 2] (src, dst), got {tuple(block_mapping.shape)}")
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=caches[0].device)
     block_numel = caches[0][0].numel()
-    block = min(2048, triton.next_power_of_2(block_numel))
-    grid = (mapping.shape[0], len(caches), triton.cdiv(block_numel, block))
+    block = min(2048, next_power_of_2(block_numel))
+    grid = (mapping.shape[0], len(caches), cdiv(block_numel, block))
     _copy_blocks_kernel[grid](ptrs, mapping, block_numel, DTYPE=_TL_DTYPES[dtype], BLOCK=block, num_warps=4)

@@ -24,6 +24,7 @@ from loraplex.kernels.activation import gated_act
 from loraplex.kernels.dot import dot
 from loraplex.kernels.moe_align import moe_align
 from loraplex.kernels.mxfp4_dequant import load_mxfp4_tile
+from loraplex.kernels.intmath import cdiv
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
 ACT_CODES = {"silu": 0, "swiglu_clamp": 1}
@@ -224,7 +225,7 @@ def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13
         raise ValueError(f"MXFP4 weights need their scales and BLOCK_K a power of two >= 32, got BLOCK_K {bk}")
     int8 = w13_scale is not None and not mxfp4
     out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
-    num_n = triton.cdiv(inter, bn)
+    num_n = cdiv(inter, bn)
     _moe_gate_up_kernel[(num_m * num_n,)](
         x, w13, w13_scale if w13_scale is not None else x, b13 if b13 is not None else x, out, sorted_ids, expert_ids,
         num_post, num_pairs, num_m, inter, hidden, float(alpha), float(limit),
@@ -248,7 +249,7 @@ def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None) -> to
         raise ValueError(f"MXFP4 weights need their scales and BLOCK_K a power of two >= 32, got BLOCK_K {bk}")
     int8 = w2_scale is not None and not mxfp4
     out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
-    num_n = triton.cdiv(hidden, bn)
+    num_n = cdiv(hidden, bn)
     weights = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(num_m * num_n,)](
         h, w2, w2_scale if w2_scale is not None else h, b2 if b2 is not None else h, weights, out, sorted_ids,

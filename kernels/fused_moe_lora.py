@@ -36,6 +36,7 @@ import triton.language as tl
 from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.lora_shrink import block_r
 from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align_lora
@@ -285,8 +286,8 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
     rank_tile = block_r(rank)
     # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
     num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
-    block_l = triton.next_power_of_2(num_loras)
-    num_n = triton.cdiv(n, bn)
+    block_l = next_power_of_2(num_loras)
+    num_n = cdiv(n, bn)
     ent, w_dtype = table.entries, tl_dtype(table.dtype)
     # [T*A] routing weights made before any launch here (a copy must not sit between shrink and expand)
     weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else scaling
@@ -311,7 +312,7 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
         SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl,
         **launch, **pdl_launch(shrink_pdl))
     cols = max(1, min(int(cfg.get("COLS", 1)), num_n))
-    num_g = triton.cdiv(num_n, cols)
+    num_g = cdiv(num_n, cols)
     _moe_lora_expand_kernel[(num_flat * num_g,)](
         y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
         rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0),

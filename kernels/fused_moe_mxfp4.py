@@ -55,6 +55,7 @@ from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, 
                                             kernel_tile_ptrs, load_kernel_tile, row_groups)
 from loraplex.kernels.reference_lora import check_mxfp4_weights
 from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "GU_SPLIT_K": 1,
                   "GU_FUSED": 0, "PREFETCH": 0, "PDL": 0, "DECODE": "asm", "DIRECT": 0, "num_warps": 4,
@@ -373,8 +374,8 @@ def gate_up_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act: i
         raise ValueError(f"GU_FUSED needs BLOCK_N a multiple of {2 * ROW_GROUP} (gate and up halves of whole row "
                          f"groups), got {bn}")
     return dict(TOP_K=top_k, ACT=act, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-                NUM_N=triton.cdiv(inter, bn // 2 if fused else bn),
-                SPLIT_K=max(1, min(int(cfg.get("GU_SPLIT_K", 1)), triton.cdiv(hidden, bk))),
+                NUM_N=cdiv(inter, bn // 2 if fused else bn),
+                SPLIT_K=max(1, min(int(cfg.get("GU_SPLIT_K", 1)), cdiv(hidden, bk))),
                 EVEN_K=hidden % bk == 0, DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))),
                 FUSED=fused, PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
 
@@ -385,8 +386,8 @@ def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: 
     (``split_k``: default cfg SPLIT_K, at most one split per K step)."""
     bm, bn, bk, gm, _ = _launch(cfg)
     splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
-    return dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=triton.cdiv(hidden, bn),
-                SPLIT_K=max(1, min(splits, triton.cdiv(inter, bk))), EVEN_K=inter % bk == 0,
+    return dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=cdiv(hidden, bn),
+                SPLIT_K=max(1, min(splits, cdiv(inter, bk))), EVEN_K=inter % bk == 0,
                 DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))),
                 PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
 
@@ -416,8 +417,8 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, dest.stride(-2),
         dest.stride(0) if splits > 1 else 0, **meta, **launch, **pdl_launch(pdl))
     if splits > 1:
-        block = min(1024, triton.next_power_of_2(inter))
-        _gate_up_finish_kernel[(num_pairs, triton.cdiv(inter, block))](
+        block = min(1024, next_power_of_2(inter))
+        _gate_up_finish_kernel[(num_pairs, cdiv(inter, block))](
             dest, out, inter, float(alpha), float(limit), dest.stride(0), dest.stride(1), out.stride(0), ACT=act,
             SPLIT_K=splits, BLOCK=block, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
@@ -455,8 +456,8 @@ def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
         return out.view(num_tokens, top_k, -1).sum(dim=1)
     splits, _, hidden = out.shape
     res = torch.empty(num_tokens, hidden, dtype=dtype, device=out.device)
-    block = min(1024, triton.next_power_of_2(hidden))
-    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](
+    block = min(1024, next_power_of_2(hidden))
+    _sum_pairs_kernel[(num_tokens, cdiv(hidden, block))](
         out, res, hidden, out.stride(0), out.stride(1), res.stride(0), TOP_K=top_k, SPLIT_K=splits, BLOCK=block,
         USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return res

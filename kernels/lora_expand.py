@@ -23,6 +23,7 @@ import triton.language as tl
 from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.lora_shrink import block_r, lora_segments
 from loraplex.kernels.lora_table import LoRATable, as_table
 from loraplex.kernels.reference_lora import check_slices
@@ -136,18 +137,18 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: LoRATable | torch.Te
     widths = list(output_slices) + [0] * (MAX_SLICES - len(output_slices))
     offsets = [0, widths[0], widths[0] + widths[1]]
     block_m, block_n = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
-    num_n = triton.cdiv(max(output_slices), block_n)
+    num_n = cdiv(max(output_slices), block_n)
     num_flat = flat_blocks(num_tokens, max_loras, block_m)
     pdl = bool(int(cfg.get("PDL", 0))) and pdl_enabled(y.device)
     ent = table.entries
     compact = int(cfg.get("COMPACT", 0))
     if compact:
-        col_blocks = sum(triton.cdiv(w, block_n) for w in output_slices)
-        _lora_expand_compact_kernel[(triton.cdiv(num_flat, compact) * col_blocks,)](
+        col_blocks = sum(cdiv(w, block_n) for w in output_slices)
+        _lora_expand_compact_kernel[(cdiv(num_flat, compact) * col_blocks,)](
             y, buf, ent, order, seg_start, seg_len, buf.shape[2], max_loras, offsets[1], offsets[2], *widths,
             y.stride(0), buf.stride(0), buf.stride(1), ent.stride(0), ent.stride(1),
             W_DTYPE=tl_dtype(table.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r(buf.shape[2]),
-            BLOCK_L=triton.next_power_of_2(max_loras), USE_PDL=pdl, num_warps=int(cfg["num_warps"]),
+            BLOCK_L=next_power_of_2(max_loras), USE_PDL=pdl, num_warps=int(cfg["num_warps"]),
             num_stages=int(cfg["num_stages"]), **pdl_launch(pdl),
         )
         return
@@ -155,6 +156,6 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: LoRATable | torch.Te
         y, buf, ent, order, seg_start, seg_len, num_flat, buf.shape[2], max_loras, offsets[1], offsets[2], *widths,
         y.stride(0), buf.stride(0), buf.stride(1), ent.stride(0), ent.stride(1),
         W_DTYPE=tl_dtype(table.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r(buf.shape[2]),
-        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=triton.next_power_of_2(max_loras),
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=next_power_of_2(max_loras),
         USE_PDL=pdl, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **pdl_launch(pdl),
     )

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from loraplex.kernels import tuning
 from loraplex.kernels.dot import dot
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.lora_table import LoRATable, as_table
 from loraplex.kernels.slot_blocks import (block_at, flat_blocks, segment_rows, slot_block, tl_dtype, used_blocks,
                                          weight_entry)
@@ -142,7 +143,7 @@ def shape_of(x: torch.Tensor, lora_a) -> dict[str, int]:
 
 def block_r(max_rank: int) -> int:
     """The rank tile: the table's max rank, a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(max_rank))
+    return max(16, next_power_of_2(max_rank))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: LoRATable | torch.Tensor, token_lora_idx: torch.Tensor,
@@ -173,12 +174,12 @@ def lora_shrink(x: torch.Tensor, lora_a: LoRATable | torch.Tensor, token_lora_id
     compact = int(cfg.get("COMPACT", 0))
     kernel, grid, extra = _lora_shrink_kernel, (num_flat, num_z), {}
     if compact:  # a smaller 1-D grid walking the used work (module docstring)
-        kernel, grid, extra = _lora_shrink_compact_kernel, (triton.cdiv(num_flat, compact) * num_z,), {"NUM_Z": num_z}
+        kernel, grid, extra = _lora_shrink_compact_kernel, (cdiv(num_flat, compact) * num_z,), {"NUM_Z": num_z}
     kernel[grid](
         x, ent, buf, order, seg_start, seg_len, scaling, in_features, max_loras,
         x.stride(0), ent.stride(0), ent.stride(1), buf.stride(0), buf.stride(1),
         W_DTYPE=tl_dtype(table.dtype), BLOCK_M=block_m, BLOCK_R=block_r(rank), BLOCK_K=block_k, SPLIT_K=split_k,
-        EVEN_K=in_features % (block_k * split_k) == 0, BLOCK_L=triton.next_power_of_2(max_loras),
+        EVEN_K=in_features % (block_k * split_k) == 0, BLOCK_L=next_power_of_2(max_loras),
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **extra,
     )
     return buf

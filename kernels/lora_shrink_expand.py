@@ -21,6 +21,7 @@ from loraplex.kernels.lora_shrink import block_r, lora_segments
 from loraplex.kernels.lora_table import as_table
 from loraplex.kernels.reference_lora import dense_table
 from loraplex.kernels.slot_blocks import flat_blocks, segment_rows, slot_block, tl_dtype, weight_entry
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
@@ -114,7 +115,7 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, token_l
     widths = list(output_slices) + [0] * (MAX_SLICES - num_slices)
     offsets = [0, widths[0], widths[0] + widths[1]]
     bm, bn, bk = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"]), int(cfg["BLOCK_K"])
-    num_n = triton.cdiv(max(output_slices), bn)
+    num_n = cdiv(max(output_slices), bn)
     grid = (flat_blocks(num_tokens, max_loras, bm) * num_n, num_slices)
     ent = table.entries
     _lora_shrink_expand_kernel[grid](
@@ -122,6 +123,6 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, token_l
         offsets[1], offsets[2], *widths,
         y.stride(0), x.stride(0), ent.stride(0), ent.stride(1),
         W_DTYPE=tl_dtype(table.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=block_r(rank), BLOCK_K=bk, NUM_N=num_n,
-        EVEN_K=in_features % bk == 0, BLOCK_L=triton.next_power_of_2(max_loras), num_warps=int(cfg["num_warps"]),
+        EVEN_K=in_features % bk == 0, BLOCK_L=next_power_of_2(max_loras), num_warps=int(cfg["num_warps"]),
         num_stages=int(cfg["num_stages"]),
     )

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.reference_lora import moe_align_capacity
+from loraplex.kernels.intmath import next_power_of_2
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
@@ -123,7 +124,7 @@ def _align(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor | None, num_expe
     _moe_align_kernel[(num_experts, max_loras)](
         ids, token_lora_idx if has_lora else ids, sorted_ids, expert_ids, num_post, counts, offsets,
         num_pairs, num_experts, cap, num_blocks, TOP_K=top_k, HAS_LORA=has_lora, BLOCK_SIZE=block_size,
-        PAD_BLOCK=triton.next_power_of_2(block_size), BLOCK_E=triton.next_power_of_2(num_experts + 1),
+        PAD_BLOCK=next_power_of_2(block_size), BLOCK_E=next_power_of_2(num_experts + 1),
         BLOCK=1024, num_warps=4)
     return sorted_ids, expert_ids, num_post, counts, offsets
 

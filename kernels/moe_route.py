@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraplex.kernels.intmath import next_power_of_2
 
 MAX_EXPERTS = 256
 SCORINGS = ("softmax", "topk_softmax")
@@ -72,10 +73,10 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str,
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens:
-        block_e = triton.next_power_of_2(num_experts)
+        block_e = next_power_of_2(num_experts)
         _moe_route_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), weights.stride(0), ids.stride(0),
             TOP_K=top_k, SOFTMAX_FIRST=scoring == "softmax", RENORMALIZE=renormalize,
-            BLOCK_E=block_e, BLOCK_A=triton.next_power_of_2(top_k), num_warps=1 if block_e <= 64 else 2,
+            BLOCK_E=block_e, BLOCK_A=next_power_of_2(top_k), num_warps=1 if block_e <= 64 else 2,
         )
     return weights, ids

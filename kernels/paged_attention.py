@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.dot import dot
+from loraplex.kernels.intmath import next_power_of_2
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 528  # ~4 waves of an H100/H200's 132 SMs
@@ -207,7 +208,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     dq, dn = default_blocks(num_tokens, num_seqs, group)
     block_q, block_n = block_q or dq, block_n or dn
-    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_m = max(16, next_power_of_2(block_q * group))
     if num_splits is None:
         num_splits = default_num_splits(num_tokens, num_seqs, num_kv_heads, sliding_window, block_n)
     if num_splits < 1:
@@ -227,7 +228,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_block_size,
         SEARCH_BLOCK=128,
         USE_WINDOW=sliding_window is not None, SINK_IN_LOOP=sinks is not None and not split, SPLIT=split,
@@ -237,8 +238,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             out, part_m, part_l, part_acc, query_start_loc, sinks_arg, num_seqs, num_splits,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=max(16, triton.next_power_of_2(num_splits)), USE_SINKS=sinks is not None,
+            HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+            BLOCK_S=max(16, next_power_of_2(num_splits)), USE_SINKS=sinks is not None,
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraplex.kernels.intmath import next_power_of_2
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     if num_tokens == 0:
         return
     row = num_kv * head_dim
-    block = min(1024, triton.next_power_of_2(row))
+    block = min(1024, next_power_of_2(row))
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), value.stride(0), row, row, ROW=row, BLOCK=block, num_warps=4)

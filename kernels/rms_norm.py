@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraplex.kernels.intmath import next_power_of_2
 
 
 @triton.jit
@@ -40,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = residual if residual is not None else x
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"residual must be a row-contiguous {tuple(x.shape)} tensor, got {tuple(residual.shape)}")
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, out, res_out, hidden, eps,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraplex.kernels.intmath import cdiv, next_power_of_2
 
 MAX_TILE = 1024  # elements per half-tile (BLOCK_H x BLOCK_HALF) of one program
 
@@ -94,9 +95,9 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), MAX_TILE // block_half))
-    num_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h)
+    block_half = next_power_of_2(half)
+    block_h = max(1, min(next_power_of_2(max(num_q_heads, num_kv_heads)), MAX_TILE // block_half))
+    num_blocks = cdiv(num_q_heads, block_h) + cdiv(num_kv_heads, block_h)
     if num_tokens:
         _rotary_kernel[(num_tokens, num_blocks)](
             positions, cos_sin_cache, q, k, q_out, k_out,

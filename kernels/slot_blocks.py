@@ -22,6 +22,7 @@ import os
 
 import triton
 import triton.language as tl
+from loraplex.kernels.intmath import cdiv
 
 try:  # Triton >= 3.3 on NVIDIA
     from triton.language.extra.cuda import gdc_wait as _gdc_wait
@@ -93,7 +94,7 @@ def flat_blocks(num_rows: int, num_slots: int, block_m: int, per_slot_groups: in
     """Static bound of the blocks all slots use together: ``num_rows`` rows in at most ``groups`` padded groups
     (groups = min(rows, slots x per_slot_groups)), each wasting at most block_m - 1 rows."""
     groups = min(num_rows, num_slots * per_slot_groups)
-    return max(1, triton.cdiv(num_rows + groups * (block_m - 1), block_m))
+    return max(1, cdiv(num_rows + groups * (block_m - 1), block_m))
 
 
 @triton.jit
