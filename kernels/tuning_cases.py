@@ -138,7 +138,7 @@ class Case:
     m: int
     shape: dict[str, int]
     run: Callable[[dict | None], Any]
-    check: Callable[..., float] | None  # relative error vs the reference; check(cfg) where ``variants``
+    check: Callable[..., float] | None  # relative error vs the reference; check(cfg) with a config (None: tuned)
     nbytes: int
     default: dict | None = None
     space: list[dict] = field(default_factory=list)
@@ -345,8 +345,8 @@ def moe_cases(s: ModelShapes, m: int, dtype, device, *, weights: str = "float") 
     if weights == "float":
         return [Case("fused_moe", "fused_moe", m, shape_of(x, w13, ids),
                      lambda cfg: fused_moe(x, w13, w2, topk_weights, ids, config=cfg, **kw),
-                     lambda: rel_error(fused_moe(x, w13, w2, topk_weights, ids, **kw),
-                                       reference.fused_moe(x, w13, w2, topk_weights, ids, **kw)),
+                     lambda cfg=None: rel_error(fused_moe(x, w13, w2, topk_weights, ids, config=cfg, **kw),
+                                                reference.fused_moe(x, w13, w2, topk_weights, ids, **kw)),
                      nbytes=active * (w13[0].numel() + w2[0].numel()) * w13.element_size() + act_bytes,
                      default=DEFAULT_CONFIG, space=MOE_SPACE)]
     if weights == "int8":
@@ -361,7 +361,7 @@ def moe_cases(s: ModelShapes, m: int, dtype, device, *, weights: str = "float") 
     args = (x, q13, s13, q2, s2, topk_weights, ids)
     name = f"fused_moe_{weights}"
     return [Case(name, name, m, shape_of(x, q13, ids), lambda cfg: op(*args, config=cfg, **kw),
-                 lambda: rel_error(op(*args, **kw), ref(*args, **kw)),
+                 lambda cfg=None: rel_error(op(*args, config=cfg, **kw), ref(*args, **kw)),
                  nbytes=active * _nbytes(q13[0], q2[0], s13[0], s2[0]) + act_bytes, default=DEFAULT_CONFIG,
                  space=space)]
 
@@ -453,7 +453,7 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank
         return [
             Case("", f"lora_shrink[{target}] kernel", m, sh.shape_of(x, lora_a),
                  lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg, segments=seg),
-                 lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling, segments=seg), buf),
+                 lambda cfg=None: rel_error(sh.lora_shrink(x, lora_a, idx, scaling, config=cfg, segments=seg), buf),
                  nbytes=_nbytes(x, buf) + ns * active * rank * k_in * x.element_size(),
                  default=sh.default_config(k_in)),
             Case("", f"lora_expand[{target}] kernel", m, ex.shape_of(y, buf, slices),
@@ -463,9 +463,9 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank
                  default=ex.DEFAULT_CONFIG, variants=expand_variants),
         ]
 
-    def check_fused() -> float:
+    def check_fused(cfg: dict | None = None) -> float:
         got, want = y.clone(), y.clone()
-        fu.lora_shrink_expand(got, x, table, None, idx, scaling, slices)
+        fu.lora_shrink_expand(got, x, table, None, idx, scaling, slices, config=cfg)
         ref.lora_shrink_expand(want, x, table, None, idx, scaling, slices)
         return rel_error(got, want)
 
@@ -477,7 +477,8 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank
              default=fu.DEFAULT_CONFIG, space=FUSED_LORA_SPACE),
         Case("lora_shrink", f"lora_shrink[{target}]", m, sh.shape_of(x, lora_a),
              lambda cfg: sh.lora_shrink(x, lora_a, idx, scaling, config=cfg),
-             lambda: rel_error(sh.lora_shrink(x, lora_a, idx, scaling), ref.lora_shrink(x, lora_a, idx, scaling)),
+             lambda cfg=None: rel_error(sh.lora_shrink(x, lora_a, idx, scaling, config=cfg),
+                                        ref.lora_shrink(x, lora_a, idx, scaling)),
              nbytes=_nbytes(x, buf) + ns * active * rank * k_in * x.element_size(),
              default=sh.default_config(k_in), space=SHRINK_SPACE),
         Case("lora_expand", f"lora_expand[{target}]", m, ex.shape_of(y, buf, slices),

@@ -9,10 +9,12 @@ For every tunable op (fused_moe, fused_moe_int8, fused_moe_mxfp4, lora_shrink, l
 on the qkv and o projections, fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group
 size; for the LoRA ops also programmatic dependent launch, "PDL", and fused_moe_lora's one-kernel path, "FUSED")
 is timed by CUDA-graph replay with a cold L2 (``tuning_cases.bench_time_ms``) and the fastest wins. A candidate
-that fails to launch or to be captured in a graph is skipped; benchmarks/kernels/check_gpu.py then checks the
-tuned configs against the references. Compiles are shared across M (M is not a constexpr). ``--time-budget`` is
-shared out over the (op, M) cases in order, each getting its share plus what earlier cases left; a case past its
-share keeps the best so far (candidates are ordered best bets first); only the ``--ops`` cases' inputs are built.
+that fails to launch or to be captured in a graph is skipped; one that would win is first checked against the
+torch reference and refused when its error is more than twice the default config's and above 5e-3 (``accurate``);
+benchmarks/kernels/check_gpu.py then checks the tuned configs against the references. Compiles are shared across
+M (M is not a constexpr). ``--time-budget`` is shared out over the (op, M) cases in order, each getting its share
+plus what earlier cases left; a case past its share keeps the best so far (candidates are ordered best bets first);
+only the ``--ops`` cases' inputs are built.
 
 The LoRA cases' adapters follow the serving mix per M (``tuning_cases.serving_mix``): from M = 64, 32 adapters
 Zipf-distributed over the tokens through a table as wide as the engine's decode graph of M rows; below, 8 round
@@ -65,14 +67,29 @@ def parse_ms(text: str) -> list[int]:
     return ms
 
 
+# A candidate whose output is further from the reference than this is refused (``accurate``): twice the default
+# config's relative error, and at least ERR_FLOOR (tilings and split-K orders round differently, so equal
+# configs differ by up to about 1.5x; a miscompiled tile is off by orders of magnitude, or by a few rows).
+ERR_FACTOR = 2.0
+ERR_FLOOR = 5e-3
+
+
+def accurate(err: float, default_err: float) -> bool:
+    """Whether a candidate's relative error ``err`` is close enough to the default config's (NaN: never)."""
+    return err <= max(ERR_FACTOR * default_err, ERR_FLOOR)
+
+
 def tune_case(case, deadline: float) -> tuple[dict, float, float]:
-    """(best config, its time ms, default time ms); candidates after ``deadline`` (time.monotonic) are skipped."""
+    """(best config, its time ms, default time ms); candidates after ``deadline`` (time.monotonic) are skipped.
+    A candidate faster than the best so far is checked against the torch reference (``case.check(cfg)``) before
+    it wins: one that is not ``accurate`` (a tile Triton miscompiles) is refused with a warning."""
     import torch
 
     from loraplex.kernels import tuning_cases
 
     default_ms = tuning_cases.bench_time_ms(lambda: case.run(case.default), strict=True)
     best, best_ms = dict(case.default), default_ms
+    default_err = case.check(case.default) if case.check is not None else None
     for cfg in case.space:
         if time.monotonic() > deadline:
             break
@@ -82,8 +99,15 @@ def tune_case(case, deadline: float) -> tuple[dict, float, float]:
             logger.info("%s M=%d: %s failed (%s)", case.label, case.m, cfg, type(e).__name__)
             torch.cuda.synchronize()
             continue
-        if ms < best_ms:
-            best, best_ms = dict(cfg), ms
+        if ms >= best_ms:
+            continue
+        if default_err is not None:
+            err = case.check(cfg)
+            if not accurate(err, default_err):
+                logger.warning("%s M=%d: %s refused: relative error %.3g against the default config's %.3g",
+                               case.label, case.m, cfg, err, default_err)
+                continue
+        best, best_ms = dict(cfg), ms
     return best, best_ms, default_ms
 
 

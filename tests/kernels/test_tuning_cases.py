@@ -26,6 +26,7 @@ def test_cases_run_and_match_references(m):
         if case.default is not None:
             case.run(case.default)
             assert case.space and all(set(case.default) == set(c) for c in case.space), case.label
+            assert case.check(case.space[0]) < 1e-4, case.label  # the tuner checks candidates this way
         for name, cfg in case.variants.items():  # the one-kernel / PDL paths the benchmark and GPU check run
             assert case.check(cfg) < 1e-4, (case.label, name)
     assert {c.label for c in cases if c.variants} == {"lora_expand[qkv]", "lora_expand[o]", "fused_moe_lora[gate_up]",
@@ -67,6 +68,41 @@ def test_tune_skips_candidates_that_fail_and_times_strictly(monkeypatch):
     best, best_ms, default_ms = tune.tune_case(case, deadline=float("inf"))
     assert (best, best_ms, default_ms) == (case.space[1], 2.0, 4.0)
     assert all(kw.get("strict") for kw in calls)
+
+
+def test_tune_refuses_a_faster_candidate_that_is_wrong(monkeypatch, caplog):
+    """The fastest candidate gives wrong output (a miscompiled tile): the tuner refuses it with a warning and keeps
+    the fastest accurate one; a candidate slower than the best so far is never checked."""
+    from loraplex.commands import tune
+
+    case = [c for c in tunable_cases(TINY, 7, 3, 16, torch.float32, "cpu") if c.op == "lora_shrink"][0]
+    wrong, second = case.space[2], case.space[4]
+    times = {id(c): 3.0 for c in case.space}
+    times.update({id(wrong): 1.0, id(second): 2.0})
+    timings = iter([5.0] + [times[id(c)] for c in case.space])
+    monkeypatch.setattr("loraplex.kernels.tuning_cases.bench_time_ms", lambda fn, **kw: next(timings))
+    real_check, checked = case.check, []
+
+    def check(cfg=None):
+        checked.append(cfg)
+        return 0.5 if cfg is wrong else real_check(cfg)
+
+    case.check = check
+    with caplog.at_level("WARNING", logger="loraplex.commands.tune"):
+        best, best_ms, default_ms = tune.tune_case(case, deadline=float("inf"))
+    assert (best, best_ms, default_ms) == (second, 2.0, 5.0)
+    assert "refused: relative error 0.5" in caplog.text
+    # the default, then the candidates that were faster than the best so far when timed: space[0] (3.0 < 5.0),
+    # the wrong one (1.0) and the second (2.0); never the other 3.0 ms ones
+    assert checked == [case.default, case.space[0], wrong, second]
+
+
+def test_accuracy_rule():
+    from loraplex.commands.tune import ERR_FLOOR, accurate
+
+    assert accurate(4e-3, 4e-3) and accurate(7.9e-3, 4e-3) and not accurate(1.0e-2, 4e-3)
+    assert accurate(ERR_FLOOR, 1e-7) and not accurate(2 * ERR_FLOOR, 1e-7)
+    assert not accurate(float("nan"), 4e-3) and not accurate(1.2, 4e-3)
 
 
 def test_shared_metadata_cases_run_and_leave_the_tuner_alone():
