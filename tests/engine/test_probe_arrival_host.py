@@ -2,21 +2,11 @@
 steps end with its first token, and the sections show the LoRA path only where adapters run."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.utils.scripts import load_script
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", "engine", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-probe = _load("probe_arrival_host")
+probe = load_script("engine", "probe_arrival_host")
 
 
 def test_probe_reports_both_phases_by_section(tmp_path):

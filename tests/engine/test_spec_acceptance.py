@@ -4,19 +4,13 @@ runs pass the script's own token-for-token check against non-speculative decodin
 name the adapter and the base model."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.utils.scripts import load_script
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", "engine", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("engine", name)
 
 
 def test_spec_acceptance_flow(tmp_path):

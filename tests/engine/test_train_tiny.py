@@ -4,20 +4,16 @@ config and tokenizer and gives the engine the same greedy tokens as transformers
 the engine's greedy output (to what PEFT itself predicts)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.utils.scripts import load_script
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", "engine", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("engine", name)
 
 
 train_tiny = _load("train_tiny")

@@ -1,25 +1,16 @@
 """benchmarks/kernels/mxfp4_gemm_gpu.py off the GPU: its byte model, and one end-to-end run at tiny shapes through the
 interpreter (copy roofline, sweep through the tuner, every variant checked against the reference, the table, the
 JSON and the tuned file)."""
-import importlib.util
 import json
-import os
-import sys
 
 import torch
 
 from loraplex.kernels import tuning, tuning_cases
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.utils.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("mxfp4_gemm_gpu",
-                                                  os.path.join(ROOT, "benchmarks", "kernels", "mxfp4_gemm_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kernels", "mxfp4_gemm_gpu")
 
 
 def test_byte_model_at_gpt_oss_shapes():

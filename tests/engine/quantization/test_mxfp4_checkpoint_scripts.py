@@ -4,9 +4,7 @@ grouped_mm experts then run in bf16; ``bf16_dequantisation`` makes the installed
 reference's upcast and the diagnosis are tested against the behaviour they exist for."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -15,16 +13,11 @@ from loraplex.engine import LLMEngine, SamplingParams
 from loraplex.engine.quantization.mxfp4_checkpoint import merge_blocks
 from loraplex.engine.testing.tiny import make_tiny_mxfp4_checkpoint
 from loraplex.kernels.mxfp4 import dequantize_mxfp4
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.utils.scripts import load_script
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", "engine", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("engine", name)
 
 
 @pytest.fixture

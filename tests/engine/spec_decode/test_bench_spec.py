@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from loraplex.bench.serve import ServeBenchConfig, run_serve_bench
+from tests.utils.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY = dict(scale="tiny", num_adapters=2, rank=4, concurrency=2, num_requests=4, input_len=16, output_len=24,
@@ -76,13 +77,7 @@ def test_gpu_script_smoke(tmp_path):
 
 
 def _gpu_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_spec_gpu", os.path.join(ROOT, "benchmarks", "engine",
-                                                                                  "bench_spec_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("engine", "bench_spec_gpu")
 
 
 def test_gpu_script_failures():

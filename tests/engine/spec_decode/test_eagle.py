@@ -4,7 +4,6 @@ own); greedy output with the head is the
 non-speculative output token for token (mixed adapters, an abort), nothing leaks; bad heads are refused."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -15,17 +14,13 @@ from loraplex.engine import SamplingParams
 from loraplex.engine.spec_decode import SpeculativeConfig
 from loraplex.engine.spec_decode.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
 from tests.engine.spec_decode.conftest import adapter_refs, assert_all_free, drive, make_engine, prompt_list
+from tests.utils.scripts import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 K = 3
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("spec_acceptance", os.path.join(ROOT, "benchmarks", "engine",
-                                                                                  "spec_acceptance.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("engine", "spec_acceptance")
 
 
 @pytest.fixture(scope="module")
