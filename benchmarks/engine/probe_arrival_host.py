@@ -39,6 +39,7 @@ class Sections:
     def __init__(self) -> None:
         self.on = False
         self.totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+        self._patched: list[tuple] = []
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -54,7 +55,18 @@ class Sections:
         return timed
 
     def wrap_method(self, cls, attr: str, name: str) -> None:
+        """Time ``cls.attr`` for every instance, until ``restore``."""
+        self._patched.append((cls, attr, cls.__dict__.get(attr)))  # None: inherited
         setattr(cls, attr, self.wrap(name, getattr(cls, attr)))
+
+    def restore(self) -> None:
+        """Put back the class attributes ``wrap_method`` replaced (they outlive the engine)."""
+        while self._patched:
+            cls, attr, original = self._patched.pop()
+            if original is None:
+                delattr(cls, attr)
+            else:
+                setattr(cls, attr, original)
 
     def report(self) -> dict[str, tuple[int, float]]:
         """{section: (calls, ms)}, slowest first."""
@@ -62,7 +74,8 @@ class Sections:
 
 
 def instrument(engine, sections: Sections) -> None:
-    """Wrap the engine's step sections (instance attributes) and the module / launch classes (class attributes)."""
+    """Wrap the engine's step sections (instance attributes) and the module / launch classes (class attributes,
+    until ``sections.restore()``)."""
     import torch
 
     from loraplex.engine.lora import layers
@@ -144,6 +157,24 @@ def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device)
     return rows
 
 
+def _probe(engine, sections: Sections, run, args) -> list[dict]:
+    """Both phases' reported rows: base-only, then spread over the run's adapters."""
+    import torch
+
+    vocab = run.model_config["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(2, vocab, (n,), generator=gen).tolist()
+
+    def sync_device() -> None:
+        if run.is_cuda:
+            torch.cuda.synchronize(run.device)
+
+    rows = run_phase(engine, sections, [None], args, prompt, sync_device)
+    return rows + run_phase(engine, sections, run.adapter_refs, args, prompt, sync_device)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", default="full", help="workload model shape (full: GPT-OSS-20B; tiny: CPU smoke)")
@@ -177,27 +208,18 @@ def main(argv: list[str] | None = None) -> int:
                            kv_sizing="workload", adapter_files=args.adapter_files, work_dir=work)
     run = EngineRun(cfg, work, num_adapter_files=min(args.adapter_files, args.num_adapters))
     kw = engine_kwargs(cfg, work, device=run.device.type, dtype=run.dtype, quantization=None)
-    kw.update(eager_warmup_budget_s=0, max_num_seqs=args.concurrency + 1,
-              num_kv_blocks=(args.concurrency + 2) * -(-(args.prompt_len + 1200) // cfg.block_size) + 64)
+    kw["eager_warmup_budget_s"] = 0  # the first --skip arrivals compile instead
     t0 = time.monotonic()
     engine = LLMEngine.from_pretrained(run.folder, **kw)
     use_in_place_fetcher(engine)
     start_s = time.monotonic() - t0
     sections = Sections()
-    instrument(engine, sections)
-    vocab = run.model_config["vocab_size"]
-    gen = torch.Generator().manual_seed(0)
-
-    def prompt(n: int) -> list[int]:
-        return torch.randint(2, vocab, (n,), generator=gen).tolist()
-
-    def sync_device() -> None:
-        if run.is_cuda:
-            torch.cuda.synchronize(run.device)
-
-    rows = run_phase(engine, sections, [None], args, prompt, sync_device)
-    rows += run_phase(engine, sections, run.adapter_refs, args, prompt, sync_device)
-    engine.close()
+    try:
+        instrument(engine, sections)
+        rows = _probe(engine, sections, run, args)
+    finally:
+        sections.restore()
+        engine.close()
     report = {"args": vars(args), "device": torch.cuda.get_device_name() if run.is_cuda else "cpu",
               "torch": torch.__version__, "engine_start_s": round(start_s, 2),
               "async_scheduling": engine.async_scheduling, "rows": rows}

@@ -10,6 +10,9 @@ probe = load_script("engine", "probe_arrival_host")
 
 
 def test_probe_reports_both_phases_by_section(tmp_path):
+    from loraplex.engine.lora import layers
+
+    forwards = (layers.LoRALinear.forward, layers.LoRAFusedExperts.forward)
     out = tmp_path / "out"
     rc = probe.main(["--scale", "tiny", "--device", "cpu", "--concurrency", "3", "--num-adapters", "2",
                      "--adapter-files", "2", "--rank", "4", "--prompt-len", "20", "--arrivals", "3", "--skip", "1",
@@ -30,3 +33,5 @@ def test_probe_reports_both_phases_by_section(tmp_path):
         assert sections["LoRALinear.forward"][0] > 0 and sections["LoRAFusedExperts.forward"][0] > 0
         # the step's LoRA table is written only when a scheduled sequence has an adapter
         assert ("step_table.write" in sections) == (r["phase"] == "adapters")
+    # the timed class methods are put back: later engines in this process run untimed
+    assert (layers.LoRALinear.forward, layers.LoRAFusedExperts.forward) == forwards
