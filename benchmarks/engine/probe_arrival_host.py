@@ -19,13 +19,19 @@ attention and expert modules, LoRA or not), ``triton launch`` (``JITFunction.run
 (sampling and read-back), ``_resolve_inflight``, ``prepare``, ``schedule``, ``set_token_slots``, ``step_table.write``
 and the explicit device waits (``Event.synchronize``). Writes ``probe_arrival_host.json`` under ``--out`` and
 prints one line per reported arrival.
+
+``--profile N``: the reported arrivals' steps after a sync also run under cProfile, and each phase's N functions
+with the most own time (summed over its reported arrivals; cProfile's own cost inflates small Python functions,
+so read it for where the time goes, not for totals) go into the report as ``profile``.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -100,8 +106,18 @@ def instrument(engine, sections: Sections) -> None:
     runner.model.forward = sections.wrap("model.forward", runner.model.forward)
 
 
-def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device) -> list[dict]:
-    """``args.concurrency`` decoding requests, then the arrivals (module docstring); the reported rows."""
+def top_functions(profiler: cProfile.Profile, n: int) -> list[list]:
+    """The ``n`` functions with the most own time: [function, calls, own ms, cumulative ms]."""
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [[f"{os.path.basename(f)}:{line}({name})", nc, round(tt * 1e3, 3), round(ct * 1e3, 3)]
+            for (f, line, name), (_, nc, tt, ct, _callers) in rows]
+
+
+def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device,
+              profiler: cProfile.Profile | None = None) -> list[dict]:
+    """``args.concurrency`` decoding requests, then the arrivals (module docstring); the reported rows.
+    ``profiler``: enabled around the reported arrivals' steps after a sync."""
     from loraplex.engine import SamplingParams
 
     params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
@@ -132,6 +148,9 @@ def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device)
             sections.totals.clear()
             sections.on = True
             steps = []
+            profiling = profiler is not None and synced and a >= args.skip
+            if profiling:
+                profiler.enable()
             try:
                 for _ in range(1000):
                     t = time.perf_counter()
@@ -143,6 +162,8 @@ def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device)
                     raise RuntimeError(f"{tag}: arrival {rid} got no token in 1000 steps")
             finally:
                 sections.on = False
+                if profiling:
+                    profiler.disable()
             if a >= args.skip:
                 row = {"phase": tag, "arrival": a, "after_sync": synced, "steps_ms": steps,
                        "early_launched_steps": engine.num_early_launched_steps, "sections": sections.report()}
@@ -157,8 +178,9 @@ def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device)
     return rows
 
 
-def _probe(engine, sections: Sections, run, args) -> list[dict]:
-    """Both phases' reported rows: base-only, then spread over the run's adapters."""
+def _probe(engine, sections: Sections, run, args) -> tuple[list[dict], dict[str, list]]:
+    """Both phases' reported rows, base-only then spread over the run's adapters, and (``--profile``) each
+    phase's top functions."""
     import torch
 
     vocab = run.model_config["vocab_size"]
@@ -171,8 +193,13 @@ def _probe(engine, sections: Sections, run, args) -> list[dict]:
         if run.is_cuda:
             torch.cuda.synchronize(run.device)
 
-    rows = run_phase(engine, sections, [None], args, prompt, sync_device)
-    return rows + run_phase(engine, sections, run.adapter_refs, args, prompt, sync_device)
+    rows, profile = [], {}
+    for phase, refs in (("base", [None]), ("adapters", run.adapter_refs)):
+        profiler = cProfile.Profile() if args.profile else None
+        rows += run_phase(engine, sections, refs, args, prompt, sync_device, profiler)
+        if profiler is not None:
+            profile[phase] = top_functions(profiler, args.profile)
+    return rows, profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--arrivals", type=int, default=7)
     p.add_argument("--skip", type=int, default=2, help="first arrivals of a phase not reported (kernel compiles)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="cProfile the reported arrivals' steps after a sync; report each phase's top N functions")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
@@ -216,13 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     sections = Sections()
     try:
         instrument(engine, sections)
-        rows = _probe(engine, sections, run, args)
+        rows, profile = _probe(engine, sections, run, args)
     finally:
         sections.restore()
         engine.close()
     report = {"args": vars(args), "device": torch.cuda.get_device_name() if run.is_cuda else "cpu",
               "torch": torch.__version__, "engine_start_s": round(start_s, 2),
               "async_scheduling": engine.async_scheduling, "rows": rows}
+    if profile:
+        report["profile"] = profile
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_arrival_host.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)

@@ -16,7 +16,7 @@ def test_probe_reports_both_phases_by_section(tmp_path):
     out = tmp_path / "out"
     rc = probe.main(["--scale", "tiny", "--device", "cpu", "--concurrency", "3", "--num-adapters", "2",
                      "--adapter-files", "2", "--rank", "4", "--prompt-len", "20", "--arrivals", "3", "--skip", "1",
-                     "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+                     "--profile", "5", "--work-dir", str(tmp_path / "work"), "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "probe_arrival_host.json").read_text())
     rows = report["rows"]
@@ -33,5 +33,11 @@ def test_probe_reports_both_phases_by_section(tmp_path):
         assert sections["LoRALinear.forward"][0] > 0 and sections["LoRAFusedExperts.forward"][0] > 0
         # the step's LoRA table is written only when a scheduled sequence has an adapter
         assert ("step_table.write" in sections) == (r["phase"] == "adapters")
+    # --profile 5: each phase's five functions with the most own time, slowest first
+    for phase in ("base", "adapters"):
+        top = report["profile"][phase]
+        assert len(top) == 5 and all(calls > 0 and 0 <= own <= cum for _, calls, own, cum in top)
+        assert [own for _, _, own, _ in top] == sorted((own for _, _, own, _ in top), reverse=True)
+    assert any("lora" in name for name, *_ in report["profile"]["adapters"])
     # the timed class methods are put back: later engines in this process run untimed
     assert (layers.LoRALinear.forward, layers.LoRAFusedExperts.forward) == forwards
