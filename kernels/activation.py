@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 from loraplex.kernels.intmath import cdiv, next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 
 @triton.jit
@@ -23,6 +24,7 @@ def gated_act(gate, up, ACT: tl.constexpr, alpha, limit):
     return y
 
 
+@cached_launch
 @triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr,  # x [T, 2I]; out [T, I]

@@ -9,11 +9,13 @@ import torch
 import triton
 import triton.language as tl
 from loraplex.kernels.intmath import cdiv, next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
               torch.uint8: tl.uint8, torch.int8: tl.int8}
 
 
+@cached_launch
 @triton.jit
 def _copy_blocks_kernel(
     cache_ptrs, mapping_ptr,  # [2 * layers] int64 base addresses; block_mapping [N, 2]

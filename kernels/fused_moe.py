@@ -25,6 +25,7 @@ from loraplex.kernels.dot import dot
 from loraplex.kernels.moe_align import moe_align
 from loraplex.kernels.mxfp4_dequant import load_mxfp4_tile
 from loraplex.kernels.intmath import cdiv
+from loraplex.kernels.launch import cached_launch
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
 ACT_CODES = {"silu": 0, "swiglu_clamp": 1}
@@ -39,6 +40,7 @@ def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -113,6 +115,7 @@ def _moe_gate_up_kernel(
         tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_down_kernel(
     h_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,

@@ -43,6 +43,7 @@ from loraplex.kernels.moe_align import moe_align_lora
 from loraplex.kernels.reference_lora import expert_table
 from loraplex.kernels.slot_blocks import (flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, slot_block,
                                           tl_dtype, weight_entry)
+from loraplex.kernels.launch import cached_launch
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4,
                   "num_stages": 2, "FUSED": 0, "PDL": 0, "COLS": 1}
@@ -103,6 +104,7 @@ def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_y
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "L"])
 def _moe_lora_shrink_kernel(
     x_ptr, entries_ptr, buf_ptr, scaling_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -142,6 +144,7 @@ def _moe_lora_shrink_kernel(
         tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat", "L"])
 def _moe_lora_expand_kernel(
     y_ptr, buf_ptr, entries_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -192,6 +195,7 @@ def _moe_lora_expand_kernel(
             b, cols, col_ok = b_nxt, nxt, nxt_ok
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "num_flat", "L"])
 def _moe_lora_fused_kernel(
     y_ptr, x_ptr, entries_ptr, scaling_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,

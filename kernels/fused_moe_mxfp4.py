@@ -56,6 +56,7 @@ from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, 
 from loraplex.kernels.reference_lora import check_mxfp4_weights
 from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait
 from loraplex.kernels.intmath import cdiv, next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "GU_SPLIT_K": 1,
                   "GU_FUSED": 0, "PREFETCH": 0, "PDL": 0, "DECODE": "asm", "DIRECT": 0, "num_warps": 4,
@@ -152,6 +153,7 @@ def _k_loop(acc, acc2, x_ptrs, w_ptrs, s_ptrs, w2_offset, s2_offset, row_ok, k_b
     return acc, acc2
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -214,6 +216,7 @@ def _gate_up_kernel(
         tl.store(out_ptrs, gated_act(acc_g, acc_u, ACT, alpha, limit).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _gate_up_finish_kernel(part_ptr, out_ptr, N, alpha, limit, stride_ps, stride_pt, stride_ot,
                            # part [SPLIT_K, T*A, 2N] float32 (bias in split 0) -> out [T*A, N] = act(gate) * up,
@@ -237,6 +240,7 @@ def _gate_up_finish_kernel(part_ptr, out_ptr, N, alpha, limit, stride_ps, stride
                  mask=ok)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _down_kernel(
     h_ptr, w_ptr, s_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -278,6 +282,7 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & rows_ok[:, None])
 
 
+@cached_launch
 @triton.jit
 def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
                       # part [SPLIT_K, T*A, N] float32 -> out [T, N]: sum over splits and the token's A pairs

@@ -29,6 +29,7 @@ from loraplex.kernels.lora_table import LoRATable, as_table
 from loraplex.kernels.reference_lora import check_slices
 from loraplex.kernels.slot_blocks import (block_at, flat_blocks, pdl_enabled, pdl_launch, pdl_trigger, pdl_wait,
                                           segment_rows, slot_block, tl_dtype, used_blocks, weight_entry)
+from loraplex.kernels.launch import cached_launch
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2, "PDL": 0}
 MAX_SLICES = 3
@@ -57,6 +58,7 @@ def _expand_rows(y_ptr, buf_ptr, b_ptr, rank, order_ptr, seg_start_ptr, seg_len_
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_flat", "L"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, entries_ptr, order_ptr, seg_start_ptr, seg_len_ptr,
@@ -83,6 +85,7 @@ def _lora_expand_kernel(
                  offset, width, stride_yt, stride_bs, stride_bt, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["L"])
 def _lora_expand_compact_kernel(
     y_ptr, buf_ptr, entries_ptr, order_ptr, seg_start_ptr, seg_len_ptr,

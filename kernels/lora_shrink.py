@@ -24,6 +24,7 @@ from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.lora_table import LoRATable, as_table
 from loraplex.kernels.slot_blocks import (block_at, flat_blocks, segment_rows, slot_block, tl_dtype, used_blocks,
                                          weight_entry)
+from loraplex.kernels.launch import cached_launch
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
 
@@ -79,6 +80,7 @@ def _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["L"])
 def _lora_shrink_kernel(
     x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,
@@ -101,6 +103,7 @@ def _lora_shrink_kernel(
                  pid_z % SPLIT_K, K, stride_xt, stride_bs, stride_bt, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["L"])
 def _lora_shrink_compact_kernel(
     x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,  # as _lora_shrink_kernel

@@ -22,10 +22,12 @@ from loraplex.kernels.lora_table import as_table
 from loraplex.kernels.reference_lora import dense_table
 from loraplex.kernels.slot_blocks import flat_blocks, segment_rows, slot_block, tl_dtype, weight_entry
 from loraplex.kernels.intmath import cdiv, next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["L"])
 def _lora_shrink_expand_kernel(
     y_ptr, x_ptr, entries_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr,

@@ -18,8 +18,10 @@ import triton.language as tl
 
 from loraplex.kernels.reference_lora import moe_align_capacity
 from loraplex.kernels.intmath import next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
 def _moe_align_kernel(
     ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr, offsets_ptr,

@@ -14,11 +14,13 @@ import torch
 import triton
 import triton.language as tl
 from loraplex.kernels.intmath import next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 MAX_EXPERTS = 256
 SCORINGS = ("softmax", "topk_softmax")
 
 
+@cached_launch
 @triton.jit
 def _moe_route_kernel(
     logits_ptr, weights_ptr, ids_ptr,  # logits [T, E] (any float dtype); weights [T, A] float32; ids [T, A] int64

@@ -25,12 +25,14 @@ import triton.language as tl
 
 from loraplex.kernels.dot import dot
 from loraplex.kernels.intmath import next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 528  # ~4 waves of an H100/H200's 132 SMs
 _MIN_TILES_PER_SPLIT = 4
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_seqs", "window", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Q, D]; k, v caches [NB, BS, KV, D]
@@ -128,6 +130,7 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _merge_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,  # out [T, Q, D]; partials as above; sinks [Q]

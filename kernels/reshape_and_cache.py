@@ -5,8 +5,10 @@ import torch
 import triton
 import triton.language as tl
 from loraplex.kernels.intmath import next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 
+@cached_launch
 @triton.jit
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,  # key/value [T, KV, D]; caches [NB, BS, KV, D]; slots [T]

@@ -5,8 +5,10 @@ import torch
 import triton
 import triton.language as tl
 from loraplex.kernels.intmath import next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 
+@cached_launch
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,  # x, residual [T, H]; weight [H]; out, new residual [T, H]

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from loraplex.kernels.intmath import cdiv, next_power_of_2
+from loraplex.kernels.launch import cached_launch
 
 MAX_TILE = 1024  # elements per half-tile (BLOCK_H x BLOCK_HALF) of one program
 
@@ -39,6 +40,7 @@ def _rotate_heads(
     tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _rotary_kernel(
     pos_ptr, cs_ptr,  # positions [T] (int32 / int64); cos_sin_cache [max_pos, D] float32

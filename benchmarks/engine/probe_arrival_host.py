@@ -15,7 +15,8 @@ and arrivals over ``--num-adapters`` rank-``--rank`` adapters on attention and e
 Per arrival: each ``engine.step()`` wall time until the first token, and the host time (``time.perf_counter``
 wrappers, inclusive: a section inside another counts in both) of the engine's sections: ``launch_eager`` (the
 arrival's forward enqueued), ``model.forward``, ``LoRALinear.forward`` / ``LoRAFusedExperts.forward`` (the wrapped
-attention and expert modules, LoRA or not), ``triton launch`` (``JITFunction.run``: count and time), ``execute``
+attention and expert modules, LoRA or not), ``cached launch`` (every launch of a ``cached_launch`` kernel:
+count and time), ``triton launch`` (``JITFunction.run``: the launches that went through Triton's dispatch), ``execute``
 (sampling and read-back), ``_resolve_inflight``, ``prepare``, ``schedule``, ``set_token_slots``, ``step_table.write``
 and the explicit device waits (``Event.synchronize``). Writes ``probe_arrival_host.json`` under ``--out`` and
 prints one line per reported arrival.
@@ -91,7 +92,10 @@ def instrument(engine, sections: Sections) -> None:
     if torch.cuda.is_available():
         import triton.runtime.jit as triton_jit
 
+        from loraplex.kernels.launch import CachedLaunch
+
         sections.wrap_method(triton_jit.JITFunction, "run", "triton launch")
+        sections.wrap_method(CachedLaunch, "launch", "cached launch")
         sections.wrap_method(torch.cuda.Event, "synchronize", "Event.synchronize")
     runner = engine.runner
     targets = ((engine, ("_lora_slots", "_sampling", "_resolve_inflight")),

@@ -48,13 +48,14 @@ def build_sm90(kernel, consts: dict, types: dict, num_warps: int, num_stages: in
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from loraplex.kernels.launch import jit_function
 
     consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
     sig = {n: "constexpr" if n in consts else types.get(n, types.get("*", "*bf16")) if n.endswith("_ptr")
            else types.get(n, "i32") for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.arg_names
              if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in DIV16)}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
+    src = ASTSource(fn=jit_function(kernel), signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                                num_stages=num_stages))

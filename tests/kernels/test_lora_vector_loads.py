@@ -17,6 +17,7 @@ import json, re, triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from loraplex.kernels.launch import jit_function
 from loraplex.kernels import fused_moe_lora as fl, lora_expand as ex, lora_shrink as sh, lora_shrink_expand as se
 
 DIV16 = ("K", "N", "R", "capacity", "num_blocks", "W0", "W1", "W2", "OFF1", "OFF2")
@@ -27,7 +28,7 @@ def ptx(kernel, consts, fp32):
            else "i32" for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in DIV16)}
-    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
+    src = ASTSource(fn=jit_function(kernel), signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 

@@ -225,6 +225,7 @@ BUILD = r'''
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from loraplex.kernels.launch import jit_function
 from loraplex.kernels import fused_moe as fm
 
 TYPES = {"w_ptr": "*u8", "scale_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
@@ -233,7 +234,7 @@ TYPES = {"w_ptr": "*u8", "scale_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr
 def build(kernel, consts):
     sig = {n: "constexpr" if n in consts else TYPES.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n in ("alpha", "limit") else "i32" for n in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    src = ASTSource(fn=jit_function(kernel), signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
     return "mxfp4" if triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"] else ""
 
 out = []

@@ -129,12 +129,13 @@ BUILD_SM90 = r'''
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from loraplex.kernels.launch import jit_function
 from loraplex.kernels import paged_attention as pa
 
 def ptx(kernel, consts, ptrs):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp32") if n.endswith("_ptr") else
            "fp32" if n == "scale_log2" else "i32" for n in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    src = ASTSource(fn=jit_function(kernel), signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
 
 bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}

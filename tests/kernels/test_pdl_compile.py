@@ -19,6 +19,7 @@ import json, triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from loraplex.kernels.launch import jit_function
 from loraplex.kernels import fused_moe_lora as fl, lora_expand as ex
 
 FP32, BF16, I64 = {"buf_ptr", "weights_ptr", "scaling_ptr"}, {"x_ptr", "y_ptr"}, {"entries_ptr"}
@@ -40,7 +41,7 @@ def ptx(kernel, consts):
     sig = {n: "constexpr" if n in consts else ("*fp32" if n in FP32 else "*bf16" if n in BF16 else
                                                "*i64" if n in I64 else "*i32")
            if n.endswith("_ptr") or n in consts else "i32" for n in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    src = ASTSource(fn=jit_function(kernel), signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 out = {}
