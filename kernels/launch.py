@@ -10,7 +10,7 @@ the compiled kernel Triton chose:
         tensor: (dtype, data_ptr % 16 == 0)            (alignment ignored where the kernel does not specialise)
         int:    32 / 64 / unsigned 64-bit range, and == 1 or % 16 == 0 unless in ``do_not_specialize``
         bool, float, None: the type (bool: its value);  a constexpr passed by position: its value
-        keywords: constexprs and launch options (num_warps, ...) by value
+        keywords: constexprs and launch options (num_warps, launch_pdl, ...) by value
 
 The first launch of a key goes through ``JITFunction.run`` (it compiles or loads the kernel, and launches it);
 later ones call the compiled kernel's launcher (``CompiledKernel.run``) with the same arguments Triton's run
@@ -35,10 +35,6 @@ import torch
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)
-# keywords of JITFunction.run that are launch options, not kernel parameters (keyed by value)
-_OPTION_NAMES = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
-                           "launch_pdl", "debug", "instrumentation_mode", "extern_libs", "sanitize_overflow",
-                           "arch", "warp_size", "matrix_instr_nonkdim", "waves_per_eu", "kpack"})
 
 
 def enabled() -> bool:
@@ -90,7 +86,7 @@ class CachedLaunch:
         self.jit = jit
         params = list(jit.params)
         self._names = [p.name for p in params]
-        self._constexpr = frozenset(p.name for p in params if p.is_constexpr)
+        self._runtime = frozenset(p.name for p in params if not p.is_constexpr)
         # per parameter position: how a positional argument there is keyed
         self._modes = tuple("value" if p.is_constexpr else
                             (not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in params)
@@ -121,9 +117,8 @@ class CachedLaunch:
             if k is NotImplemented:
                 return None
             parts.append(k)
-        for name in kwargs:
-            if name not in self._constexpr and name not in _OPTION_NAMES:
-                return None  # a runtime parameter by keyword: keyed by value it would make a variant per value
+        if not self._runtime.isdisjoint(kwargs):
+            return None  # a runtime parameter by keyword: keyed by value it would make a variant per value
         return (len(args), tuple(parts), tuple(kwargs.items()))
 
     def _tail(self, args: tuple, kwargs: dict) -> tuple:
