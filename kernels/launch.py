@@ -92,6 +92,7 @@ class CachedLaunch:
                             (not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in params)
         self._defaults = [p.default for p in params]
         self._launchers: dict = {}
+        self._key_fns: dict = {}  # argument types -> generated key function (False: not keyable)
         self._current_device, self._current_stream, self._hooks = current_device, current_stream, hooks
         self._knobs = None
         self.verify = verify_default()
@@ -105,21 +106,45 @@ class CachedLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def _key(self, args: tuple, kwargs: dict):
+        """The launch's key (module docstring), or None where it cannot be keyed. Per tuple of argument types the
+        positional part comes from a function generated for those types (``_key_function``), so a launch costs a
+        few attribute reads per argument instead of a call per argument."""
+        types = tuple(map(type, args))
+        fn = self._key_fns.get(types)
+        if fn is None:
+            fn = self._key_fns[types] = self._key_function(types)
+        if fn is False or not self._runtime.isdisjoint(kwargs):
+            return None  # an unkeyable type, or a runtime parameter by keyword (keyed by value: a variant per value)
+        return (types, fn(*args), tuple(kwargs.items()))
+
+    def _key_function(self, types: tuple):
+        """A function of the positional arguments giving, for arguments of ``types``, the tuple of their
+        ``arg_key`` values (a constexpr's value); False where some type cannot be keyed."""
+        if len(types) > len(self._modes):
+            return False
         parts = []
-        modes = self._modes
-        if len(args) > len(modes):
-            return None
-        for a, mode in zip(args, modes):
+        for i, (t, mode) in enumerate(zip(types, self._modes)):
+            a = f"a{i}"
             if mode == "value":
-                parts.append(("v", a))
-                continue
-            k = arg_key(a, *mode)
-            if k is NotImplemented:
-                return None
-            parts.append(k)
-        if not self._runtime.isdisjoint(kwargs):
-            return None  # a runtime parameter by keyword: keyed by value it would make a variant per value
-        return (len(args), tuple(parts), tuple(kwargs.items()))
+                parts.append(f"('v', {a})")
+            elif t is int:
+                rng = f"(0 if -2147483648 <= {a} < 2147483648 else 1 if -{2**63} <= {a} < {2**63} else 2) * 4"
+                parts.append(f"{rng} + (1 if {a} == 1 else 2 if {a} & 15 == 0 else 0)" if mode[0] else f"{rng} + 3")
+            elif t is bool:
+                parts.append(f"'T' if {a} else 'F'")
+            elif isinstance(t, type) and issubclass(t, torch.Tensor):
+                parts.append(f"({a}.dtype, ({a}.data_ptr() & 15) == 0)" if mode[0] and mode[1] else f"({a}.dtype, None)")
+            elif t is float:
+                parts.append("'f'")
+            elif t is type(None):
+                parts.append("None")
+            else:
+                return False
+        names = ", ".join(f"a{i}" for i in range(len(types)))
+        namespace: dict = {}
+        body = f"({', '.join(parts)},)" if parts else "()"
+        exec(f"def key({names}):\n    return {body}\n", namespace)
+        return namespace["key"]
 
     def _tail(self, args: tuple, kwargs: dict) -> tuple:
         """The parameters after the positional ones, as JITFunction.run binds them (keyword, else default)."""
@@ -152,7 +177,7 @@ class CachedLaunch:
         stream = self._stream(device)
         enter, leave = self._launch_hooks()
         compiled = entry.compiled
-        meta = compiled.launch_metadata(grid, stream, *full)
+        meta = None if enter is None else compiled.launch_metadata(grid, stream, *full)
         n = len(grid)
         entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, entry.function, entry.packed,
                   meta, enter, leave, *full)

@@ -69,6 +69,20 @@ def test_step_varying_integers_share_one_key():
     assert arg_key(object()) is NotImplemented and arg_key(torch.tensor(3).item() * 1.0) == "f"
 
 
+def test_generated_key_functions_agree_with_arg_key():
+    """The per-type-signature key functions compute exactly ``arg_key`` of each argument (a constexpr: its value)."""
+    _, k = _make()
+    pool = [a for a in _arg_pool() if not isinstance(a, (bool, float)) and a is not None]
+    rng = random.Random(2)
+    for _ in range(400):
+        args = tuple(rng.choice(pool) for _ in range(4)) + (rng.choice([16, 32]), rng.random() < 0.5,
+                                                            rng.choice([0.5, None, 2.0]))
+        expected = tuple(("v", a) if mode == "value" else arg_key(a, *mode) for a, mode in zip(args, k._modes))
+        assert k._key(args, {})[1] == expected
+    assert k._key((object(), 1, 2, 3), {}) is None and k._key_fns[(object, int, int, int)] is False
+    assert k._key((), {}) == ((), (), ())
+
+
 # ---- CachedLaunch over a stand-in JIT function
 
 
