@@ -265,3 +265,14 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert launch.enabled()
     monkeypatch.setenv("LORAPLEX_FAST_LAUNCH_VERIFY", "1")
     assert _make()[1].verify
+
+
+def test_launch_overhead_benchmark_refuses_without_a_gpu(tmp_path):
+    """benchmarks/kernels/launch_overhead_gpu.py times real launches: on a machine without CUDA it says so and writes
+    nothing."""
+    from tests.utils.scripts import load_script
+
+    script = load_script("kernels", "launch_overhead_gpu")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        script.main(["--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
