@@ -13,7 +13,7 @@ import pytest
 from loraplex.engine import SamplingParams
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from tests.engine.test_async_scheduling import assert_all_free, drive, make_engine, prompt_list, summary
+from tests.engine.test_async_scheduling import assert_all_free, assert_same_output, drive, make_engine, prompt_list
 from tests.utils.adapters import peft_adapter_of
 
 
@@ -68,7 +68,7 @@ def test_arrivals_launched_before_the_step_in_flight_match_the_synchronous_engin
     engine, got, early = run(True, stops, "async")
     assert sorted(got) == sorted(want) == sorted(f"r{i}" for i in range(12))
     for rid in want:
-        assert summary(got[rid]) == summary(want[rid]), rid
+        assert_same_output(got[rid], want[rid], rid)
     assert all(want[rid].finish_reason == "stop" for rid in stops)
     assert sync.num_early_launched_steps == 0 and engine.num_early_launched_steps == len(early) >= 8
     # some stop was read back while an arrival's step was already enqueued: its row computed and dropped
