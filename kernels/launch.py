@@ -6,7 +6,7 @@ up before it launches: tens of µs of Python per launch, and an eager step of GP
 460 launches. ``@cached_launch`` above ``@triton.jit`` keeps the call syntax and remembers, per launch site shape,
 the compiled kernel Triton chose:
 
-    key = (device, len(args), per positional argument the properties Triton specialises on, keyword values)
+    key = (device, argument types, per positional argument the properties Triton specialises on, keyword values)
         tensor: (dtype, data_ptr % 16 == 0)            (alignment ignored where the kernel does not specialise)
         int:    32 / 64 / unsigned 64-bit range, and == 1 or % 16 == 0 unless in ``do_not_specialize``
         bool, float, None: the type (bool: its value);  a constexpr passed by position: its value
@@ -18,7 +18,8 @@ would pass it: the positional arguments, then every later parameter from the key
 this cannot key (an argument of another type, a runtime parameter passed by keyword, a callable grid, pre-run
 hooks) goes through ``JITFunction.run`` as before. The key holds at least every property Triton's specialisation
 reads (``tests/kernels/test_launch.py`` checks it against Triton's own ``native_specialize_impl``), so a key maps
-to one compiled variant.
+to one compiled variant. The positional part comes from a small function generated per tuple of argument types
+(attribute reads, no call per argument: the launch is on the host's hot path).
 
     LORAPLEX_FAST_LAUNCH=0          every launch through JITFunction.run (debugging)
     LORAPLEX_FAST_LAUNCH_VERIFY=1   every cached launch also asks Triton which kernel it would run (``warmup``) and
@@ -33,9 +34,6 @@ from typing import Any, Callable
 
 import torch
 
-_I32 = (-(2**31), 2**31)
-_I64 = (-(2**63), 2**63)
-
 
 def enabled() -> bool:
     return os.environ.get("LORAPLEX_FAST_LAUNCH", "1") != "0"
@@ -43,30 +41,6 @@ def enabled() -> bool:
 
 def verify_default() -> bool:
     return os.environ.get("LORAPLEX_FAST_LAUNCH_VERIFY") == "1"
-
-
-def _int_class(v: int, specialize: bool) -> int:
-    """Triton's view of an int argument: its type (i32 / i64 / u64) and, specialised, 1 / divisible by 16 / other."""
-    rng = 0 if _I32[0] <= v < _I32[1] else 1 if _I64[0] <= v < _I64[1] else 2
-    if not specialize:
-        return rng * 4 + 3
-    return rng * 4 + (1 if v == 1 else 2 if v % 16 == 0 else 0)
-
-
-def arg_key(a: Any, specialize: bool = True, align: bool = True) -> Any:
-    """One runtime argument's part of the key (module docstring); ``NotImplemented`` for a type it cannot key."""
-    t = type(a)
-    if t is int:
-        return _int_class(a, specialize)
-    if t is bool:
-        return "T" if a else "F"
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, (a.data_ptr() & 15) == 0) if (specialize and align) else (a.dtype, None)
-    if t is float:
-        return "f"
-    if a is None:
-        return None
-    return NotImplemented
 
 
 class _Entry:
@@ -106,9 +80,7 @@ class CachedLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def _key(self, args: tuple, kwargs: dict):
-        """The launch's key (module docstring), or None where it cannot be keyed. Per tuple of argument types the
-        positional part comes from a function generated for those types (``_key_function``), so a launch costs a
-        few attribute reads per argument instead of a call per argument."""
+        """The launch's key (module docstring, device aside), or None where it cannot be keyed."""
         types = tuple(map(type, args))
         fn = self._key_fns.get(types)
         if fn is None:
@@ -118,8 +90,8 @@ class CachedLaunch:
         return (types, fn(*args), tuple(kwargs.items()))
 
     def _key_function(self, types: tuple):
-        """A function of the positional arguments giving, for arguments of ``types``, the tuple of their
-        ``arg_key`` values (a constexpr's value); False where some type cannot be keyed."""
+        """A function of the positional arguments of ``types`` giving one key part per argument (module docstring;
+        a constexpr: its value); False where some type cannot be keyed."""
         if len(types) > len(self._modes):
             return False
         parts = []

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("launch_overhead_gpu needs a CUDA GPU (it times real launches)")
+    import triton
     from triton import knobs
 
     from loraplex.kernels import launch, ops
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch.empty": lambda: torch.empty(3, tokens, rank, dtype=torch.float32, device=dev),
     }
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "grid": list(grid), "runtime_args": len(kargs),
+              "triton": triton.__version__, "grid": list(grid), "runtime_args": len(kargs),
               "keywords": sorted(kwargs), "calls": args.calls, "us": {}}
     for name, fn in variants.items():
         report["us"][name] = host_us(fn, args.calls)
