@@ -1,12 +1,17 @@
 """Where the time of the expert layer with expert LoRA goes, per expert format: per-kernel device time (torch
 profiler, plain launches) of ``moe_experts_lora`` next to the same layer without LoRA, bf16 weights and MXFP4 in
 the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
+bf16 with LoRA runs twice: the deltas in the base GEMMs' epilogues and in separate kernels (``moe_lora_epilogue``).
+``--mix`` picks the tokens' adapters as ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt
+chunk beside decodes).
 
     python3 benchmarks/kernels/probe_moe_lora.py --m 1,16,64     # H200: about 30 s
+    python3 benchmarks/kernels/probe_moe_lora.py --m 512,2048 --mix prefill --max-loras 32 --out probe.json
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -32,7 +37,10 @@ def variants(inp: dict, lo: dict) -> dict:
     w13, s13, w2, s2 = inp["kernel"]
     return {
         "bf16": lambda: fused_moe(x, inp["w13"], inp["w2"], wts, ids, **kw),
-        "bf16 + LoRA": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"], **lkw),
+        "bf16 + LoRA (epilogue)": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"],
+                                                           epilogue=True, **lkw),
+        "bf16 + LoRA (separate)": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"],
+                                                           epilogue=False, **lkw),
         "mxfp4": lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, **kw),
         "mxfp4 + LoRA": lambda: moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13,
                                                  w2_scale=s2, **lkw),
@@ -44,20 +52,33 @@ def main() -> int:
     p.add_argument("--m", default="1,16,64")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--mix", default="even", choices=("even", "zipf", "prefill"))
+    p.add_argument("--out", help="write the rows here as JSON")
     args = p.parse_args()
+    from loraplex.kernels.tuning_cases import AdapterMix, adapter_indices
+
     s = GPT_OSS_20B
+    rows = []
     print("| layer | M | call us | sum of kernels us | kernels (us each) |")
     print("|---|---:|---:|---:|---|")
     for m in (int(v) for v in args.m.split(",")):
         inp = moe_inputs(s, m, "cuda", 3000 + m)
         lo = lora_inputs(s, m, inp["ids"], args.max_loras, args.rank, "cuda", torch.bfloat16)
+        lo["idx"] = adapter_indices(m, AdapterMix(args.max_loras, args.mix), "cuda")
         for label, fn in variants(inp, lo).items():
             call = bench_time_ms(fn) * 1e3
             parts = kernel_times_us(fn)
             detail = ", ".join(f"{name} {us:.1f}" for name, us in sorted(parts.items(), key=lambda kv: -kv[1]))
             print(f"| {label} | {m} | {call:.1f} | {sum(parts.values()):.1f} | {detail} |", flush=True)
+            rows.append(dict(layer=label, m=m, call_us=round(call, 2), kernels_us=round(sum(parts.values()), 2),
+                             kernels={k: round(v, 2) for k, v in parts.items()}))
         del inp, lo
         torch.cuda.empty_cache()
+    if args.out:
+        meta = dict(gpu=torch.cuda.get_device_name(), shape="gpt-oss-20b experts", max_loras=args.max_loras,
+                    rank=args.rank, mix=args.mix)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
     return 0
 
 

@@ -1,0 +1,100 @@
+"""Expert LoRA added in the base expert GEMM's epilogue: no separate expand, no read-modify-write of the output.
+
+    shrink (fused_moe_lora.shrink) ─> buf [parts, T*A, R] fp32: scaling * A[slot][expert] @ x_row, per pair
+    base GEMM tile acc [BLOCK_M, BLOCK_N] fp32 (+ INT8 scale, + bias)
+       for each distinct slot s among the tile's rows (a loop, ascending):
+           acc += where(row's slot == s, h, 0) @ B^T[s][expert][:, cols]
+       then the activation (gate_up) or the routing weight (down), and the one store
+
+A base tile holds one expert's pairs (moe_align), so its rows need B of that expert only, for each adapter slot
+among them: a prefill chunk's rows share one slot (one B tile a column block), a decode tile's rows loop over a
+few. Compared with ``fused_moe_lora``'s expand the output is written once: at prefill sizes the expand's read and
+rewrite of [T*A, 2I] and [T*A, H] and the pre-activation round trip through memory are gone (gate_up applies the
+activation itself, as without LoRA). Rows without an adapter (slot -1) and slots whose adapter does not target
+the experts (rank 0) add nothing; their buffer rows (never written by the shrink) are not read into the sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.dot import dot
+from loraplex.kernels.lora_shrink import block_r
+from loraplex.kernels.lora_table import LoRATable
+from loraplex.kernels.slot_blocks import tl_dtype, weight_entry
+
+_NONE = tl.constexpr(1 << 30)  # larger than any slot: "no slot left"
+
+
+@dataclass(frozen=True, eq=False)
+class EpilogueLoRA:
+    """One expert target's LoRA for a base GEMM's epilogue: the table (B addresses and ranks per slot), the
+    shrink's buffer and the token -> slot map."""
+
+    table: LoRATable
+    buf: torch.Tensor              # [parts, T*A, R] fp32 (fused_moe_lora.shrink)
+    token_lora_idx: torch.Tensor   # [T] int32, -1 = no adapter
+
+    def args(self) -> tuple:
+        """Pointer and integer arguments, in the kernels' order: entries, buf, token map, R, entries' and
+        buf's leading strides."""
+        return (self.table.entries, self.buf, self.token_lora_idx, self.buf.shape[2], self.table.entries.stride(0),
+                self.buf.stride(0))
+
+    def constexprs(self) -> dict:
+        return dict(HAS_LORA=True, LORA_DTYPE=tl_dtype(self.table.dtype), BLOCK_R=block_r(self.table.max_rank),
+                    LORA_PARTS=self.buf.shape[0])
+
+
+def no_lora_args(t: torch.Tensor) -> tuple:
+    """Placeholders for ``EpilogueLoRA.args`` when the GEMM has no LoRA (never read)."""
+    return t, t, t, 1, 0, 0
+
+
+NO_LORA_CONSTEXPRS = dict(HAS_LORA=False, LORA_DTYPE=tl.bfloat16, BLOCK_R=16, LORA_PARTS=1)
+
+
+def epilogue_args(lora: EpilogueLoRA | None, placeholder: torch.Tensor) -> tuple[tuple, dict]:
+    """(positional args, constexprs) of the LoRA epilogue for a launch."""
+    if lora is None:
+        return no_lora_args(placeholder), NO_LORA_CONSTEXPRS
+    return lora.args(), lora.constexprs()
+
+
+@triton.jit
+def lora_rows(idx_ptr, buf_ptr, tok, pairs64, row_ok, R, stride_split, BLOCK_R: tl.constexpr,
+              LORA_PARTS: tl.constexpr):
+    """(slot of each row [BLOCK_M] int32, -1 none; h [BLOCK_M, BLOCK_R] fp32: the shrink's rows, partials summed)."""
+    slots = tl.load(idx_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+    r = tl.arange(0, BLOCK_R)
+    ok = (row_ok & (slots >= 0))[:, None] & (r < R)[None, :]
+    ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
+    h = tl.load(ptrs, mask=ok, other=0.0)
+    for part in range(1, LORA_PARTS):
+        h += tl.load(ptrs + part * stride_split, mask=ok, other=0.0)
+    return slots, h
+
+
+@triton.jit
+def add_lora(acc, acc2, slots, h, entries_ptr, stride_el, expert, cols, col_ok, N_B, second,
+             TWO: tl.constexpr, LORA_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(acc + the tile's delta at columns ``cols``, acc2 + the delta at ``second + cols`` if TWO) for B^T
+    [E, r, N_B] of each distinct slot among the rows (gate_up: second = I, the up half)."""
+    r = tl.arange(0, BLOCK_R)
+    cur = tl.min(tl.where(slots >= 0, slots, _NONE), 0)
+    while cur < _NONE:
+        b_ptr, rank = weight_entry(entries_ptr, cur, 0, stride_el, 0, 1, LORA_DTYPE)
+        if rank > 0:
+            mine = tl.where((slots == cur)[:, None], h, 0.0)
+            b_rows = b_ptr + (expert * rank + r[:, None]) * N_B
+            b_ok = (r < rank)[:, None] & col_ok[None, :]
+            b = tl.load(b_rows + cols[None, :], mask=b_ok, other=0.0)
+            acc += dot(mine.to(b.dtype), b)
+            if TWO:
+                b2 = tl.load(b_rows + second + cols[None, :], mask=b_ok, other=0.0)
+                acc2 += dot(mine.to(b2.dtype), b2)
+        cur = tl.min(tl.where(slots > cur, slots, _NONE), 0)
+    return acc, acc2
