@@ -141,6 +141,23 @@ def test_one_lora_alignment_shared_when_tuned_block_sizes_differ(monkeypatch):
     assert calls == [16]
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_epilogue_with_more_slots_in_a_tile_than_a_chunk(int8):
+    """Eleven slots (two without expert weights) over 40 tokens and a base BLOCK_M of 32: a tile's rows hold more
+    distinct slots than one LORA_CHUNK, in shuffled order, beside rows without an adapter."""
+    slots = 11
+    x, w13, w2, weights, ids, kw = _inputs(40, True, int8)
+    idx = torch.randint(0, slots, (40,), dtype=torch.int32)
+    idx[::5] = -1
+    scaling = torch.rand(slots) + 0.5
+    lora = dict(w13_lora=expert_table(slots, E, H, 2 * INTER, empty=(3, 8), max_rank=R, ranks=(8, 16, 4)),
+                w2_lora=expert_table(slots, E, INTER, H, empty=(3, 8), max_rank=R, ranks=(16, 4)))
+    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, config={**BASE_CFG, "BLOCK_M": 32},
+                           lora_config_override=LORA_CFG, activation="swiglu_clamp", epilogue=True, **lora, **kw)
+    want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", **lora, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_prefill_sized_steps_add_the_deltas_in_the_base_gemms(monkeypatch):
     """From EPILOGUE_MIN_TOKENS tokens on, both GEMMs get the LoRA (and gate_up applies the activation itself);
     below it the GEMMs run plain and the separate LoRA kernels add the deltas."""
