@@ -54,7 +54,6 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, LORA_PARTS: tl.constexpr,
-    LORA_CHUNK: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -110,10 +109,10 @@ def _moe_gate_up_kernel(
         acc_g += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + expert * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:  # B^T [E, r, 2N]: gate columns, then up columns
-        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, lora_entries_ptr, stride_le, tok, pairs.to(tl.int64),
-                                  row_ok, R_LORA, stride_ls, BLOCK_R, LORA_PARTS)
+        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, tok, pairs.to(tl.int64), row_ok, R_LORA, stride_ls,
+                                  BLOCK_R, LORA_PARTS)
         acc_g, acc_u = add_lora(acc_g, acc_u, slots, h_lora, lora_entries_ptr, stride_le, expert, cols, col_ok,
-                                2 * N, N, True, LORA_DTYPE, BLOCK_R, LORA_CHUNK)
+                                2 * N, N, True, LORA_DTYPE, BLOCK_R)
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if ACT == 2:  # pre-activation: gate to columns [0, N), up to [N, 2N)
@@ -137,7 +136,6 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, LORA_PARTS: tl.constexpr,
-    LORA_CHUNK: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -182,10 +180,10 @@ def _moe_down_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:  # B^T [E, r, N]
-        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, lora_entries_ptr, stride_le, pairs64 // TOP_K,
-                                  pairs64, row_ok, R_LORA, stride_ls, BLOCK_R, LORA_PARTS)
+        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, pairs64 // TOP_K, pairs64, row_ok, R_LORA, stride_ls,
+                                  BLOCK_R, LORA_PARTS)
         acc, _ = add_lora(acc, acc, slots, h_lora, lora_entries_ptr, stride_le, expert, cols, col_ok, N, 0, False,
-                          LORA_DTYPE, BLOCK_R, LORA_CHUNK)
+                          LORA_DTYPE, BLOCK_R)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pairs64[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])

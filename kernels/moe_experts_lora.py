@@ -37,10 +37,14 @@ from loraplex.kernels.mxfp4 import is_kernel_layout
 from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
 
 
-# Steps of at least this many tokens add the expert LoRA in the base GEMMs' epilogues; smaller ones (decode) run
+# Steps of at least this many tokens add the expert LoRA in the base GEMMs' epilogues; smaller ones (decode: at
+# most max_num_seqs rows, 256 by default) run
 # the separate tuned LoRA kernels, whose PDL launches overlap the base GEMMs (the epilogue's per-slot loop is
 # serial in each program, and a decode tile's rows hold many slots)
-EPILOGUE_MIN_TOKENS = 256
+EPILOGUE_MIN_TOKENS = 512
+# The base GEMMs' row tile when they carry the LoRA epilogue (the tuned 128-row tiles of long prefills leave it too
+# few registers)
+EPILOGUE_MAX_BLOCK_M = 64
 
 
 class _Shape:
@@ -91,6 +95,10 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     else:
         op = "fused_moe_mxfp4" if mxfp4 else "fused_moe_int8" if quantized else "fused_moe"
         cfg = moe_config(op, x, w13, topk_ids, config)
+    in_epilogue = (token_lora_idx is not None and (w13_lora or w2_lora) is not None and not kernel_layout
+                   and (num_tokens >= EPILOGUE_MIN_TOKENS if epilogue is None else epilogue))
+    if in_epilogue and config is None and int(cfg["BLOCK_M"]) > EPILOGUE_MAX_BLOCK_M:
+        cfg["BLOCK_M"] = EPILOGUE_MAX_BLOCK_M
     align = fm4.route_tables(topk_ids, num_experts, cfg) if kernel_layout else moe_align(topk_ids, num_experts,
                                                                                            int(cfg["BLOCK_M"]))
     cfgs = {}  # LoRA config of each target with LoRA this call
@@ -106,7 +114,7 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
             c["BLOCK_M"] = block_m
         max_loras = (w13_lora or w2_lora).num_slots
         lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
-    if cfgs and not kernel_layout and (num_tokens >= EPILOGUE_MIN_TOKENS if epilogue is None else epilogue):
+    if in_epilogue:
         idx = token_lora_idx.contiguous()
 
         def shrunk(target, inp, table, n):  # the target's EpilogueLoRA, or None without LoRA on it

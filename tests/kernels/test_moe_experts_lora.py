@@ -142,9 +142,9 @@ def test_one_lora_alignment_shared_when_tuned_block_sizes_differ(monkeypatch):
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_epilogue_with_more_slots_in_a_tile_than_a_chunk(int8):
-    """Eleven slots (two without expert weights) over 40 tokens and a base BLOCK_M of 32: a tile's rows hold more
-    distinct slots than one LORA_CHUNK, in shuffled order, beside rows without an adapter."""
+def test_epilogue_with_many_slots_in_a_tile(int8):
+    """Eleven slots (two without expert weights) over 40 tokens and a base BLOCK_M of 32: a tile's rows hold about
+    nine distinct slots in shuffled order, beside rows without an adapter."""
     slots = 11
     x, w13, w2, weights, ids, kw = _inputs(40, True, int8)
     idx = torch.randint(0, slots, (40,), dtype=torch.int32)
