@@ -37,10 +37,10 @@ from loraplex.kernels.mxfp4 import is_kernel_layout
 from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
 
 
-# Steps of at least this many tokens add the expert LoRA in the base GEMMs' epilogues; smaller ones (decode: at
-# most max_num_seqs rows, 256 by default) run
-# the separate tuned LoRA kernels, whose PDL launches overlap the base GEMMs (the epilogue's per-slot loop is
-# serial in each program, and a decode tile's rows hold many slots)
+# Steps of at least this many tokens add the expert LoRA in the base GEMMs' epilogues; smaller ones (decode
+# batches: at most max_num_seqs rows, 256 by default) run the separate tuned LoRA kernels, whose PDL launches
+# overlap the base GEMMs (the epilogue's per-slot loop is serial in each program, and a decode tile's rows hold
+# many slots)
 EPILOGUE_MIN_TOKENS = 512
 # The base GEMMs' row tile when they carry the LoRA epilogue (the tuned 128-row tiles of long prefills leave it too
 # few registers)
