@@ -109,8 +109,8 @@ def _moe_gate_up_kernel(
         acc_g += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + expert * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:  # B^T [E, r, 2N]: gate columns, then up columns
-        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, tok, pairs.to(tl.int64), row_ok, R_LORA, stride_ls,
-                                  BLOCK_R, LORA_PARTS)
+        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, lora_entries_ptr, stride_le, tok, pairs.to(tl.int64),
+                                  row_ok, R_LORA, stride_ls, BLOCK_R, LORA_PARTS)
         acc_g, acc_u = add_lora(acc_g, acc_u, slots, h_lora, lora_entries_ptr, stride_le, expert, cols, col_ok,
                                 2 * N, N, True, LORA_DTYPE, BLOCK_R)
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
@@ -180,8 +180,8 @@ def _moe_down_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:  # B^T [E, r, N]
-        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, pairs64 // TOP_K, pairs64, row_ok, R_LORA, stride_ls,
-                                  BLOCK_R, LORA_PARTS)
+        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, lora_entries_ptr, stride_le, pairs64 // TOP_K,
+                                  pairs64, row_ok, R_LORA, stride_ls, BLOCK_R, LORA_PARTS)
         acc, _ = add_lora(acc, acc, slots, h_lora, lora_entries_ptr, stride_le, expert, cols, col_ok, N, 0, False,
                           LORA_DTYPE, BLOCK_R)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]

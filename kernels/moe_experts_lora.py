@@ -44,7 +44,7 @@ from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights,
 EPILOGUE_MIN_TOKENS = 512
 # The base GEMMs' row tile when they carry the LoRA epilogue (the tuned 128-row tiles of long prefills leave it too
 # few registers)
-EPILOGUE_MAX_BLOCK_M = 64
+EPILOGUE_MAX_BLOCK_M = 128
 
 
 class _Shape:

@@ -65,12 +65,15 @@ def epilogue_args(lora: EpilogueLoRA | None, placeholder: torch.Tensor) -> tuple
 
 
 @triton.jit
-def lora_rows(idx_ptr, buf_ptr, tok, pairs64, row_ok, R, stride_split, BLOCK_R: tl.constexpr,
+def lora_rows(idx_ptr, buf_ptr, entries_ptr, stride_el, tok, pairs64, row_ok, R, stride_split, BLOCK_R: tl.constexpr,
               LORA_PARTS: tl.constexpr):
-    """(slot of each row [BLOCK_M] int32, -1 none; h [BLOCK_M, BLOCK_R] fp32: the shrink's rows, partials summed)."""
+    """(slot of each row [BLOCK_M] int32, -1 for none or for a slot without weights here; h [BLOCK_M, BLOCK_R] fp32:
+    the shrink's rows, partials summed, zero where the slot is -1)."""
     slots = tl.load(idx_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+    rank = tl.load(entries_ptr + slots.to(tl.int64) * stride_el + 2, mask=slots >= 0, other=0)
+    slots = tl.where(rank > 0, slots, -1)  # the shrink left these rows unwritten
     r = tl.arange(0, BLOCK_R)
-    ok = (row_ok & (slots >= 0))[:, None] & (r < R)[None, :]
+    ok = (slots >= 0)[:, None] & (r < R)[None, :]
     ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
     h = tl.load(ptrs, mask=ok, other=0.0)
     for part in range(1, LORA_PARTS):
@@ -79,22 +82,38 @@ def lora_rows(idx_ptr, buf_ptr, tok, pairs64, row_ok, R, stride_split, BLOCK_R: 
 
 
 @triton.jit
+def _b_tiles(entries_ptr, stride_el, slot, expert, cols, col_ok, N_B, second, TWO: tl.constexpr,
+             LORA_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """B^T[slot][expert][:, cols] (and [:, second + cols] if TWO) [BLOCK_R, BLOCK_N]; zeros past the slot's rank
+    and for slot _NONE."""
+    valid = slot < _NONE
+    b_ptr, rank = weight_entry(entries_ptr, tl.where(valid, slot, 0), 0, stride_el, 0, 1, LORA_DTYPE)
+    rank = tl.where(valid, rank, 0)
+    r = tl.arange(0, BLOCK_R)
+    b_rows = b_ptr + (expert * rank + r[:, None]) * N_B
+    ok = (r < rank)[:, None] & col_ok[None, :]
+    b = tl.load(b_rows + cols[None, :], mask=ok, other=0.0)
+    if TWO:
+        b2 = tl.load(b_rows + second + cols[None, :], mask=ok, other=0.0)
+    else:
+        b2 = b
+    return b, b2
+
+
+@triton.jit
 def add_lora(acc, acc2, slots, h, entries_ptr, stride_el, expert, cols, col_ok, N_B, second,
              TWO: tl.constexpr, LORA_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr):
     """(acc + the tile's delta at columns ``cols``, acc2 + the delta at ``second + cols`` if TWO) for B^T
-    [E, r, N_B] of each distinct slot among the rows (gate_up: second = I, the up half)."""
-    r = tl.arange(0, BLOCK_R)
+    [E, r, N_B] of each distinct slot among the rows (gate_up: second = I, the up half). Slots ascending; the next
+    slot's B tiles are loaded before this slot's product, so the loads of consecutive slots overlap."""
     cur = tl.min(tl.where(slots >= 0, slots, _NONE), 0)
+    b, b2 = _b_tiles(entries_ptr, stride_el, cur, expert, cols, col_ok, N_B, second, TWO, LORA_DTYPE, BLOCK_R)
     while cur < _NONE:
-        b_ptr, rank = weight_entry(entries_ptr, cur, 0, stride_el, 0, 1, LORA_DTYPE)
-        if rank > 0:
-            mine = tl.where((slots == cur)[:, None], h, 0.0)
-            b_rows = b_ptr + (expert * rank + r[:, None]) * N_B
-            b_ok = (r < rank)[:, None] & col_ok[None, :]
-            b = tl.load(b_rows + cols[None, :], mask=b_ok, other=0.0)
-            acc += dot(mine.to(b.dtype), b)
-            if TWO:
-                b2 = tl.load(b_rows + second + cols[None, :], mask=b_ok, other=0.0)
-                acc2 += dot(mine.to(b2.dtype), b2)
-        cur = tl.min(tl.where(slots > cur, slots, _NONE), 0)
+        nxt = tl.min(tl.where(slots > cur, slots, _NONE), 0)
+        nb, nb2 = _b_tiles(entries_ptr, stride_el, nxt, expert, cols, col_ok, N_B, second, TWO, LORA_DTYPE, BLOCK_R)
+        mine = tl.where((slots == cur)[:, None], h, 0.0).to(b.dtype)
+        acc += dot(mine, b)
+        if TWO:
+            acc2 += dot(mine, b2)
+        cur, b, b2 = nxt, nb, nb2
     return acc, acc2
