@@ -23,7 +23,6 @@ from loraplex.kernels import tuning
 from loraplex.kernels.activation import gated_act
 from loraplex.kernels.dot import dot
 from loraplex.kernels.moe_align import moe_align
-from loraplex.kernels.moe_lora_epilogue import EpilogueLoRA, add_lora, epilogue_args, lora_rows
 from loraplex.kernels.mxfp4_dequant import load_mxfp4_tile
 from loraplex.kernels.intmath import cdiv
 from loraplex.kernels.launch import cached_launch
@@ -42,18 +41,16 @@ def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["num_pairs", "num_m", "stride_ls"])
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     # x [T, K]; w13 [E, 2N, K]; scale [E, 2N] (int8); bias [E, 2N]; out [T*A, N] ([T*A, 2N] if ACT_NONE); tables;
     # MXFP4: w13 [E, 2N, K/2] uint8, scale [E, 2N, K/32] uint8
     num_pairs, num_m, N, K, alpha, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ot,
-    lora_entries_ptr, lora_buf_ptr, lora_idx_ptr, R_LORA, stride_le, stride_ls,  # EpilogueLoRA.args
     TOP_K: tl.constexpr, ACT: tl.constexpr, W_INT8: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_LORA: tl.constexpr, LORA_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, LORA_PARTS: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -101,18 +98,13 @@ def _moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         wg_ptrs += W_STEP
         wu_ptrs += W_STEP
-    # ---- epilogue: dequant scale, bias, LoRA delta, activation
+    # ---- epilogue: dequant scale, bias, activation
     if W_INT8:
         acc_g *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
         acc_u *= tl.load(scale_ptr + expert * stride_se + N + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc_g += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + expert * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:  # B^T [E, r, 2N]: gate columns, then up columns
-        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, lora_entries_ptr, stride_le, tok, pairs.to(tl.int64),
-                                  row_ok, R_LORA, stride_ls, BLOCK_R, LORA_PARTS)
-        acc_g, acc_u = add_lora(acc_g, acc_u, slots, h_lora, lora_entries_ptr, stride_le, expert, cols, col_ok,
-                                2 * N, N, True, LORA_DTYPE, BLOCK_R)
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if ACT == 2:  # pre-activation: gate to columns [0, N), up to [N, 2N)
@@ -124,18 +116,16 @@ def _moe_gate_up_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["num_pairs", "num_m", "stride_ls"])
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_down_kernel(
     h_ptr, w_ptr, scale_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     # h [T*A, K]; w2 [E, N, K]; scale [E, N]; bias [E, N]; topk_weights [T*A]; out [T*A, N]; tables;
     # MXFP4: w2 [E, N, K/2] uint8, scale [E, N, K/32] uint8
     num_pairs, num_m, N, K,
     stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ot,
-    lora_entries_ptr, lora_buf_ptr, lora_idx_ptr, R_LORA, stride_le, stride_ls,  # EpilogueLoRA.args
-    TOP_K: tl.constexpr, W_INT8: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+    W_INT8: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_LORA: tl.constexpr, LORA_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, LORA_PARTS: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -174,16 +164,11 @@ def _moe_down_kernel(
         acc += dot(ht, wt.to(ht.dtype))
         h_ptrs += BLOCK_K
         w_ptrs += W_STEP
-    # ---- epilogue: dequant scale, bias, LoRA delta, routing weight
+    # ---- epilogue: dequant scale, bias, routing weight
     if W_INT8:
         acc *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:  # B^T [E, r, N]
-        slots, h_lora = lora_rows(lora_idx_ptr, lora_buf_ptr, lora_entries_ptr, stride_le, pairs64 // TOP_K,
-                                  pairs64, row_ok, R_LORA, stride_ls, BLOCK_R, LORA_PARTS)
-        acc, _ = add_lora(acc, acc, slots, h_lora, lora_entries_ptr, stride_le, expert, cols, col_ok, N, 0, False,
-                          LORA_DTYPE, BLOCK_R)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pairs64[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -227,10 +212,9 @@ def _launch_args(cfg: dict) -> tuple[int, int, int, int, dict]:
 
 
 def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, w13_scale=None,
-            alpha: float = 1.702, limit: float = 7.0, lora: EpilogueLoRA | None = None) -> torch.Tensor:
+            alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The gate_up grouped GEMM over ``align`` = moe_align(topk_ids, E, cfg BLOCK_M): x [T, H] ->
-    act(gate) * up [T*A, I], or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None; ``lora``
-    adds the expert LoRA delta before the activation (``moe_lora_epilogue``)."""
+    act(gate) * up [T*A, I], or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None."""
     bm, bn, bk, gm, launch = _launch_args(cfg)
     sorted_ids, expert_ids, num_post = align
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
@@ -245,22 +229,19 @@ def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13
     int8 = w13_scale is not None and not mxfp4
     out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
     num_n = cdiv(inter, bn)
-    lora_args, lora_meta = epilogue_args(lora, x)
     _moe_gate_up_kernel[(num_m * num_n,)](
         x, w13, w13_scale if w13_scale is not None else x, b13 if b13 is not None else x, out, sorted_ids, expert_ids,
         num_post, num_pairs, num_m, inter, hidden, float(alpha), float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), *(w13_scale.stride()[:2] if w13_scale is not None else (0, 0)),
-        b13.stride(0) if b13 is not None else 0, out.stride(0), *lora_args,
+        b13.stride(0) if b13 is not None else 0, out.stride(0),
         TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, W_INT8=int8, W_MXFP4=mxfp4,
         HAS_BIAS=b13 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0, **lora_meta, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0, **launch)
     return out
 
 
-def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None,
-         lora: EpilogueLoRA | None = None) -> torch.Tensor:
-    """The down grouped GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; ``lora`` adds
-    the expert LoRA delta before the routing weight (``moe_lora_epilogue``)."""
+def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None) -> torch.Tensor:
+    """The down grouped GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]."""
     bm, bn, bk, gm, launch = _launch_args(cfg)
     sorted_ids, expert_ids, num_post = align
     num_pairs, inter = h.shape
@@ -273,14 +254,13 @@ def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None,
     out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     num_n = cdiv(hidden, bn)
     weights = topk_weights.reshape(-1).contiguous()
-    lora_args, lora_meta = epilogue_args(lora, h)
     _moe_down_kernel[(num_m * num_n,)](
         h, w2, w2_scale if w2_scale is not None else h, b2 if b2 is not None else h, weights, out, sorted_ids,
         expert_ids, num_post, num_pairs, num_m, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), *(w2_scale.stride()[:2] if w2_scale is not None else (0, 0)),
-        b2.stride(0) if b2 is not None else 0, out.stride(0), *lora_args,
-        TOP_K=topk_weights.shape[-1], W_INT8=int8, W_MXFP4=mxfp4, HAS_BIAS=b2 is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=inter % bk == 0, **lora_meta, **launch)
+        b2.stride(0) if b2 is not None else 0, out.stride(0),
+        W_INT8=int8, W_MXFP4=mxfp4, HAS_BIAS=b2 is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=inter % bk == 0, **launch)
     return out
 
 

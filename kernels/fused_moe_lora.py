@@ -241,97 +241,15 @@ def shape_of(y: torch.Tensor, x: torch.Tensor, lora_a, topk_ids: torch.Tensor) -
     table = expert_table(lora_a, None) if isinstance(lora_a, LoRATable) else None
     if table is None:  # a stacked lora_a [L, E, R, K]
         _, num_experts, rank, k = lora_a.shape
-        return {"E": num_experts, "A": topk_ids.shape[1], "R": rank, "K": k, "N": y.shape[1]}
-    return _shape(table, topk_ids.shape[1], y.shape[1])
-
-
-def _shape(table: LoRATable, top_k: int, n: int) -> dict[str, int]:
-    return {"E": table.num_experts, "A": top_k, "R": table.max_rank, "K": table.in_features, "N": n}
+    else:
+        num_experts, rank, k = table.num_experts, table.max_rank, table.in_features
+    return {"E": num_experts, "A": topk_ids.shape[1], "R": rank, "K": k, "N": y.shape[1]}
 
 
 def variant(cfg: dict, device: torch.device) -> tuple[bool, bool]:
     """(fused one-kernel path, PDL launches) for a config on ``device``: config keys "FUSED" and "PDL" (0/1);
     PDL only where ``pdl_enabled``."""
     return bool(int(cfg.get("FUSED", 0))), bool(int(cfg.get("PDL", 0))) and pdl_enabled(device)
-
-
-def _check(y_rows: int, n: int, x: torch.Tensor, table: LoRATable, topk_ids: torch.Tensor,
-           scaling: torch.Tensor) -> None:
-    table.check()
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    if y_rows != num_pairs or table.out_features != (n,):
-        raise ValueError(f"y must be [T*A={num_pairs}, N] with N = the LoRA B width {table.out_features[0]}; got y "
-                         f"{(y_rows, n)}")
-    if x.shape[0] not in (num_tokens, num_pairs) or x.shape[1] != table.in_features:
-        raise ValueError(f"x must be [T, K] (gate_up) or [T*A, K] (down) with K={table.in_features}, got "
-                         f"{tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError("x must be contiguous")
-    if scaling.dim() != 1 or scaling.shape[0] < table.num_slots:
-        raise ValueError(f"scaling must be [>= L={table.num_slots}], got {tuple(scaling.shape)}")
-
-
-class _Call:
-    """What shrink and expand share for one call: config, alignment, grid bound, launch options."""
-
-    def __init__(self, n: int, x: torch.Tensor, table: LoRATable, topk_ids: torch.Tensor,
-                 token_lora_idx: torch.Tensor, config: dict | None, align) -> None:
-        num_tokens, self.top_k = topk_ids.shape
-        self.num_pairs = num_tokens * self.top_k
-        num_loras, num_experts, k = table.num_slots, table.num_experts, table.in_features
-        self.cfg = cfg = config or tuning.get_config("fused_moe_lora", _shape(table, self.top_k, n), num_tokens,
-                                                     default_config(k))
-        self.bm, self.bn, self.bk, self.split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K",
-                                                                             "SPLIT_K"))
-        self.fused, self.pdl = variant(cfg, x.device)
-        self.launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
-        self.sorted_ids, self.expert_ids, self.num_post = align or moe_align_lora(topk_ids, token_lora_idx,
-                                                                                  num_experts, num_loras, self.bm)
-        self.capacity, self.num_blocks = self.sorted_ids.shape[1], self.expert_ids.shape[1]
-        if self.capacity != self.num_blocks * self.bm:
-            raise ValueError(f"align tables were made with block size {self.capacity // max(self.num_blocks, 1)} "
-                             f"but the config's BLOCK_M is {self.bm}; call moe_align_lora with block_size={self.bm}")
-        self.row_div = self.top_k if x.shape[0] == num_tokens and self.top_k > 1 else 1
-        self.rank_tile = block_r(table.max_rank)
-        # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
-        self.num_flat = min(flat_blocks(self.num_pairs, num_loras, self.bm, num_experts),
-                            num_loras * self.num_blocks)
-        self.block_l = next_power_of_2(num_loras)
-        self.tables = (self.sorted_ids, self.expert_ids, self.num_post)
-
-
-def shrink(x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor, token_lora_idx: torch.Tensor,
-           scaling: torch.Tensor, *, n: int, config: dict | None = None, align=None) -> tuple[torch.Tensor, int]:
-    """The shrink alone: (buf [parts, T*A, R] fp32, parts); the scaled rank-r rows of the pairs with an adapter
-    targeting these experts are the sum of the ``parts`` partial buffers (other rows are not written). ``n`` is
-    the width of the output the expand adds to (the config lookup's N). For ``fused_moe_lora``'s expand or the
-    base GEMM's LoRA epilogue (``moe_lora_epilogue``)."""
-    table = expert_table(lora_a, lora_b)
-    _check(topk_ids.numel(), n, x, table, topk_ids, scaling)
-    call = _Call(n, x, table, topk_ids, token_lora_idx, config, align)
-    return _shrink(call, x, table, scaling, pdl=call.pdl)
-
-
-def _shrink(call: _Call, x: torch.Tensor, table: LoRATable, scaling: torch.Tensor, *,
-            pdl: bool) -> tuple[torch.Tensor, int]:
-    num_pairs, split_k, k, rank = call.num_pairs, call.split_k, table.in_features, table.max_rank
-    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
-    parts = split_k if partials else 1
-    zeroed = split_k > 1 and not partials
-    alloc = torch.zeros if zeroed else torch.empty  # every partial row a program reads is written
-    buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=x.device)
-    if num_pairs == 0:
-        return buf, parts
-    shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
-    ent = table.entries
-    _moe_lora_shrink_kernel[(call.num_flat, split_k)](
-        x, ent, buf, scaling, *call.tables, num_pairs, call.capacity, call.num_blocks, k, rank,
-        table.num_slots, x.stride(0), ent.stride(0), buf.stride(0),
-        ROW_DIV=call.row_div, W_DTYPE=tl_dtype(table.dtype), BLOCK_M=call.bm, BLOCK_R=call.rank_tile,
-        BLOCK_K=call.bk, SPLIT_K=split_k, EVEN_K=k % (call.bk * split_k) == 0, BLOCK_L=call.block_l,
-        PARTIALS=partials, USE_PDL=shrink_pdl, **call.launch, **pdl_launch(shrink_pdl))
-    return buf, parts
 
 
 def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,
@@ -341,33 +259,67 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
     """Same contract as ``reference_lora.fused_moe_lora`` (in place). ``align`` reuses a ``moe_align_lora``
     result made with the same BLOCK_M (the engine aligns once per layer for gate_up and down)."""
     table = expert_table(lora_a, lora_b)
+    table.check()
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    num_loras, num_experts, rank, k = table.num_slots, table.num_experts, table.max_rank, table.in_features
     n = y.shape[1]
-    _check(y.shape[0], n, x, table, topk_ids, scaling)
-    if not y.is_contiguous():
-        raise ValueError("y must be contiguous")
-    if topk_ids.numel() == 0:
+    if y.shape[0] != num_pairs or table.out_features != (n,):
+        raise ValueError(f"y must be [T*A={num_pairs}, N] with N = the LoRA B width {table.out_features[0]}; got y "
+                         f"{tuple(y.shape)}")
+    if x.shape[0] not in (num_tokens, num_pairs) or x.shape[1] != k:
+        raise ValueError(f"x must be [T, K] (gate_up) or [T*A, K] (down) with K={k}, got {tuple(x.shape)}")
+    for name, t in (("x", x), ("y", y)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if scaling.dim() != 1 or scaling.shape[0] < num_loras:
+        raise ValueError(f"scaling must be [>= L={num_loras}], got {tuple(scaling.shape)}")
+    if num_pairs == 0:
         return
-    call = _Call(n, x, table, topk_ids, token_lora_idx, config, align)
-    num_pairs, rank, k = call.num_pairs, table.max_rank, table.in_features
-    num_n = cdiv(n, call.bn)
+    cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, table, topk_ids), num_tokens,
+                                      default_config(k))
+    bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+    fused, pdl = variant(cfg, y.device)
+    launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    sorted_ids, expert_ids, num_post = align or moe_align_lora(topk_ids, token_lora_idx, num_experts, num_loras, bm)
+    capacity, num_blocks = sorted_ids.shape[1], expert_ids.shape[1]
+    if capacity != num_blocks * bm:
+        raise ValueError(f"align tables were made with block size {capacity // max(num_blocks, 1)} but the config's "
+                         f"BLOCK_M is {bm}; call moe_align_lora with block_size={bm}")
+    per_token = x.shape[0] == num_tokens and top_k > 1
+    rank_tile = block_r(rank)
+    # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
+    num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
+    block_l = next_power_of_2(num_loras)
+    num_n = cdiv(n, bn)
     ent, w_dtype = table.entries, tl_dtype(table.dtype)
     # [T*A] routing weights made before any launch here (a copy must not sit between shrink and expand)
     weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else scaling
-    launch, cfg, pdl = call.launch, call.cfg, call.pdl
-    if call.fused:  # one kernel: no buffer, SPLIT_K unused
-        _moe_lora_fused_kernel[(call.num_flat * num_n,)](
-            y, x, ent, scaling, weights, *call.tables, num_pairs, call.capacity,
-            call.num_blocks, call.num_flat, k, n, table.num_slots, x.stride(0), y.stride(0), ent.stride(0),
-            W_DTYPE=w_dtype, ROW_DIV=call.row_div, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=call.bm,
-            BLOCK_N=call.bn, BLOCK_R=call.rank_tile, BLOCK_K=call.bk, EVEN_K=k % call.bk == 0,
-            GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, BLOCK_L=call.block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
+    if fused:  # one kernel: no buffer, SPLIT_K unused
+        _moe_lora_fused_kernel[(num_flat * num_n,)](
+            y, x, ent, scaling, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity,
+            num_blocks, num_flat, k, n, num_loras, x.stride(0), y.stride(0), ent.stride(0),
+            W_DTYPE=w_dtype, ROW_DIV=top_k if per_token else 1, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_R=rank_tile, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
+            BLOCK_L=block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
         return
-    buf, parts = _shrink(call, x, table, scaling, pdl=pdl)
+    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
+    parts = split_k if partials else 1
+    zeroed = split_k > 1 and not partials
+    alloc = torch.zeros if zeroed else torch.empty  # every partial row a program reads is written
+    buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=y.device)
+    shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
+    _moe_lora_shrink_kernel[(num_flat, split_k)](
+        x, ent, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
+        num_loras, x.stride(0), ent.stride(0), buf.stride(0),
+        ROW_DIV=top_k if per_token else 1, W_DTYPE=w_dtype, BLOCK_M=bm, BLOCK_R=rank_tile, BLOCK_K=bk,
+        SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl,
+        **launch, **pdl_launch(shrink_pdl))
     cols = max(1, min(int(cfg.get("COLS", 1)), num_n))
     num_g = cdiv(num_n, cols)
-    _moe_lora_expand_kernel[(call.num_flat * num_g,)](
-        y, buf, ent, weights, *call.tables, num_pairs, call.capacity, call.num_blocks, call.num_flat, n,
-        rank, table.num_slots, y.stride(0), ent.stride(0), buf.stride(0),
-        W_DTYPE=w_dtype, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=call.bm, BLOCK_N=call.bn,
-        BLOCK_R=call.rank_tile, GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=call.block_l,
-        NUM_PARTS=parts, USE_PDL=pdl, **launch, **pdl_launch(pdl))
+    _moe_lora_expand_kernel[(num_flat * num_g,)](
+        y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
+        rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0),
+        W_DTYPE=w_dtype, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank_tile,
+        GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl,
+        **launch, **pdl_launch(pdl))

@@ -9,10 +9,6 @@ on shapes only, so a CUDA graph can capture it (same contract as ``reference_lor
                                  fused_moe_lora(out, h, A2, B2, topk_weights)       (routing-weighted delta)
                                  sum over A ─> [T, H]
 
-Steps of at least ``EPILOGUE_MIN_TOKENS`` tokens (prefill chunks) add the LoRA deltas in the base GEMMs' epilogues
-instead (``moe_lora_epilogue``): shrink, gate_up GEMM + bias + delta + activation, shrink, down GEMM + bias +
-delta, * routing weight; no pre-activation in memory, no expand reading and rewriting the outputs.
-
 Tokens without an adapter (token_lora_idx -1) are in no LoRA table and cost nothing in the LoRA kernels; with
 ``token_lora_idx`` None the op is fused_moe with the activation launched separately. The LoRA alignment is
 made once, before the gate_up GEMM, with the gate_up LoRA config's BLOCK_M (the down one's if gate_up has no
@@ -32,19 +28,8 @@ from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align, moe_align_lora
-from loraplex.kernels.moe_lora_epilogue import EpilogueLoRA
 from loraplex.kernels.mxfp4 import is_kernel_layout
 from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
-
-
-# Steps of at least this many tokens add the expert LoRA in the base GEMMs' epilogues; smaller ones (decode
-# batches: at most max_num_seqs rows, 256 by default) run the separate tuned LoRA kernels, whose PDL launches
-# overlap the base GEMMs (the epilogue's per-slot loop is serial in each program, and a decode tile's rows hold
-# many slots)
-EPILOGUE_MIN_TOKENS = 512
-# The base GEMMs' row tile when they carry the LoRA epilogue (the tuned 128-row tiles of long prefills leave it too
-# few registers)
-EPILOGUE_MAX_BLOCK_M = 128
 
 
 class _Shape:
@@ -64,12 +49,9 @@ def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
 
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
                      activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None,
-                     config: dict | None = None, lora_config_override: dict | None = None,
-                     epilogue: bool | None = None) -> torch.Tensor:
+                     config: dict | None = None, lora_config_override: dict | None = None) -> torch.Tensor:
     """Same contract as ``reference_lora.moe_experts_lora``. ``config`` overrides the base GEMMs' tuned config,
-    ``lora_config_override`` both LoRA calls' (tests and the tuner); ``epilogue`` forces the LoRA deltas into the
-    base GEMMs' epilogues (True) or into separate kernels (False); None: by ``EPILOGUE_MIN_TOKENS``. MXFP4 in the
-    kernel layout always runs the separate kernels."""
+    ``lora_config_override`` both LoRA calls' (tests and the tuner)."""
     quantized = w13_scale is not None or w2_scale is not None
     kernel_layout = quantized and is_kernel_layout(w13)  # MXFP4 in the kernel layout (fused_moe_mxfp4's GEMMs)
     if kernel_layout:
@@ -95,10 +77,6 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     else:
         op = "fused_moe_mxfp4" if mxfp4 else "fused_moe_int8" if quantized else "fused_moe"
         cfg = moe_config(op, x, w13, topk_ids, config)
-    in_epilogue = (token_lora_idx is not None and (w13_lora or w2_lora) is not None and not kernel_layout
-                   and (num_tokens >= EPILOGUE_MIN_TOKENS if epilogue is None else epilogue))
-    if in_epilogue and config is None and int(cfg["BLOCK_M"]) > EPILOGUE_MAX_BLOCK_M:
-        cfg["BLOCK_M"] = EPILOGUE_MAX_BLOCK_M
     align = fm4.route_tables(topk_ids, num_experts, cfg) if kernel_layout else moe_align(topk_ids, num_experts,
                                                                                            int(cfg["BLOCK_M"]))
     cfgs = {}  # LoRA config of each target with LoRA this call
@@ -114,19 +92,6 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
             c["BLOCK_M"] = block_m
         max_loras = (w13_lora or w2_lora).num_slots
         lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
-    if in_epilogue:
-        idx = token_lora_idx.contiguous()
-
-        def shrunk(target, inp, table, n):  # the target's EpilogueLoRA, or None without LoRA on it
-            if target not in cfgs:
-                return None
-            buf, _ = fml.shrink(inp, table, None, topk_ids, idx, scaling, n=n, config=cfgs[target], align=lora_align)
-            return EpilogueLoRA(table, buf, idx)
-
-        h = gate_up(x, w13, align, cfg, top_k=top_k, activation=activation, b13=b13, w13_scale=w13_scale, alpha=alpha,
-                    limit=limit, lora=shrunk("gate_up", x, w13_lora, two_i))  # [T*A, I]
-        out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale, lora=shrunk("down", h, w2_lora, hidden))
-        return out.view(num_tokens, top_k, -1).sum(dim=1)
     if kernel_layout:
         pre = fm4.gate_up(x, w13, w13_scale, align, cfg, top_k=top_k, activation=None, b13=b13)  # [T*A, 2I]
     else:

@@ -1,7 +1,6 @@
 """Where the time of the expert layer with expert LoRA goes, per expert format: per-kernel device time (torch
 profiler, plain launches) of ``moe_experts_lora`` next to the same layer without LoRA, bf16 weights and MXFP4 in
 the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
-bf16 with LoRA runs twice: the deltas in the base GEMMs' epilogues and in separate kernels (``moe_lora_epilogue``).
 ``--mix`` picks the tokens' adapters as ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt
 chunk beside decodes).
 
@@ -37,10 +36,7 @@ def variants(inp: dict, lo: dict) -> dict:
     w13, s13, w2, s2 = inp["kernel"]
     return {
         "bf16": lambda: fused_moe(x, inp["w13"], inp["w2"], wts, ids, **kw),
-        "bf16 + LoRA (epilogue)": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"],
-                                                           epilogue=True, **lkw),
-        "bf16 + LoRA (separate)": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"],
-                                                           epilogue=False, **lkw),
+        "bf16 + LoRA": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"], **lkw),
         "mxfp4": lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, **kw),
         "mxfp4 + LoRA": lambda: moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13,
                                                  w2_scale=s2, **lkw),

@@ -133,7 +133,6 @@ def _mxfp4_cases(m: int) -> list[tuple]:
 def _moe_cases(m: int) -> list[tuple]:
     from loraplex.kernels import fused_moe as fmo
     from loraplex.kernels.fused_moe import ACT_CODES
-    from loraplex.kernels.moe_lora_epilogue import NO_LORA_CONSTEXPRS
 
     out = []
     for op, int8 in (("fused_moe", False), ("fused_moe_int8", True)):
@@ -143,9 +142,9 @@ def _moe_cases(m: int) -> list[tuple]:
         types = {**_TABLES, "w_ptr": "*i8" if int8 else "*bf16", "scale_ptr": "*fp32", "weights_ptr": "*fp32",
                  "alpha": "fp32", "limit": "fp32"}
         common = dict(W_INT8=int8, W_MXFP4=False, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      GROUP_M=int(cfg["GROUP_M"]), TOP_K=SHAPE["A"], **NO_LORA_CONSTEXPRS)
+                      GROUP_M=int(cfg["GROUP_M"]))
         out.append((f"{op} gate_up M={m}", fmo._moe_gate_up_kernel,
-                    dict(common, ACT=ACT_CODES["swiglu_clamp"], NUM_N=-(-SHAPE["I"] // bn),
+                    dict(common, TOP_K=SHAPE["A"], ACT=ACT_CODES["swiglu_clamp"], NUM_N=-(-SHAPE["I"] // bn),
                          EVEN_K=SHAPE["H"] % bk == 0), types, int(cfg["num_warps"]), int(cfg["num_stages"]), None))
         out.append((f"{op} down M={m}", fmo._moe_down_kernel,
                     dict(common, NUM_N=-(-SHAPE["H"] // bn), EVEN_K=SHAPE["I"] % bk == 0), types,

@@ -40,27 +40,22 @@ def _inputs(num_tokens, with_bias, int8=False):
     return x, w13, w2, weights, ids, kw
 
 
-def _both(x, w13, w2, weights, ids, idx, scaling, epilogue=None, **kw):
+def _both(x, w13, w2, weights, ids, idx, scaling, **kw):
     got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, config=BASE_CFG, lora_config_override=LORA_CFG,
-                           epilogue=epilogue, **kw)
+                           **kw)
     want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, **kw)
     return got, want
 
 
-EPILOGUE = pytest.mark.parametrize("epilogue", [False, True], ids=["separate", "epilogue"])
-
-
-@EPILOGUE
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])
 @pytest.mark.parametrize("activation,with_bias,int8", [("silu", False, False), ("swiglu_clamp", True, False),
                                                        ("swiglu_clamp", True, True)], ids=["silu", "swiglu", "int8"])
-def test_matches_reference(num_tokens, activation, with_bias, int8, epilogue):
+def test_matches_reference(num_tokens, activation, with_bias, int8):
     x, w13, w2, weights, ids, kw = _inputs(num_tokens, with_bias, int8)
     idx = token_adapters(num_tokens, L)
     scaling = torch.rand(L) + 0.5
     got, want = _both(x, w13, w2, weights, ids, idx, scaling, w13_lora=_expert_lora(H, 2 * INTER),
-                      w2_lora=_expert_lora(INTER, H), activation=activation, alpha=1.702, limit=7.0,
-                      epilogue=epilogue, **kw)
+                      w2_lora=_expert_lora(INTER, H), activation=activation, alpha=1.702, limit=7.0, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # tokens without an adapter get the base result (an adapter's delta is not small here)
     base = ref.moe_experts_lora(x, w13, w2, weights, ids, None, scaling, activation=activation, **kw)
@@ -70,15 +65,13 @@ def test_matches_reference(num_tokens, activation, with_bias, int8, epilogue):
         assert (got[~no_lora] - base[~no_lora]).abs().max() > 0.05
 
 
-@EPILOGUE
 @pytest.mark.parametrize("target", ["gate_up", "down"])
-def test_one_target_only(target, epilogue):
+def test_one_target_only(target):
     x, w13, w2, weights, ids, kw = _inputs(9, True)
     idx = token_adapters(9, L)
     scaling = torch.rand(L) + 0.5
     lora = {"w13_lora": _expert_lora(H, 2 * INTER)} if target == "gate_up" else {"w2_lora": _expert_lora(INTER, H)}
-    got, want = _both(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", epilogue=epilogue, **lora,
-                      **kw)
+    got, want = _both(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", **lora, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -112,14 +105,12 @@ def test_without_adapter_map_is_fused_moe():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@EPILOGUE
-def test_every_token_in_one_slot_and_all_base_tokens(epilogue):
+def test_every_token_in_one_slot_and_all_base_tokens():
     x, w13, w2, weights, ids, kw = _inputs(5, False)
     scaling = torch.rand(L) + 0.5
     lora = dict(w13_lora=_expert_lora(H, 2 * INTER), w2_lora=_expert_lora(INTER, H))
-    for idx in (torch.full((5,), 2, dtype=torch.int32), torch.full((5,), -1, dtype=torch.int32),
-                torch.full((5,), 3, dtype=torch.int32)):  # one adapter, none, the slot without expert weights
-        got, want = _both(x, w13, w2, weights, ids, idx, scaling, epilogue=epilogue, **lora, **kw)
+    for idx in (torch.full((5,), 2, dtype=torch.int32), torch.full((5,), -1, dtype=torch.int32)):
+        got, want = _both(x, w13, w2, weights, ids, idx, scaling, **lora, **kw)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -139,44 +130,6 @@ def test_one_lora_alignment_shared_when_tuned_block_sizes_differ(monkeypatch):
     want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, **lora, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert calls == [16]
-
-
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_epilogue_with_many_slots_in_a_tile(int8):
-    """Eleven slots (two without expert weights) over 40 tokens and a base BLOCK_M of 32: a tile's rows hold about
-    nine distinct slots in shuffled order, beside rows without an adapter."""
-    slots = 11
-    x, w13, w2, weights, ids, kw = _inputs(40, True, int8)
-    idx = torch.randint(0, slots, (40,), dtype=torch.int32)
-    idx[::5] = -1
-    scaling = torch.rand(slots) + 0.5
-    lora = dict(w13_lora=expert_table(slots, E, H, 2 * INTER, empty=(3, 8), max_rank=R, ranks=(8, 16, 4)),
-                w2_lora=expert_table(slots, E, INTER, H, empty=(3, 8), max_rank=R, ranks=(16, 4)))
-    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, config={**BASE_CFG, "BLOCK_M": 32},
-                           lora_config_override=LORA_CFG, activation="swiglu_clamp", epilogue=True, **lora, **kw)
-    want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", **lora, **kw)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-def test_prefill_sized_steps_add_the_deltas_in_the_base_gemms(monkeypatch):
-    """From EPILOGUE_MIN_TOKENS tokens on, both GEMMs get the LoRA (and gate_up applies the activation itself);
-    below it the GEMMs run plain and the separate LoRA kernels add the deltas."""
-    seen = []
-    gate_up, down = mel.gate_up, mel.down
-    monkeypatch.setattr(mel, "gate_up", lambda *a, **k: seen.append(("gate_up", k.get("lora") is not None,
-                                                                       k["activation"])) or gate_up(*a, **k))
-    monkeypatch.setattr(mel, "down", lambda *a, **k: seen.append(("down", k.get("lora") is not None)) or down(*a, **k))
-    monkeypatch.setattr(mel, "EPILOGUE_MIN_TOKENS", 8)
-    lora = dict(w13_lora=_expert_lora(H, 2 * INTER), w2_lora=_expert_lora(INTER, H))
-    for num_tokens in (7, 8):
-        x, w13, w2, weights, ids, kw = _inputs(num_tokens, True)
-        idx = token_adapters(num_tokens, L)
-        scaling = torch.rand(L) + 0.5
-        got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, config=BASE_CFG, lora_config_override=LORA_CFG,
-                               activation="swiglu_clamp", **lora, **kw)
-        want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, activation="swiglu_clamp", **lora, **kw)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert seen == [("gate_up", False, None), ("down", False), ("gate_up", True, "swiglu_clamp"), ("down", True)]
 
 
 def test_bad_input_is_refused():

@@ -227,7 +227,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loraplex.kernels.launch import jit_function
 from loraplex.kernels import fused_moe as fm
-from loraplex.kernels.moe_lora_epilogue import NO_LORA_CONSTEXPRS
 
 TYPES = {"w_ptr": "*u8", "scale_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
          "num_post_ptr": "*i32"}
@@ -241,8 +240,8 @@ def build(kernel, consts):
 out = []
 for block_k, even_k, act in ((64, True, 1), (128, False, 2)):
     consts = dict(W_INT8=False, W_MXFP4=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1,
-                  NUM_N=45, EVEN_K=even_k, TOP_K=4, **NO_LORA_CONSTEXPRS)
-    out += [build(fm._moe_gate_up_kernel, {**consts, "ACT": act}), build(fm._moe_down_kernel, consts)]
+                  NUM_N=45, EVEN_K=even_k)
+    out += [build(fm._moe_gate_up_kernel, {**consts, "TOP_K": 4, "ACT": act}), build(fm._moe_down_kernel, consts)]
 print("RESULT " + json.dumps(out))
 '''
 

@@ -22,8 +22,8 @@ STEP_VARYING = [
     (fused_moe_lora._moe_lora_expand_kernel, ["num_pairs", "capacity", "num_blocks", "num_flat", "L"]),
     (fused_moe_lora._moe_lora_fused_kernel, ["num_pairs", "capacity", "num_blocks", "num_flat", "L"]),
     (moe_align._moe_align_kernel, ["num_pairs", "capacity", "num_blocks"]),
-    (fused_moe._moe_gate_up_kernel, ["num_pairs", "num_m", "stride_ls"]),  # ls: the LoRA buffer's [T*A, R]
-    (fused_moe._moe_down_kernel, ["num_pairs", "num_m", "stride_ls"]),
+    (fused_moe._moe_gate_up_kernel, ["num_pairs", "num_m"]),
+    (fused_moe._moe_down_kernel, ["num_pairs", "num_m"]),
     (fused_moe_mxfp4._gate_up_kernel, ["num_pairs", "num_m"]),
     (fused_moe_mxfp4._down_kernel, ["num_pairs", "num_m"]),
 ]
