@@ -267,15 +267,24 @@ MOE_LORA_FUSED_SPACE = [{**c, "COLS": 1} for c in MOE_LORA_FUSED_SPACE]  # COLS 
 # the current y tile is written): the decode candidates' best bets with 2..8 column blocks a program
 MOE_LORA_COLS_SPACE = [{**MOE_LORA_SPACE[i], "COLS": c} for i, c in
                        ((1, 4), (1, 8), (0, 4), (1, 2), (2, 2), (7, 8), (0, 8), (10, 4))]
+# prefill-step sizes (M > PREFILL_MIN_M / 2): the H200 winner at M = 1024 and 2048 (16-row blocks, split-K 4, eight
+# column blocks a program, plain launches) and its neighbours, first; 32-row blocks with column groups next
+MOE_LORA_PREFILL_SPACE = [{**MOE_LORA_SPACE[4], "COLS": 8}, {**MOE_LORA_SPACE[4], "COLS": 4},
+                          {**MOE_LORA_SPACE[1], "COLS": 8},
+                          dict(zip(_MOE_LORA_KEYS + ("COLS",), (32, 128, 128, 4, 1, 4, 3, 0, 0, 4))),
+                          dict(zip(_MOE_LORA_KEYS + ("COLS",), (32, 128, 128, 4, 1, 4, 3, 0, 1, 4)))]
 FUSED_MAX_M = 16  # the one-kernel path recomputes shrink per column block: only worth trying at small M
 
 
 def moe_lora_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_lora`` at M tokens: best bets first; the one-kernel candidates only up to
     FUSED_MAX_M, three of them after the first three PDL candidates and four COLS ones; the other COLS candidates
-    after the first three above FUSED_MAX_M (at M = 2048 with the mixed-step mix the same space won on the H200:
-    row blocks of 32 and 64 without split-K lost)."""
+    after the first three above FUSED_MAX_M; at prefill-step sizes MOE_LORA_PREFILL_SPACE first (on the H200 row
+    blocks of 32 and 64 lost there, with or without split-K and column groups)."""
     cols = MOE_LORA_COLS_SPACE
+    if m >= PREFILL_MIN_M // 2:
+        rest = [c for c in MOE_LORA_SPACE[:3] + cols + MOE_LORA_SPACE[3:] if c not in MOE_LORA_PREFILL_SPACE]
+        return MOE_LORA_PREFILL_SPACE + rest
     if m > FUSED_MAX_M:
         return MOE_LORA_SPACE[:3] + cols + MOE_LORA_SPACE[3:]
     return MOE_LORA_SPACE[:3] + cols[:4] + MOE_LORA_FUSED_SPACE[:3] + MOE_LORA_SPACE[3:6] + MOE_LORA_FUSED_SPACE[3:] \

@@ -199,7 +199,11 @@ def test_moe_lora_space_puts_column_groups_after_the_first_three():
     decode = moe_lora_space(128)
     assert all(c.get("COLS", 1) == 1 for c in decode[:3]) and decode[3]["COLS"] > 1
     assert len({tuple(sorted(c.items())) for c in decode}) == len(decode)
-    assert moe_lora_space(2048) == decode
+    prefill = moe_lora_space(2048)
+    lead = {k: prefill[0][k] for k in ("BLOCK_M", "SPLIT_K", "PDL", "COLS")}
+    assert lead == {"BLOCK_M": 16, "SPLIT_K": 4, "PDL": 0, "COLS": 8}  # the H200 winner at prefill sizes leads
+    assert len({tuple(sorted(c.items())) for c in prefill}) == len(prefill) > len(decode)
+    assert all(c in prefill for c in decode)  # the decode space is searched there too
     small = moe_lora_space(16)
     assert [c["COLS"] > 1 for c in small[3:7]] == [True] * 4 and small[7]["FUSED"] == 1
     assert len({tuple(sorted(c.items())) for c in small}) == len(small)
