@@ -21,11 +21,6 @@ many pairs, adds into one zeroed buffer with relaxed atomics. Each pair has exac
 read-add-write of y needs no atomics. gate_up reads the token's row (x [T, K], pair p -> token p // A); down
 reads the pair's own row (x [T*A, K]).
 
-With an activation (gate_up) the expand leaves the pre-activation y [T*A, 2I] as it is and writes
-act(gate + delta) * (up + delta) into the activation's output [T*A, I]: each program adds the deltas of gate
-columns c and up columns I + c together, so the LoRA rows never store a corrected pre-activation and the separate
-activation kernel runs only for the rows without LoRA (``activation.act_and_mul_without_lora``).
-
 PDL=1 (sm_90+, see ``slot_blocks.pdl_enabled``): shrink and expand (or the fused kernel) are launched with
 programmatic dependent launch. Expand starts while shrink runs and loads its B tile (weights) and alignment
 rows (written by moe_align_lora, at least two kernels back) before ``pdl_wait``; it reads buf, y and the
@@ -39,9 +34,8 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels import tuning
-from loraplex.kernels.activation import gated_act
 from loraplex.kernels.dot import dot
-from loraplex.kernels.fused_moe import ACT_CODES, _grouped_pid
+from loraplex.kernels.fused_moe import _grouped_pid
 from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.lora_shrink import block_r
 from loraplex.kernels.lora_table import LoRATable
@@ -110,19 +104,6 @@ def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_y
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _act_delta(y_ptr, out_ptr, h, b_gate, b_up, pairs64, row_ok, cols, col_ok, N, stride_yt, stride_ot,
-               ACT: tl.constexpr, alpha, limit):
-    """out[pairs, cols] = act(y[pairs, cols] + h @ b_gate) * (y[pairs, N + cols] + h @ b_up) (y the pre-activation)."""
-    hb = h.to(b_gate.dtype)
-    mask = row_ok[:, None] & col_ok[None, :]
-    y_ptrs = y_ptr + pairs64[:, None] * stride_yt + cols[None, :]
-    gate = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + dot(hb, b_gate)
-    up = tl.load(y_ptrs + N, mask=mask, other=0.0).to(tl.float32) + dot(hb, b_up)
-    out = gated_act(gate, up, ACT, alpha, limit)
-    tl.store(out_ptr + pairs64[:, None] * stride_ot + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "L"])
 def _moe_lora_shrink_kernel(
@@ -171,12 +152,9 @@ def _moe_lora_expand_kernel(
     # topk_weights [T*A]; tables [L, *]
     num_pairs, capacity, num_blocks, num_flat, N, R, L,
     stride_yt, stride_el, stride_split,
-    # ACT >= 0 (gated activation, gate_up): y is the pre-activation [T*A, 2N] and B^T [E, r, 2N]; the program adds
-    # the deltas of gate columns c and up columns N + c and stores act(gate) * up into out [T*A, N] (stride_ot)
-    out_ptr, stride_ot, alpha, limit,
     W_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_G: tl.constexpr, COLS: tl.constexpr, BLOCK_L: tl.constexpr, NUM_PARTS: tl.constexpr,
-    USE_PDL: tl.constexpr, ACT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # NUM_G column groups of COLS column blocks each: a program adds its row block's delta over COLS * BLOCK_N
     # columns, so the slot search, the alignment rows and h (the split-K sum) are read once for all of them
@@ -195,15 +173,10 @@ def _moe_lora_expand_kernel(
     pairs64 = pairs.to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
-    B_WIDTH: tl.constexpr = 2 if ACT >= 0 else 1  # B^T's row: [gate | up] with the activation
-    b_rows = b_ptr + (expert * rank + r[:, None]) * (N * B_WIDTH)  # B stored as B^T [E, r, N] ([E, r, 2N])
+    b_rows = b_ptr + (expert * rank + r[:, None]) * N  # B stored as B^T [E, r, N]
     cols = pid_g * (COLS * BLOCK_N) + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     b = tl.load(b_rows + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    if ACT >= 0:
-        b_up = tl.load(b_rows + N + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    else:
-        b_up = b
     # ---- after: shrink's buf, the base output y, the routing weights
     pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)
@@ -217,17 +190,9 @@ def _moe_lora_expand_kernel(
             nxt = cols + BLOCK_N
             nxt_ok = nxt < N
             b_nxt = tl.load(b_rows + nxt[None, :], mask=r_ok[:, None] & nxt_ok[None, :], other=0.0)
-            if ACT >= 0:
-                b_up_nxt = tl.load(b_rows + N + nxt[None, :], mask=r_ok[:, None] & nxt_ok[None, :], other=0.0)
-            else:
-                b_up_nxt = b_nxt
-        if ACT >= 0:
-            _act_delta(y_ptr, out_ptr, h, b, b_up, pairs64, row_ok, cols, col_ok, N, stride_yt, stride_ot, ACT,
-                       alpha, limit)
-        else:
-            _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
+        _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
         if j + 1 < COLS:
-            b, b_up, cols, col_ok = b_nxt, b_up_nxt, nxt, nxt_ok
+            b, cols, col_ok = b_nxt, nxt, nxt_ok
 
 
 @cached_launch
@@ -290,16 +255,9 @@ def variant(cfg: dict, device: torch.device) -> tuple[bool, bool]:
 def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,
                    token_lora_idx: torch.Tensor, scaling: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
                    config: dict | None = None,
-                   align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                   activation: str | None = None, out: torch.Tensor | None = None, alpha: float = 1.702,
-                   limit: float = 7.0) -> None:
+                   align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Same contract as ``reference_lora.fused_moe_lora`` (in place). ``align`` reuses a ``moe_align_lora``
-    result made with the same BLOCK_M (the engine aligns once per layer for gate_up and down).
-
-    With ``activation`` ("silu" / "swiglu_clamp"; gate_up, two-kernel configs only) ``y`` [T*A, 2I] is the
-    pre-activation [gate | up] and is left as it is: the expand writes act(gate + delta) * (up + delta) into
-    ``out`` [T*A, I] for the pairs of slots with weights here; the other rows of ``out`` are the caller's
-    (``activation.act_and_mul_without_lora``)."""
+    result made with the same BLOCK_M (the engine aligns once per layer for gate_up and down)."""
     table = expert_table(lora_a, lora_b)
     table.check()
     num_tokens, top_k = topk_ids.shape
@@ -335,15 +293,6 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
     block_l = next_power_of_2(num_loras)
     num_n = cdiv(n, bn)
     ent, w_dtype = table.entries, tl_dtype(table.dtype)
-    act, n_out = -1, n  # expand's output columns
-    if activation is not None:
-        if activation not in ACT_CODES or fused or topk_weights is not None or n % 2:
-            raise ValueError(f"activation {activation!r} needs 'silu' or 'swiglu_clamp', the gate_up target (no "
-                             f"routing weights, y [T*A, 2I]) and a two-kernel config (FUSED 0)")
-        if out is None or out.shape != (num_pairs, n // 2) or not out.is_contiguous() or out.dtype != y.dtype:
-            raise ValueError(f"out must be a contiguous [T*A={num_pairs}, I={n // 2}] {y.dtype} tensor, got "
-                             f"{None if out is None else (tuple(out.shape), out.dtype)}")
-        act, n_out = ACT_CODES[activation], n // 2
     # [T*A] routing weights made before any launch here (a copy must not sit between shrink and expand)
     weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else scaling
     if fused:  # one kernel: no buffer, SPLIT_K unused
@@ -366,13 +315,11 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
         ROW_DIV=top_k if per_token else 1, W_DTYPE=w_dtype, BLOCK_M=bm, BLOCK_R=rank_tile, BLOCK_K=bk,
         SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl,
         **launch, **pdl_launch(shrink_pdl))
-    num_n_out = cdiv(n_out, bn)
-    cols = max(1, min(int(cfg.get("COLS", 1)), num_n_out))
-    num_g = cdiv(num_n_out, cols)
-    dest = out if act >= 0 else y
+    cols = max(1, min(int(cfg.get("COLS", 1)), num_n))
+    num_g = cdiv(num_n, cols)
     _moe_lora_expand_kernel[(num_flat * num_g,)](
-        y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n_out,
-        rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0), dest, dest.stride(0), float(alpha), float(limit),
+        y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
+        rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0),
         W_DTYPE=w_dtype, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank_tile,
         GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl,
-        ACT=act, **launch, **pdl_launch(pdl))
+        **launch, **pdl_launch(pdl))

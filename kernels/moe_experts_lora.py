@@ -3,9 +3,8 @@ on shapes only, so a CUDA graph can capture it (same contract as ``reference_lor
 
     moe_align (base BLOCK_M), moe_align_lora (LoRA BLOCK_M, shared by both LoRA calls)
                                  gate_up GEMM + bias (+ INT8 / MXFP4 dequant) ─> pre [T*A, 2I]  (pre-activation)
-                                 fused_moe_lora(pre, x, A13, B13, activation) ─> h [T*A, I]  (LoRA rows:
-                                     act(gate + delta) * (up + delta), from the expand)
-                                 act(gate) * up ─> h, the rows without LoRA          (act_and_mul_without_lora)
+                                 fused_moe_lora(pre, x, A13, B13)                   (delta added in place)
+                                 act(gate) * up ─> h [T*A, I]
                                  down GEMM + bias (+ INT8 / MXFP4 dequant), * routing weight ─> out [T*A, H]
                                  fused_moe_lora(out, h, A2, B2, topk_weights)       (routing-weighted delta)
                                  sum over A ─> [T, H]
@@ -25,7 +24,7 @@ import torch
 from loraplex.kernels import tuning
 from loraplex.kernels import fused_moe_lora as fml
 from loraplex.kernels import fused_moe_mxfp4 as fm4
-from loraplex.kernels.activation import act_and_mul_without_lora, silu_and_mul, swiglu_clamp_and_mul
+from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align, moe_align_lora
@@ -97,17 +96,10 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
         pre = fm4.gate_up(x, w13, w13_scale, align, cfg, top_k=top_k, activation=None, b13=b13)  # [T*A, 2I]
     else:
         pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)
-    if "gate_up" in cfgs and not fml.variant(cfgs["gate_up"], x.device)[0]:  # two kernels: expand activates
-        h = torch.empty(num_pairs, two_i // 2, dtype=pre.dtype, device=pre.device)  # [T*A, I]
+    if "gate_up" in cfgs:
         fml.fused_moe_lora(pre, x, w13_lora, None, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
-                           align=lora_align, activation=activation, out=h, alpha=alpha, limit=limit)
-        act_and_mul_without_lora(pre, h, activation, alpha, limit, token_lora_idx=token_lora_idx,
-                                 entries=w13_lora.entries, top_k=top_k)
-    else:
-        if "gate_up" in cfgs:  # the one-kernel config adds the delta into the pre-activation
-            fml.fused_moe_lora(pre, x, w13_lora, None, topk_ids, token_lora_idx, scaling, None,
-                               config=cfgs["gate_up"], align=lora_align)
-        h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
+                           align=lora_align)
+    h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
     if kernel_layout:  # no split-K: the down LoRA adds into the pair outputs
         out = fm4.down(h, w2, w2_scale, topk_weights, align, cfg, b2=b2, split_k=1)  # [T*A, H], routing-weighted
     else:

@@ -182,7 +182,7 @@ def _lora_cases(m: int) -> list[tuple]:
               PARTIALS=True, USE_PDL=False), types, 4, 2, None),
         (f"fused_moe_lora expand M={m}", fl._moe_lora_expand_kernel,
          dict(W_DTYPE=w, HAS_WEIGHTS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32, GROUP_M=1, NUM_G=2, COLS=2,
-              BLOCK_L=8, NUM_PARTS=2, USE_PDL=False, ACT=-1), types, 4, 2, None),
+              BLOCK_L=8, NUM_PARTS=2, USE_PDL=False), types, 4, 2, None),
         (f"lora_shrink M={m}", sh._lora_shrink_kernel,
          dict(W_DTYPE=w, BLOCK_M=16, BLOCK_R=32, BLOCK_K=64, SPLIT_K=4, EVEN_K=True, BLOCK_L=8, USE_PDL=False),
          types, 4, 2, None),

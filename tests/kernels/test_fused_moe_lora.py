@@ -84,48 +84,6 @@ def test_split_k_partials_and_atomics_agree_with_reference(monkeypatch, partials
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("activation", ["silu", "swiglu_clamp"])
-@pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[4], CONFIGS[5]], ids=["split_k", "cols3", "cols2_pdl"])
-@pytest.mark.parametrize("num_tokens", [1, 33])
-def test_gate_up_expand_writes_the_activation_for_lora_rows(activation, cfg, num_tokens):
-    """With an activation the pre-activation stays as it was, the LoRA rows of ``out`` get act(gate + delta) *
-    (up + delta) (the reference's in-place delta, then the activation), the other rows of ``out`` are left to
-    act_and_mul_without_lora, which writes exactly them; I = 24 is not a multiple of BLOCK_N."""
-    from loraplex.kernels.activation import act_and_mul_without_lora
-
-    lora_a, lora_b, scaling = _expert_lora(40, 48)
-    _, ids = _routing(num_tokens)
-    idx = token_adapters(num_tokens, L)
-    x, pre = torch.randn(num_tokens, 40), torch.randn(num_tokens * A, 48) * 3
-    kept, out = pre.clone(), torch.full((num_tokens * A, 24), float("nan"))
-    fused_moe_lora(pre, x, lora_a, lora_b, ids, idx, scaling, config=cfg, activation=activation, out=out,
-                   alpha=1.702, limit=7.0)
-    assert torch.equal(pre, kept)
-    want = pre.clone()
-    ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling)
-    want = ref.act_and_mul(want, activation, 1.702, 7.0)
-    lora_rows = torch.cat([torch.where((idx >= 0) & (idx != 3))[0] * A + a for a in range(A)])
-    base_rows = torch.cat([torch.where((idx < 0) | (idx == 3))[0] * A + a for a in range(A)])
-    torch.testing.assert_close(out[lora_rows], want[lora_rows], rtol=1e-4, atol=1e-4)
-    assert out[base_rows].isnan().all()  # not the expand's rows
-    act_and_mul_without_lora(pre, out, activation, 1.702, 7.0, token_lora_idx=idx, entries=lora_a.entries, top_k=A)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)  # every row now, the LoRA rows untouched by it
-
-
-def test_gate_up_activation_is_refused_where_it_cannot_run():
-    lora_a, lora_b, scaling = _expert_lora(16, 16)
-    weights, ids = _routing(3)
-    idx, x, pre, out = token_adapters(3, L), torch.randn(3, 16), torch.randn(6, 16), torch.empty(6, 8)
-    with pytest.raises(ValueError, match="two-kernel config"):
-        fused_moe_lora(pre, x, lora_a, lora_b, ids, idx, scaling, config=CONFIGS[2], activation="silu", out=out)
-    with pytest.raises(ValueError, match="two-kernel config"):
-        fused_moe_lora(pre, x, lora_a, lora_b, ids, idx, scaling, weights, config=CONFIGS[1], activation="silu",
-                       out=out)
-    with pytest.raises(ValueError, match="out must be a contiguous"):
-        fused_moe_lora(pre, x, lora_a, lora_b, ids, idx, scaling, config=CONFIGS[1], activation="silu",
-                       out=torch.empty(6, 16))
-
-
 def test_fused_moe_lora_rejects_bad_output():
     lora_a, lora_b, scaling = _expert_lora(16, 16)
     weights, ids = _routing(3)

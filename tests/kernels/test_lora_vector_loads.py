@@ -45,7 +45,7 @@ CASES = {
                                                          USE_PDL=False), {"buf_ptr", "scaling_ptr"}),
     "moe_lora_expand": (fl._moe_lora_expand_kernel, dict(W, HAS_WEIGHTS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32,
                                                          GROUP_M=1, NUM_G=2, COLS=2, BLOCK_L=8, NUM_PARTS=2,
-                                                         USE_PDL=False, ACT=-1),
+                                                         USE_PDL=False),
                         {"buf_ptr", "weights_ptr"}),
     "moe_lora_fused": (fl._moe_lora_fused_kernel, dict(W, ROW_DIV=4, HAS_WEIGHTS=True, BLOCK_M=16, BLOCK_N=64,
                                                        BLOCK_R=32, BLOCK_K=64, EVEN_K=True, GROUP_M=1, NUM_N=4,

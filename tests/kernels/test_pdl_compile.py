@@ -29,7 +29,7 @@ CASES = {
                                                        SPLIT_K=2, EVEN_K=True, BLOCK_L=8, PARTIALS=True)),
     "moe_lora_expand": (fl._moe_lora_expand_kernel, dict(W_DTYPE=W, HAS_WEIGHTS=True, BLOCK_M=16, BLOCK_N=64,
                                                        BLOCK_R=32, GROUP_M=1, NUM_G=2, COLS=2, BLOCK_L=8,
-                                                       NUM_PARTS=2, ACT=-1)),
+                                                       NUM_PARTS=2)),
     "moe_lora_fused": (fl._moe_lora_fused_kernel, dict(W_DTYPE=W, ROW_DIV=4, HAS_WEIGHTS=False, BLOCK_M=16,
                                                      BLOCK_N=64, BLOCK_R=32, BLOCK_K=64, EVEN_K=False, GROUP_M=1,
                                                      NUM_N=4, BLOCK_L=8)),
