@@ -43,14 +43,16 @@ def variants(inp: dict, lo: dict) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default="1,16,64")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--mix", default="even", choices=("even", "zipf", "prefill"))
     p.add_argument("--out", help="write the rows here as JSON")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_moe_lora.py needs a CUDA GPU: it times the expert layer's kernels on the device")
     from loraplex.kernels.tuning_cases import AdapterMix, adapter_indices
 
     s = GPT_OSS_20B

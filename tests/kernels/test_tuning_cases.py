@@ -262,3 +262,17 @@ def test_tune_defaults_cover_high_concurrency_m_with_the_serving_mix():
     tune.register(parser.add_subparsers())
     args = parser.parse_args(["tune", "--model", "gpt-oss-20b"])
     assert tune.parse_ms(args.m) == [1, 16, 64, 128, 256, 512] and args.max_loras is None
+
+
+def test_moe_lora_probe_refuses_without_a_gpu(tmp_path):
+    """benchmarks/kernels/probe_moe_lora.py times the expert layer on the device: without CUDA it says so and
+    writes nothing; an unknown adapter mix is refused by its arguments."""
+    from tests.utils.scripts import load_script
+
+    script = load_script("kernels", "probe_moe_lora")
+    out = tmp_path / "probe.json"
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        script.main(["--m", "16", "--mix", "prefill", "--out", str(out)])
+    assert not out.exists()
+    with pytest.raises(SystemExit):
+        script.main(["--mix", "uniform"])
