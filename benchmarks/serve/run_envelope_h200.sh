@@ -15,7 +15,8 @@
 #   sweep     concurrency sweep C = SWEEP_LEVELS (1,16,64,128,256) on one engine, base-only then SWEEP_ADAPTERS (32)
 #             adapters, Zipf mix; per level a warm-up, then a closed loop of max(64, 2 C) requests whose first
 #             requests ramp over the previous level's e2e, no new request after SWEEP_T s (8); the engine's own
-#             max_num_seqs and KV pool (--kv-sizing engine)
+#             max_num_seqs and KV pool (--kv-sizing engine); SWEEP_REPEATS (1) samples of each level in a row
+#             (the TPOT ratio then from the samples' mean TPOTs, each sample's ratio beside it)
 #   seed      the seed point: C=16, 8 adapters, even mix, clients 0.4 s apart, SEED_T s (20)
 #   churn     CHURN_ADAPTERS (64) adapters, Zipf, C=16, an adapter budget for CHURN_BUDGET (16) of them
 #             (CHURN_BUDGET_FLAG, default --adapter-budget: GPU memory for that many; --max-loras: that many slots),
@@ -47,6 +48,7 @@ BUDGET=${BUDGET:-510}
 SWEEP_LEVELS=${SWEEP_LEVELS:-1,16,64,128,256}
 SWEEP_ADAPTERS=${SWEEP_ADAPTERS:-32}
 SWEEP_T=${SWEEP_T:-8}
+SWEEP_REPEATS=${SWEEP_REPEATS:-1}
 SEED_T=${SEED_T:-20}
 CHURN_ADAPTERS=${CHURN_ADAPTERS:-64}
 CHURN_BUDGET=${CHURN_BUDGET:-16}
@@ -72,7 +74,7 @@ stage_flags() {  # the flags that make a stage what it is
   case $1 in
     sweep) echo "--concurrency $SWEEP_LEVELS --num-adapters $SWEEP_ADAPTERS --adapter-files $(files "$SWEEP_ADAPTERS")" \
              "--mix zipf" \
-             "--scenario-time $SWEEP_T --kv-sizing engine" ;;
+             "--scenario-time $SWEEP_T --kv-sizing engine --repeats $SWEEP_REPEATS" ;;
     seed) echo "--concurrency 16 --num-adapters 8 --mix even --stagger 0.4 --num-requests 64 --scenario-time $SEED_T" \
             "--label seed" ;;
     churn) echo "--scenario churn --num-adapters $CHURN_ADAPTERS --adapter-files $(files "$CHURN_ADAPTERS")" \
@@ -92,7 +94,7 @@ for s in $STAGES; do stage_flags "$s" > /dev/null || exit 2; total=$(( total + $
   "$PY" -c "import torch, triton, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__,
   'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'GPUs')"
   git log -1 --format='commit %H' 2>/dev/null; git status --short 2>/dev/null | head -20
-  echo "STAGES=$STAGES BUDGET=$BUDGET SWEEP_LEVELS=$SWEEP_LEVELS SWEEP_ADAPTERS=$SWEEP_ADAPTERS SWEEP_T=$SWEEP_T"
+  echo "STAGES=$STAGES BUDGET=$BUDGET SWEEP_LEVELS=$SWEEP_LEVELS SWEEP_ADAPTERS=$SWEEP_ADAPTERS SWEEP_T=$SWEEP_T SWEEP_REPEATS=$SWEEP_REPEATS"
   echo "SEED_T=$SEED_T CHURN_ADAPTERS=$CHURN_ADAPTERS CHURN_BUDGET=$CHURN_BUDGET CHURN_BUDGET_FLAG=$CHURN_BUDGET_FLAG"
   echo "CHURN_T=$CHURN_T FAIR_POLICIES=$FAIR_POLICIES FAIR_N=$FAIR_N FAIR_RATE=$FAIR_RATE FAIR_T=$FAIR_T FILES=$FILES"
   echo "FAIR_ARGS=$FAIR_ARGS"; echo "ARGS=$ARGS"; date -u

@@ -49,6 +49,7 @@ class ServeBenchConfig:
     #                                       ``concurrency`` the largest
     num_requests: int = 64                # per scenario (per level; see requests_per_client)
     requests_per_client: int | None = None  # per level: max(num_requests, this x C); default 2 in a sweep, else off
+    repeats: int = 1                      # load: each level measured this many times in a row (samples #1..#N)
     input_len: int = 1600
     output_len: int = 600
     mix: str = "even"                     # even | zipf | uniform
@@ -130,7 +131,11 @@ class ServeBenchConfig:
         if self.scenario != "load" and len(self.levels) > 1:
             raise ValueError(f"the {self.scenario} scenario runs at one concurrency; a list of levels is a sweep "
                              "(scenario load)")
-        for name in ("rank", "num_requests", "input_len", "output_len", "block_size", "tensor_parallel_size"):
+        if self.scenario != "load" and self.repeats != 1:
+            raise ValueError(f"repeats applies to the load scenario (its levels); the {self.scenario} scenario "
+                             "runs once")
+        for name in ("rank", "num_requests", "input_len", "output_len", "block_size", "tensor_parallel_size",
+                     "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("requests_per_client", "adapter_files", "max_loras", "max_cpu_loras", "adapter_budget",

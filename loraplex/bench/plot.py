@@ -31,7 +31,8 @@ def _load(spec: str) -> tuple[str | None, dict]:
 
 def sweep_lines(report: dict, label: str | None = None) -> list[dict]:
     """One line per variant: {"label", "levels", "output", "steady", "ttft_p50", "ttft_p99", "truncated"}, levels
-    ascending. Rows without a variant and level (not a load run) are left out."""
+    ascending, each value the mean over the level's samples (``--repeats``). Rows without a variant and level (not
+    a load run) are left out."""
     name = label if label is not None else (report.get("name") or report.get("mode", ""))
     by: dict[str, list[dict]] = {}
     for s in report.get("scenarios", []):
@@ -42,13 +43,20 @@ def sweep_lines(report: dict, label: str | None = None) -> list[dict]:
         by.setdefault(key, []).append(s)
     lines = []
     for variant, rows in by.items():
-        rows.sort(key=lambda s: s["extra"]["level"])
-        lines.append(dict(label=f"{name}: {variant}" if name else variant, levels=[s["extra"]["level"] for s in rows],
-                          output=[s["output_throughput_tok_s"] for s in rows],
-                          steady=[s.get("steady_output_tok_s") for s in rows],
-                          ttft_p50=[s["ttft_p50_ms"] for s in rows], ttft_p99=[s["ttft_p99_ms"] for s in rows],
-                          truncated=[bool(s["truncated"]) for s in rows]))
+        levels = sorted({s["extra"]["level"] for s in rows})
+        at = [[s for s in rows if s["extra"]["level"] == lv] for lv in levels]  # a level's samples (repeats)
+        lines.append(dict(label=f"{name}: {variant}" if name else variant, levels=levels,
+                          output=[_mean(g, "output_throughput_tok_s") for g in at],
+                          steady=[_mean(g, "steady_output_tok_s") for g in at],
+                          ttft_p50=[_mean(g, "ttft_p50_ms") for g in at], ttft_p99=[_mean(g, "ttft_p99_ms") for g in at],
+                          truncated=[any(bool(s["truncated"]) for s in g) for g in at]))
     return lines
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over a level's samples (None where a sample lacks it)."""
+    values = [s.get(key) for s in rows]
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def plot_report_files(reports: list[dict], out: str, *, labels: list[str | None] | None = None,

@@ -4,28 +4,35 @@ beside the heavy one over alone."""
 from __future__ import annotations
 
 
-def _variant_rows(scenarios: list[dict]) -> dict[tuple, dict]:
-    """(phase, variant, level) -> row, for rows that carry them."""
-    out = {}
+def _variant_rows(scenarios: list[dict]) -> dict[tuple, list[dict]]:
+    """(phase, variant, level) -> its rows (one per sample, in order), for rows that carry them."""
+    out: dict[tuple, list[dict]] = {}
     for s in scenarios:
         e = s.get("extra") or {}
         if e.get("variant") is not None:
-            out[(e.get("phase"), e["variant"], e.get("level"))] = s
+            out.setdefault((e.get("phase"), e["variant"], e.get("level")), []).append(s)
     return out
+
+
+def _mean_tpot(rows: list[dict]) -> float:
+    return sum(s["tpot_mean_ms"] for s in rows) / len(rows)
 
 
 def report_ratios(scenarios: list[dict], hf: list[dict]) -> dict:
     by = {s["name"]: s for s in scenarios}
     r: dict[str, float] = {}
     rows = _variant_rows(scenarios)
-    for (phase, variant, level), s in rows.items():
+    for (phase, variant, level), samples in rows.items():
         if variant == "base-only":
             continue
         base = rows.get((phase, "base-only", level))
-        if base is not None and "adapters" in variant and base["tpot_mean_ms"] > 0:
+        if base is not None and "adapters" in variant and _mean_tpot(base) > 0:
             sweep = any(k[2] != level for k in rows if k[0] == phase and k[1] == variant)
             key = f"{phase} TPOT adapters / base" + (f" C={level}" if sweep else "")
-            r[key] = s["tpot_mean_ms"] / base["tpot_mean_ms"]
+            r[key] = _mean_tpot(samples) / _mean_tpot(base)  # the samples' mean TPOTs (repeats)
+            pairs = [a["tpot_mean_ms"] / b["tpot_mean_ms"] for a, b in zip(samples, base) if b["tpot_mean_ms"] > 0]
+            if len(pairs) > 1:  # each sample against the base-only sample of the same index
+                r[key + " sample min"], r[key + " sample max"] = min(pairs), max(pairs)
     if "bf16 base-only" in by and "int8 base-only" in by:
         r["int8 / bf16 base-only per-request tok/s"] = (by["int8 base-only"]["per_request_output_tok_s"]
                                                         / by["bf16 base-only"]["per_request_output_tok_s"])

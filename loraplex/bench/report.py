@@ -46,6 +46,7 @@ def to_markdown(report: dict) -> str:
              f"{wl['input_len']}, output {wl['output_len']} (EOS ignored), concurrency "
              f"{','.join(map(str, levels))}, {wl['num_requests']} requests planned per scenario"
              + (f" (at least {wl['requests_per_client']} per client)" if wl.get("requests_per_client") else "")
+             + (f", each level measured {wl['repeats']} times" if (wl.get("repeats") or 1) > 1 else "")
              + f", dtype {wl['dtype']}" + (f", endpoint {wl['url']}" if wl.get("url") else ""),
              f"- command: `{report.get('command', '')}`"]
     for phase, info in (report.get("engine") or {}).items():

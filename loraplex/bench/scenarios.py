@@ -80,13 +80,16 @@ def load_runs(cfg: ServeBenchConfig, label: str) -> Runs:
         for level in cfg.levels:
             plan = request_plan(num_requests=cfg.requests_at(level), num_adapters=n, mix=cfg.mix,
                                 input_len=cfg.input_len, vocab=_vocab(cfg), seed=cfg.seed + k)
-            stagger = _stagger(cfg, level, previous)
+            stagger = _stagger(cfg, level, previous)  # every sample of a level ramps as its first
             name = f"{label} {variant}" + (f" C={level}" if cfg.sweep else "")
-            previous = yield Measurement(
-                name, [LoadGroup("load", plan, cfg.output_len, concurrency=level, stagger_s=stagger)], "load",
-                level, cfg.input_len, cfg.output_len, variant=variant, warmup_requests=max(level, n),
-                warmup_adapters=n, time_s=cfg.scenario_time_s, phase=label,
-                extra={"ramp_s": stagger * level, "mix": cfg.mix if n else None})
+            for sample in range(1, cfg.repeats + 1):
+                last = yield Measurement(
+                    name + (f" #{sample}" if cfg.repeats > 1 else ""),
+                    [LoadGroup("load", plan, cfg.output_len, concurrency=level, stagger_s=stagger)], "load",
+                    level, cfg.input_len, cfg.output_len, variant=variant, warmup_requests=max(level, n),
+                    warmup_adapters=n, time_s=cfg.scenario_time_s, phase=label,
+                    extra={"ramp_s": stagger * level, "mix": cfg.mix if n else None, "sample": sample})
+            previous = last
 
 
 def churn_runs(cfg: ServeBenchConfig, label: str) -> Runs:

@@ -109,6 +109,10 @@ def register(subparsers) -> None:
                         "fairness: a light tenant at a steady rate alone, then beside a heavy one")
     e.add_argument("--requests-per-client", type=int, default=None,
                    help="per level max(--num-requests, K x C) requests (default 2 in a sweep, else off)")
+    e.add_argument("--repeats", type=int, default=1,
+                   help="load: measure each level N times in a row on the same engine (rows '#1'..'#N'); the "
+                        "adapters / base-only TPOT ratio is then that of the samples' mean TPOTs, with the "
+                        "per-sample min and max beside it")
     e.add_argument("--ramp", default=None,
                    help="spread each level's first requests over this many seconds, or 'auto' (the previous "
                         "level's TTFT p50 + output-len x TPOT p50, at most --scenario-time; default in a sweep)")
@@ -232,7 +236,8 @@ def config_from_args(args):
                             scenario_time_s=args.scenario_time, stagger_s=args.stagger,
                             profile_steps=args.profile_steps, total_time_s=args.total_time, seed=args.seed,
                             out_dir=args.out, work_dir=args.work_dir, scenario=args.scenario,
-                            requests_per_client=args.requests_per_client, ramp=_ramp(args.ramp),
+                            requests_per_client=args.requests_per_client, repeats=args.repeats,
+                            ramp=_ramp(args.ramp),
                             kv_sizing=args.kv_sizing, cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
                             adapter_files=args.adapter_files, adapter_budget=args.adapter_budget,
                             adapter_memory_gib=args.adapter_memory_gib, max_loras=args.max_loras,

@@ -80,6 +80,44 @@ def test_plot_command_puts_several_reports_on_one_figure(sweep, tmp_path):
         main(["bench", "plot", str(empty), "--out", str(tmp_path / "x.png")])
 
 
+def test_repeats_measure_each_level_several_times_and_ratio_the_mean(tmp_path):
+    """--repeats 2 at one level: samples #1 and #2 of each variant in a row on one engine, both with the level's
+    ramp; the ratio is that of the samples' mean TPOTs, each sample's ratio (against the base-only sample of the
+    same index) giving the min and max beside it; the Markdown says how many samples."""
+    from loraplex.cli import main
+
+    out = tmp_path / "out"
+    assert main(["bench", "serve", "--scale", "tiny", "--device", "cpu", "--concurrency", "2", "--num-requests",
+                 "2", "--input-len", "12", "--output-len", "4", "--num-adapters", "2", "--repeats", "2", "--out",
+                 str(out)]) == 0
+    report = json.loads((out / "bench_serve.json").read_text(encoding="utf-8"))
+    rows = report["scenarios"]
+    assert [s["name"] for s in rows] == ["float32 base-only #1", "float32 base-only #2", "float32 2 adapters r4 #1",
+                                         "float32 2 adapters r4 #2"]
+    assert [s["extra"]["sample"] for s in rows] == [1, 2, 1, 2] and {s["extra"]["level"] for s in rows} == {2}
+    assert all(s["num_requests"] == 2 and not s["truncated"] for s in rows)
+    base, lora = [s["tpot_mean_ms"] for s in rows[:2]], [s["tpot_mean_ms"] for s in rows[2:]]
+    r = report["ratios"]
+    key = "float32 TPOT adapters / base"
+    assert r[key] == pytest.approx(sum(lora) / sum(base))
+    assert r[key + " sample min"] == pytest.approx(min(a / b for a, b in zip(lora, base)))
+    assert r[key + " sample max"] == pytest.approx(max(a / b for a, b in zip(lora, base)))
+    assert "each level measured 2 times" in (out / "bench_serve.md").read_text(encoding="utf-8")
+
+
+def test_plot_lines_average_a_levels_samples():
+    from loraplex.bench.plot import sweep_lines
+
+    def row(level, sample, out, p99, truncated=False):
+        return {"extra": {"variant": "v", "level": level, "sample": sample, "phase": ""}, "truncated": truncated,
+                "output_throughput_tok_s": out, "steady_output_tok_s": out, "ttft_p50_ms": 1.0, "ttft_p99_ms": p99}
+
+    report = {"name": "r", "scenarios": [row(2, 1, 10.0, 5.0), row(1, 1, 4.0, 1.0), row(2, 2, 20.0, 7.0, True)]}
+    (line,) = sweep_lines(report)
+    assert line["levels"] == [1, 2] and line["output"] == [4.0, 15.0] and line["ttft_p99"] == [1.0, 6.0]
+    assert line["truncated"] == [False, True]
+
+
 def test_churn_with_a_slot_budget_beside_all_resident(tmp_path):
     from loraplex.cli import main
 
@@ -190,6 +228,10 @@ def test_envelope_options_are_validated():
         ServeBenchConfig(scenario="churn", num_adapters=4, adapter_budget=2, adapter_memory_gib=1.0)
     with pytest.raises(ValueError, match="runs at one concurrency"):
         ServeBenchConfig(scenario="churn", num_adapters=4, max_loras=2, concurrency="1,2")
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        ServeBenchConfig(repeats=0)
+    with pytest.raises(ValueError, match="repeats applies to the load scenario"):
+        ServeBenchConfig(scenario="churn", num_adapters=4, max_loras=2, repeats=2)
     with pytest.raises(ValueError, match="either stagger"):
         ServeBenchConfig(concurrency="1,2", stagger_s=0.5, ramp=3.0)
     with pytest.raises(ValueError, match="fairness scenario only"):
