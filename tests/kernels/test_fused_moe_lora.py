@@ -197,3 +197,35 @@ def test_tuned_file_picks_the_fused_kernel_per_m(tmp_path, monkeypatch):
             assert launched == expect, (m, launched)
     finally:
         tuning.clear_cache()
+
+
+def _committed_configs() -> list[dict]:
+    """Every distinct fused_moe_lora config of the committed tuning files."""
+    import json
+
+    from loraplex.kernels import tuning
+
+    seen: list[dict] = []
+    for path in sorted(tuning._REPO_TUNING_DIR.glob("*/fused_moe_lora.json")):
+        for by_m in json.loads(path.read_text(encoding="utf-8")).values():
+            for cfg in by_m.values():
+                if cfg not in seen:
+                    seen.append(cfg)
+    return seen
+
+
+@pytest.mark.parametrize("cfg", _committed_configs(), ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_committed_tuned_configs_match_the_reference(cfg):
+    """Each config a device's tuning file holds (tiles up to 256 wide, split-K up to 16, column groups, the one-kernel
+    path) gives the reference at an awkward small shape, both targets (K and N not multiples of the tiles)."""
+    weights, ids = _routing(19)
+    idx = token_adapters(19, L)
+    for target, k, n in (("gate_up", 40, 48), ("down", 24, 40)):
+        lora_a, lora_b, scaling = _expert_lora(k, n)
+        x = torch.randn(19 if target == "gate_up" else 19 * A, k)
+        y = torch.randn(19 * A, n)
+        want = y.clone()
+        topk_weights = weights if target == "down" else None
+        fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling, topk_weights, config=dict(cfg))
+        ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling, topk_weights)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
