@@ -65,3 +65,34 @@ def test_fused_moe_int8_rejects_float_weights():
     x, w13, w2, weights, ids, _, _ = _moe(3, False)
     with pytest.raises(ValueError, match="needs int8 weights"):
         fused_moe_int8(x, w13, torch.ones(E, 2 * INTER), w2, torch.ones(E, H), weights, ids)
+
+
+def _committed(op: str) -> list[dict]:
+    """Every distinct config of ``op``'s committed tuning files."""
+    import json
+
+    from loraplex.kernels import tuning
+
+    seen: list[dict] = []
+    for path in sorted(tuning._REPO_TUNING_DIR.glob(f"*/{op}.json")):
+        for by_m in json.loads(path.read_text(encoding="utf-8")).values():
+            seen += [c for c in by_m.values() if c not in seen]
+    return seen
+
+
+@pytest.mark.parametrize("op,cfg", [(op, c) for op in ("fused_moe", "fused_moe_int8") for c in _committed(op)],
+                         ids=lambda v: v if isinstance(v, str) else "-".join(str(x) for x in v.values()))
+def test_committed_tuned_configs_match_the_reference(op, cfg):
+    """Each config a device's tuning file holds (row tiles up to 128, 8 warps) gives the reference at H and I that
+    are not multiples of its tiles."""
+    x, w13, w2, weights, ids, b13, b2 = _moe(19, True)
+    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
+    if op == "fused_moe":
+        got = fused_moe(x, w13, w2, weights, ids, config=dict(cfg), **kw)
+        want = reference.fused_moe(x, w13, w2, weights, ids, **kw)
+    else:
+        w13_q, w13_s = ref.quantize_int8_per_channel(w13)
+        w2_q, w2_s = ref.quantize_int8_per_channel(w2)
+        got = fused_moe_int8(x, w13_q, w13_s, w2_q, w2_s, weights, ids, config=dict(cfg), **kw)
+        want = ref.fused_moe_int8(x, w13_q, w13_s, w2_q, w2_s, weights, ids, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
