@@ -5,6 +5,7 @@ from loraplex.kernels import reference
 from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.fused_moe import fused_moe
 from loraplex.kernels.fused_moe_int8 import fused_moe_int8
+from tests.utils.tuning_files import committed_configs, config_id
 
 CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 E, A, H, INTER = 6, 2, 40, 24  # H, I not multiples of BLOCK_K
@@ -67,21 +68,8 @@ def test_fused_moe_int8_rejects_float_weights():
         fused_moe_int8(x, w13, torch.ones(E, 2 * INTER), w2, torch.ones(E, H), weights, ids)
 
 
-def _committed(op: str) -> list[dict]:
-    """Every distinct config of ``op``'s committed tuning files."""
-    import json
-
-    from loraplex.kernels import tuning
-
-    seen: list[dict] = []
-    for path in sorted(tuning._REPO_TUNING_DIR.glob(f"*/{op}.json")):
-        for by_m in json.loads(path.read_text(encoding="utf-8")).values():
-            seen += [c for c in by_m.values() if c not in seen]
-    return seen
-
-
-@pytest.mark.parametrize("op,cfg", [(op, c) for op in ("fused_moe", "fused_moe_int8") for c in _committed(op)],
-                         ids=lambda v: v if isinstance(v, str) else "-".join(str(x) for x in v.values()))
+@pytest.mark.parametrize("op,cfg", [(op, c) for op in ("fused_moe", "fused_moe_int8")
+                                    for c in committed_configs(op)], ids=config_id)
 def test_committed_tuned_configs_match_the_reference(op, cfg):
     """Each config a device's tuning file holds (row tiles up to 128, 8 warps) gives the reference at H and I that
     are not multiples of its tiles."""

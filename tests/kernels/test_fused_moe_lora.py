@@ -8,6 +8,7 @@ from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.fused_moe_lora import fused_moe_lora
 from loraplex.kernels.lora_table import LoRATable
 from tests.kernels.lora_inputs import expert_table, padded_rank_mask, token_adapters
+from tests.utils.tuning_files import committed_configs, config_id
 
 L, E, A, R = 4, 6, 2, 32  # slot 3 holds no weights
 CONFIGS = [
@@ -199,22 +200,7 @@ def test_tuned_file_picks_the_fused_kernel_per_m(tmp_path, monkeypatch):
         tuning.clear_cache()
 
 
-def _committed_configs() -> list[dict]:
-    """Every distinct fused_moe_lora config of the committed tuning files."""
-    import json
-
-    from loraplex.kernels import tuning
-
-    seen: list[dict] = []
-    for path in sorted(tuning._REPO_TUNING_DIR.glob("*/fused_moe_lora.json")):
-        for by_m in json.loads(path.read_text(encoding="utf-8")).values():
-            for cfg in by_m.values():
-                if cfg not in seen:
-                    seen.append(cfg)
-    return seen
-
-
-@pytest.mark.parametrize("cfg", _committed_configs(), ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("cfg", committed_configs("fused_moe_lora"), ids=config_id)
 def test_committed_tuned_configs_match_the_reference(cfg):
     """Each config a device's tuning file holds (tiles up to 256 wide, split-K up to 16, column groups, the one-kernel
     path) gives the reference at an awkward small shape, both targets (K and N not multiples of the tiles)."""

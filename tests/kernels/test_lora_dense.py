@@ -10,6 +10,7 @@ from loraplex.kernels.lora_shrink import lora_segments, lora_shrink
 from loraplex.kernels.lora_shrink_expand import lora_shrink_expand
 from loraplex.kernels.lora_table import LoRATable
 from tests.kernels.lora_inputs import dense_lora, dense_table, token_adapters
+from tests.utils.tuning_files import committed_configs, config_id
 
 SHRINK_CONFIGS = [
     {"BLOCK_M": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1},
@@ -177,3 +178,28 @@ def test_factors_off_a_16_byte_boundary_are_refused():
     lora_a = torch.randn(1, 2, 3, 5)  # a slot stride of 60 bytes
     with pytest.raises(ValueError, match="16-byte boundary"):
         LoRATable.from_stacked(lora_a, None, output_slices=(4,))
+
+
+@pytest.mark.parametrize("op,cfg", [(op, c) for op in ("lora_shrink", "lora_expand", "lora_shrink_expand")
+                                    for c in committed_configs(op)], ids=config_id)
+def test_committed_tuned_configs_match_the_reference(op, cfg):
+    """Each config a device's tuning file holds (split-K, column groups, compact slot blocks, PDL) gives the reference
+    at K = 72 and qkv slices (48, 16, 16), neither a multiple of its tiles."""
+    slices = (48, 16, 16)
+    table = _table(72, slices)
+    x, y = torch.randn(19, 72), torch.randn(19, sum(slices))
+    idx = token_adapters(19, L)
+    scaling = torch.rand(L) + 0.5
+    want = y.clone()
+    if op == "lora_shrink":
+        torch.testing.assert_close(lora_shrink(x, table, idx, scaling, config=dict(cfg)),
+                                   ref.lora_shrink(x, table, idx, scaling), rtol=1e-4, atol=1e-4)
+        return
+    if op == "lora_expand":
+        buf = ref.lora_shrink(x, table, idx, scaling)
+        lora_expand(y, buf, table, idx, slices, config=dict(cfg))
+        ref.lora_expand(want, buf, table, idx, slices)
+    else:
+        lora_shrink_expand(y, x, table, None, idx, scaling, slices, config=dict(cfg))
+        ref.lora_shrink_expand(want, x, table, None, idx, scaling, slices)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
