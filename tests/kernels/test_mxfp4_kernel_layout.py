@@ -18,6 +18,7 @@ from loraplex.kernels.mxfp4 import (dequantize_mxfp4, is_kernel_layout, kernel_k
                                     quantize_mxfp4, restore_from_kernel)
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, decode_kernel_tile, kernel_tile_ptrs, load_kernel_tile,
                                             row_groups)
+from tests.utils.tuning_files import committed_configs, config_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (13, 11, 10, 14))  # (sign, e1, e0, m), docstring's table
@@ -284,3 +285,13 @@ def test_kernel_layout_gemms_build_for_sm90():
     assert not any(b["smem_tile"] for b in got)  # the decoded tile is the MMA's register operand
     assert all(b["vec16"] for b in got)          # each lane's words in one 16-byte load
     assert [b["pdl"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
+
+
+@pytest.mark.parametrize("cfg", committed_configs("fused_moe_mxfp4"), ids=config_id)
+def test_committed_tuned_configs_match_the_reference(cfg):
+    """Each config a device's tuning file holds (split-K, fused gate/up, prefetch, 4-stage prefill tiles) gives the
+    reference on the kernel layout (the interpreter emulates the "asm" decode)."""
+    x, plain, kernel, weights, ids, b13, b2 = _moe(19, 4, True)
+    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2, alpha=1.702, limit=7.0)
+    got = fused_moe_mxfp4(x, *kernel, weights, ids, config=dict(cfg), **kw)
+    torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
