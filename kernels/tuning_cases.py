@@ -267,7 +267,7 @@ MOE_LORA_FUSED_SPACE = [{**c, "COLS": 1} for c in MOE_LORA_FUSED_SPACE]  # COLS 
 # the current y tile is written): the decode candidates' best bets with 2..8 column blocks a program
 MOE_LORA_COLS_SPACE = [{**MOE_LORA_SPACE[i], "COLS": c} for i, c in
                        ((1, 4), (1, 8), (0, 4), (1, 2), (2, 2), (7, 8), (0, 8), (10, 4))]
-# prefill-step sizes (M > PREFILL_MIN_M / 2): the H200 winner at M = 1024 and 2048 (16-row blocks, split-K 4, eight
+# prefill-step sizes (M >= PREFILL_MIN_M / 2): the H200 winner at M = 1024 and 2048 (16-row blocks, split-K 4, eight
 # column blocks a program, plain launches) and its neighbours, first; 32-row blocks with column groups next
 MOE_LORA_PREFILL_SPACE = [{**MOE_LORA_SPACE[4], "COLS": 8}, {**MOE_LORA_SPACE[4], "COLS": 4},
                           {**MOE_LORA_SPACE[1], "COLS": 8},

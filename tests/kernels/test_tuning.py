@@ -101,3 +101,17 @@ def test_repo_tuning_files_parse():
         assert table, f"{path} is empty"
         for by_m in table.values():
             assert all(isinstance(m, int) for m in by_m)
+
+
+def test_committed_configs_lists_each_config_of_a_file_once():
+    """The helper behind the committed-config kernel tests: every config of the op's files, none twice (several M
+    of one shape often share a config)."""
+    import json
+
+    from tests.utils.tuning_files import committed_configs
+
+    for path in tuning._REPO_TUNING_DIR.glob("*/*.json"):
+        listed = committed_configs(path.stem)
+        assert all(cfg not in listed[:i] for i, cfg in enumerate(listed)), path.stem
+        for by_m in json.loads(path.read_text(encoding="utf-8")).values():
+            assert all(cfg in listed for cfg in by_m.values()), path.stem
