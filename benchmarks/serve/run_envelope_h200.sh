@@ -16,7 +16,11 @@
 #             adapters, Zipf mix; per level a warm-up, then a closed loop of max(64, 2 C) requests whose first
 #             requests ramp over the previous level's e2e, no new request after SWEEP_T s (8); the engine's own
 #             max_num_seqs and KV pool (--kv-sizing engine); SWEEP_REPEATS (1) samples of each level in a row
-#             (the TPOT ratio then from the samples' mean TPOTs, each sample's ratio beside it)
+#             (the TPOT ratio then from the samples' mean TPOTs, each sample's ratio beside it); a level's first
+#             requests ramp over the previous level's e2e (about 9 s before C = 128, 12 s before C = 256), so with
+#             SWEEP_T under 15 the levels from C = 128 up are mostly ramp and their TPOT ratios read high (1.25 at
+#             C = 128 with 8 s against 1.14 with 15 s, one commit); the reported sweep is STAGES=sweep SWEEP_T=15
+#             BUDGET=440 (about 260 s on a machine that has run the engine once, 125 s more on a cold one)
 #   seed      the seed point: C=16, 8 adapters, even mix, clients 0.4 s apart, SEED_T s (20)
 #   churn     CHURN_ADAPTERS (64) adapters, Zipf, C=16, an adapter budget for CHURN_BUDGET (16) of them
 #             (CHURN_BUDGET_FLAG, default --adapter-budget: GPU memory for that many; --max-loras: that many slots),
@@ -74,7 +78,8 @@ stage_flags() {  # the flags that make a stage what it is
   case $1 in
     sweep) echo "--concurrency $SWEEP_LEVELS --num-adapters $SWEEP_ADAPTERS --adapter-files $(files "$SWEEP_ADAPTERS")" \
              "--mix zipf" \
-             "--scenario-time $SWEEP_T --kv-sizing engine --repeats $SWEEP_REPEATS" ;;
+             "--scenario-time $SWEEP_T --kv-sizing engine --repeats $SWEEP_REPEATS" \
+             "--requests-per-client 2 --ramp auto --label sweep" ;;  # one level alone is still a sweep level
     seed) echo "--concurrency 16 --num-adapters 8 --mix even --stagger 0.4 --num-requests 64 --scenario-time $SEED_T" \
             "--label seed" ;;
     churn) echo "--scenario churn --num-adapters $CHURN_ADAPTERS --adapter-files $(files "$CHURN_ADAPTERS")" \

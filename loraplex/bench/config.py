@@ -177,6 +177,11 @@ class ServeBenchConfig:
             self.ramp = "auto"
         if self.requests_per_client is None and len(self.levels) > 1:
             self.requests_per_client = 2
+        if self.scenario == "load" and self.requests_at(self.concurrency) < self.concurrency:
+            planned = self.requests_at(self.concurrency)
+            self.notes.append(f"{planned} requests at concurrency {self.concurrency}: never more than {planned} in "
+                              f"flight (--num-requests or --requests-per-client for a run at concurrency "
+                              f"{self.concurrency})")
         if self.adapter_budget is not None and self.adapter_memory_gib is not None:
             raise ValueError("give the adapter budget either in adapters (adapter_budget) or in GiB "
                              "(adapter_memory_gib), not both")

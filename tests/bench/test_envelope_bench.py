@@ -248,5 +248,10 @@ def test_envelope_options_are_validated():
     assert ServeBenchConfig(concurrency="1,16").ramp == "auto" and ServeBenchConfig().ramp is None
     assert ServeBenchConfig(concurrency="1,16").requests_at(16) == 64 and ServeBenchConfig().requests_at(16) == 64
     assert ServeBenchConfig(concurrency="1,256").requests_at(256) == 512
+    short = ServeBenchConfig(concurrency="128")  # 64 requests: the run never holds 128 in flight, and says so
+    assert short.notes == ["64 requests at concurrency 128: never more than 64 in flight (--num-requests or "
+                           "--requests-per-client for a run at concurrency 128)"]
+    assert ServeBenchConfig(concurrency="128", requests_per_client=2).notes == []
+    assert ServeBenchConfig(concurrency="16").notes == [] and ServeBenchConfig(concurrency="1,128").notes == []
     with pytest.raises(SystemExit, match="ramp must be 'auto' or seconds"):
         main(["bench", "serve", "--scale", "tiny", "--ramp", "soon"])
