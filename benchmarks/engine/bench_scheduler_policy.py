@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from loraplex.engine.fairness import DEFAULT_PREEMPT_GAP  # noqa: E402
 from loraplex.engine.kv_cache import KVCacheManager  # noqa: E402

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 VARIANTS = ((2.0, 2, True), (2.5, 3, True), (3.0, 3, True), (3.0, 3, False))  # (length, k, graphs)
 

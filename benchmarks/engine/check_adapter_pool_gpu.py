@@ -38,7 +38,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)
 
 RESULT_PREFIX = "RESULT_JSON "
 STAGE_TIMEOUT_S = {"kernels": 90, "engine": 150}

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)
 _spec = importlib.util.spec_from_file_location("check_cuda_graphs", os.path.join(ROOT, "benchmarks", "engine",
                                                                                  "check_cuda_graphs.py"))
 ccg = importlib.util.module_from_spec(_spec)

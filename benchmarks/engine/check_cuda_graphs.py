@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)
 
 FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen3")
 STAGE_TIMEOUT_S = {"tiny": 90, "perf": 360}

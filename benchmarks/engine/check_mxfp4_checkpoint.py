@@ -37,7 +37,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)
 
 WEIGHTS_LIMIT_GIB = 14.0
 SHARD_BYTES = 5 * 10**9

@@ -37,7 +37,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.append(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
 from check_mxfp4_checkpoint import TINY_CASES, hf_model, make_adapter, tiny_requests  # noqa: E402

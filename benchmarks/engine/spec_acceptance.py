@@ -35,7 +35,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)
 _spec = importlib.util.spec_from_file_location("train_tiny", os.path.join(ROOT, "benchmarks", "engine",
                                                                           "train_tiny.py"))
 train_tiny = importlib.util.module_from_spec(_spec)

@@ -31,7 +31,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)
 
 FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen3")
 MOE_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral")

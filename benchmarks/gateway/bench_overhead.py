@@ -161,7 +161,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args()
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)
     from loraplex.commands.db import run as db
     from loraplex.engine.testing.tiny import make_tiny_checkpoint
     from tests.utils.services import free_port, wait_for_port

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen3")
 PROMPT_LENS = (3, 9, 14, 21, 30, 37)

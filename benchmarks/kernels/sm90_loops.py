@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SHAPE = {"E": 32, "A": 4, "H": 2880, "I": 2880}  # GPT-OSS-20B experts
 DEVICE = "NVIDIA H200"                           # whose tuning files give the configs

@@ -7,7 +7,7 @@ plus the window-128 layer. CUDA-graph replay, L2-warm (the M=1 rows are optimist
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
