@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import loraplex  # noqa: F401  (first: installed distributions keep their names; loraplex/__init__.py)
+
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
