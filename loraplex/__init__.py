@@ -7,7 +7,8 @@ repository root is added to this package's search path so ``loraplex.engine`` re
 Where the repository root itself is on ``sys.path`` (``python -m`` from the checkout, pytest), those folders are
 also importable under their bare names and hide installed distributions of the same name: transformers (5.25 on)
 imports Hugging Face's ``kernels`` distribution, and would get ``kernels/``. Importing this package first gives
-such a name to the installed distribution (loraplex's own code always imports ``loraplex.kernels``).
+such a name to the installed distribution, when it is imported (loraplex's own code always imports
+``loraplex.kernels``).
 """
 import os as _os
 import sys as _sys
@@ -19,30 +20,24 @@ if _os.path.isdir(_os.path.join(_root, "engine")) and _root not in __path__:
     __path__.append(_root)
 
 
-def _claim_installed(name: str) -> None:
-    """Import the installed distribution ``name`` with the repository root off ``sys.path`` (so it, not the
-    checkout's folder of that name, is ``sys.modules[name]``); nothing when none is installed or the root is not on
-    ``sys.path``."""
-    import importlib
-    import importlib.metadata
+class _InstalledFirst:
+    """Meta-path finder: the top-level names of the checkout's folders resolve to an installed distribution of that
+    name when there is one (searched on ``sys.path`` without the repository root), else as before. Costs nothing
+    until such a name is imported."""
 
-    if name in _sys.modules or not _os.path.isdir(_os.path.join(_root, name)):
-        return
-    on_root = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) == _root]
-    if not on_root:
-        return
-    try:
-        importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return
-    saved = list(_sys.path)
-    _sys.path[:] = [p for p in saved if p not in on_root]
-    try:
-        importlib.import_module(name)
-    except Exception:  # noqa: BLE001 - a broken install is for its importer to report, not this package
-        _sys.modules.pop(name, None)
-    finally:
-        _sys.path[:] = saved
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if path is not None or fullname not in self.names:
+            return None
+        from importlib.machinery import PathFinder
+
+        rest = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+        if len(rest) == len(_sys.path):
+            return None  # the root is not on sys.path: the normal search is already right
+        return PathFinder.find_spec(fullname, rest)  # None: not installed, the normal search goes on
 
 
-_claim_installed("kernels")
+if _os.path.isdir(_os.path.join(_root, "kernels")) and not any(isinstance(f, _InstalledFirst) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _InstalledFirst(("kernels",)))
