@@ -177,8 +177,8 @@ class ServeBenchConfig:
             self.ramp = "auto"
         if self.requests_per_client is None and len(self.levels) > 1:
             self.requests_per_client = 2
-        if self.scenario == "load" and self.requests_at(self.concurrency) < self.concurrency:
-            planned = self.requests_at(self.concurrency)
+        planned = self.requests_at(self.concurrency)
+        if self.scenario == "load" and planned < self.concurrency:
             self.notes.append(f"{planned} requests at concurrency {self.concurrency}: never more than {planned} in "
                               f"flight (--num-requests or --requests-per-client for a run at concurrency "
                               f"{self.concurrency})")
