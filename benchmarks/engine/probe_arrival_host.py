@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=1600)
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--arrivals", type=int, default=7)
+    p.add_argument("--quantization", default=None, choices=("int8", "mxfp4"),
+                   help="expert weights quantised at load (default: the checkpoint's bf16)")
     p.add_argument("--skip", type=int, default=2, help="first arrivals of a phase not reported (kernel compiles)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile the reported arrivals' steps after a sync; report each phase's top N functions")
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                            concurrency=args.concurrency, input_len=args.prompt_len, output_len=64,
                            kv_sizing="workload", adapter_files=args.adapter_files, work_dir=work)
     run = EngineRun(cfg, work, num_adapter_files=min(args.adapter_files, args.num_adapters))
-    kw = engine_kwargs(cfg, work, device=run.device.type, dtype=run.dtype, quantization=None)
+    kw = engine_kwargs(cfg, work, device=run.device.type, dtype=run.dtype, quantization=args.quantization)
     kw["eager_warmup_budget_s"] = 0  # the first --skip arrivals compile instead
     t0 = time.monotonic()
     engine = LLMEngine.from_pretrained(run.folder, **kw)
