@@ -252,6 +252,71 @@ def variant(cfg: dict, device: torch.device) -> tuple[bool, bool]:
     return bool(int(cfg.get("FUSED", 0))), bool(int(cfg.get("PDL", 0))) and pdl_enabled(device)
 
 
+def _prepare(table: LoRATable, y_width: int, x: torch.Tensor, topk_ids: torch.Tensor, scaling: torch.Tensor,
+             y: torch.Tensor | None = None) -> None:
+    """The checks ``fused_moe_lora`` and ``moe_lora_shrink`` share (``y_width``: the output's N)."""
+    table.check()
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    if table.out_features != (y_width,) or (y is not None and y.shape[0] != num_pairs):
+        raise ValueError(f"y must be [T*A={num_pairs}, N] with N = the LoRA B width {table.out_features[0]}; got y "
+                         f"{tuple(y.shape) if y is not None else (num_pairs, y_width)}")
+    if x.shape[0] not in (num_tokens, num_pairs) or x.shape[1] != table.in_features:
+        raise ValueError(f"x must be [T, K] (gate_up) or [T*A, K] (down) with K={table.in_features}, got "
+                         f"{tuple(x.shape)}")
+    for name, t in (("x", x), ("y", y)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if scaling.dim() != 1 or scaling.shape[0] < table.num_slots:
+        raise ValueError(f"scaling must be [>= L={table.num_slots}], got {tuple(scaling.shape)}")
+
+
+def _align_for(table: LoRATable, topk_ids, token_lora_idx, bm: int, align):
+    sorted_ids, expert_ids, num_post = align or moe_align_lora(topk_ids, token_lora_idx, table.num_experts,
+                                                               table.num_slots, bm)
+    if sorted_ids.shape[1] != expert_ids.shape[1] * bm:
+        raise ValueError(f"align tables were made with block size {sorted_ids.shape[1] // max(expert_ids.shape[1], 1)}"
+                         f" but the config's BLOCK_M is {bm}; call moe_align_lora with block_size={bm}")
+    return sorted_ids, expert_ids, num_post
+
+
+def _shrink(x, table: LoRATable, topk_ids, scaling, cfg: dict, tables, pdl: bool) -> torch.Tensor:
+    """Launch the shrink: h = scaling[l] * A[l][e] @ x_row(p) per routed pair, as [parts, T*A, R] float32 (split-K
+    partial sums to add up, or parts 1)."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    num_loras, rank, k = table.num_slots, table.max_rank, table.in_features
+    bm, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_K", "SPLIT_K"))
+    sorted_ids, expert_ids, num_post = tables
+    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
+    zeroed = split_k > 1 and not partials
+    alloc = torch.zeros if zeroed else torch.empty  # every partial row a program reads is written
+    buf = alloc(split_k if partials else 1, num_pairs, rank, dtype=torch.float32, device=x.device)
+    shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
+    num_flat = min(flat_blocks(num_pairs, num_loras, bm, table.num_experts), num_loras * expert_ids.shape[1])
+    _moe_lora_shrink_kernel[(num_flat, split_k)](
+        x, table.entries, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, sorted_ids.shape[1],
+        expert_ids.shape[1], k, rank, num_loras, x.stride(0), table.entries.stride(0), buf.stride(0),
+        ROW_DIV=top_k if x.shape[0] == num_tokens and top_k > 1 else 1, W_DTYPE=tl_dtype(table.dtype), BLOCK_M=bm,
+        BLOCK_R=block_r(rank), BLOCK_K=bk, SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0,
+        BLOCK_L=next_power_of_2(num_loras), PARTIALS=partials, USE_PDL=shrink_pdl,
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **pdl_launch(shrink_pdl))
+    return buf
+
+
+def moe_lora_shrink(x: torch.Tensor, lora_a, topk_ids: torch.Tensor, token_lora_idx: torch.Tensor,
+                    scaling: torch.Tensor, *, out_features: int, config: dict,
+                    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The shrink half of ``fused_moe_lora`` alone, for a GEMM that adds the expand in its epilogue
+    (``fused_moe_mxfp4``'s decode path): [parts, T*A, R] float32, row p = scaling[l] * A[l][e] @ x_row(p) for the
+    pair's slot l and expert e (rows of pairs without an adapter unwritten), split-K partials to be summed over
+    parts. ``config``: the LoRA config (BLOCK_M, BLOCK_K, SPLIT_K, num_warps, num_stages, PDL)."""
+    table = expert_table(lora_a, None)
+    _prepare(table, out_features, x, topk_ids, scaling)
+    tables = _align_for(table, topk_ids, token_lora_idx, int(config["BLOCK_M"]), align)
+    return _shrink(x, table, topk_ids, scaling, config, tables, variant(config, x.device)[1])
+
+
 def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,
                    token_lora_idx: torch.Tensor, scaling: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
                    config: dict | None = None,
@@ -259,33 +324,20 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
     """Same contract as ``reference_lora.fused_moe_lora`` (in place). ``align`` reuses a ``moe_align_lora``
     result made with the same BLOCK_M (the engine aligns once per layer for gate_up and down)."""
     table = expert_table(lora_a, lora_b)
-    table.check()
+    _prepare(table, y.shape[1], x, topk_ids, scaling, y)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     num_loras, num_experts, rank, k = table.num_slots, table.num_experts, table.max_rank, table.in_features
     n = y.shape[1]
-    if y.shape[0] != num_pairs or table.out_features != (n,):
-        raise ValueError(f"y must be [T*A={num_pairs}, N] with N = the LoRA B width {table.out_features[0]}; got y "
-                         f"{tuple(y.shape)}")
-    if x.shape[0] not in (num_tokens, num_pairs) or x.shape[1] != k:
-        raise ValueError(f"x must be [T, K] (gate_up) or [T*A, K] (down) with K={k}, got {tuple(x.shape)}")
-    for name, t in (("x", x), ("y", y)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if scaling.dim() != 1 or scaling.shape[0] < num_loras:
-        raise ValueError(f"scaling must be [>= L={num_loras}], got {tuple(scaling.shape)}")
     if num_pairs == 0:
         return
     cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, table, topk_ids), num_tokens,
                                       default_config(k))
-    bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+    bm, bn, bk = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     fused, pdl = variant(cfg, y.device)
     launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
-    sorted_ids, expert_ids, num_post = align or moe_align_lora(topk_ids, token_lora_idx, num_experts, num_loras, bm)
+    sorted_ids, expert_ids, num_post = tables = _align_for(table, topk_ids, token_lora_idx, bm, align)
     capacity, num_blocks = sorted_ids.shape[1], expert_ids.shape[1]
-    if capacity != num_blocks * bm:
-        raise ValueError(f"align tables were made with block size {capacity // max(num_blocks, 1)} but the config's "
-                         f"BLOCK_M is {bm}; call moe_align_lora with block_size={bm}")
     per_token = x.shape[0] == num_tokens and top_k > 1
     rank_tile = block_r(rank)
     # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
@@ -303,23 +355,12 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
             BLOCK_N=bn, BLOCK_R=rank_tile, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
             BLOCK_L=block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
         return
-    partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
-    parts = split_k if partials else 1
-    zeroed = split_k > 1 and not partials
-    alloc = torch.zeros if zeroed else torch.empty  # every partial row a program reads is written
-    buf = alloc(parts, num_pairs, rank, dtype=torch.float32, device=y.device)
-    shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
-    _moe_lora_shrink_kernel[(num_flat, split_k)](
-        x, ent, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, k, rank,
-        num_loras, x.stride(0), ent.stride(0), buf.stride(0),
-        ROW_DIV=top_k if per_token else 1, W_DTYPE=w_dtype, BLOCK_M=bm, BLOCK_R=rank_tile, BLOCK_K=bk,
-        SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl,
-        **launch, **pdl_launch(shrink_pdl))
+    buf = _shrink(x, table, topk_ids, scaling, cfg, tables, pdl)
     cols = max(1, min(int(cfg.get("COLS", 1)), num_n))
     num_g = cdiv(num_n, cols)
     _moe_lora_expand_kernel[(num_flat * num_g,)](
         y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
         rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0),
         W_DTYPE=w_dtype, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank_tile,
-        GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=block_l, NUM_PARTS=parts, USE_PDL=pdl,
+        GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=block_l, NUM_PARTS=buf.shape[0], USE_PDL=pdl,
         **launch, **pdl_launch(pdl))

@@ -41,6 +41,7 @@ float32.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,9 +55,11 @@ from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP, check_kernel_layout, is_ke
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, DECODE_EMULATE, decode_kernel_tile,
                                             kernel_tile_ptrs, load_kernel_tile, row_groups)
 from loraplex.kernels.reference_lora import check_mxfp4_weights
-from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait
+from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, tl_dtype, weight_entry
 from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.launch import cached_launch
+from loraplex.kernels.lora_shrink import block_r
+from loraplex.kernels.lora_table import LoRATable
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "GU_SPLIT_K": 1,
                   "GU_FUSED": 0, "PREFETCH": 0, "PDL": 0, "DECODE": "asm", "DIRECT": 0, "num_warps": 4,
@@ -86,6 +89,45 @@ def _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M: 
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # -1 in dead blocks (unused)
         pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     return dead, expert, pairs, pairs < num_pairs
+
+
+@triton.jit
+def _lora_h(buf_ptr, pairs64, row_ok, R, stride_split, PARTS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """h [BLOCK_M, BLOCK_R] float32 of the block's pairs: the expert LoRA shrink's rows (scaled), its split-K
+    partials added up (``fused_moe_lora.moe_lora_shrink``)."""
+    r = tl.arange(0, BLOCK_R)
+    ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
+    ok = row_ok[:, None] & (r < R)[None, :]
+    h = tl.load(ptrs, mask=ok, other=0.0)
+    for part in tl.static_range(1, PARTS):
+        h += tl.load(ptrs + part * stride_split, mask=ok, other=0.0)
+    return h
+
+
+@triton.jit
+def _lora_epilogue(acc, acc2, h, slots, expert, rows, rows_ok, entries_ptr, stride_el, NOUT, OFF2, first_split,
+                   TWO: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, DECODE: tl.constexpr):
+    """The expert LoRA expand in the GEMM's epilogue: for each adapter slot l among the block's pairs (``slots``
+    [BLOCK_M], -1 for padding and pairs without an adapter), acc [ROWS, BLOCK_M] += B_l[e][rows, :] @ h^T masked
+    to l's pairs (B stored as B^T [E, r, NOUT]); with TWO, acc2 the same for output columns OFF2 + rows (gate_up's
+    up half). Each slot's B tile is read once per program; a block holds the pairs of one expert, so each (slot,
+    expert, column tile) is read by one program. Only the first split-K split (``first_split``) adds it."""
+    BLOCK_M: tl.constexpr = slots.shape[0]
+    idx = tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_R)
+    for i in range(tl.max(tl.where(slots >= 0, idx + 1, 0))):  # up to the block's last pair with an adapter
+        slot = tl.sum(tl.where(idx == i, slots, 0))
+        seen = tl.sum(((slots == slot) & (idx < i)).to(tl.int32))
+        if (slot >= 0) & (seen == 0) & first_split:
+            b_ptr, rank = weight_entry(entries_ptr, slot, 0, stride_el, 0, 1, W_DTYPE)
+            b_ptrs = b_ptr + (expert * rank + r[:, None]) * NOUT + rows[None, :]
+            b_ok = (r < rank)[:, None] & rows_ok[None, :]
+            # l's pairs and ranks only: rows of a slot without weights (rank 0) were never written
+            ht = tl.trans(tl.where((slots == slot)[:, None] & (r < rank)[None, :], h, 0.0)).to(W_DTYPE)
+            acc = _mma(tl.trans(tl.load(b_ptrs, mask=b_ok, other=0.0)), ht, acc, DECODE)
+            if TWO:
+                acc2 = _mma(tl.trans(tl.load(b_ptrs + OFF2, mask=b_ok, other=0.0)), ht, acc2, DECODE)
+    return acc, acc2
 
 
 @triton.jit
@@ -157,14 +199,18 @@ def _k_loop(acc, acc2, x_ptrs, w_ptrs, s_ptrs, w2_offset, s2_offset, row_ok, k_b
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    lora_buf_ptr, lora_entries_ptr, lora_slot_ptr,
     # x [T, K]; w13 words [E, 2N, KP/8] int32; scales [E, 2N, KP/32] uint8 (read as int32); bias [E, 2N];
-    # out [T*A, N] ([T*A, 2N] if ACT_NONE; float32 partial sums [SPLIT_K, T*A, 2N] if SPLIT_K > 1); tables
-    num_pairs, num_m, N, K, alpha, limit,
-    stride_xt, stride_we, stride_se, stride_be, stride_ot, stride_os,
+    # out [T*A, N] ([T*A, 2N] if ACT_NONE; float32 partial sums [SPLIT_K, T*A, 2N] if SPLIT_K > 1); tables;
+    # with LORA: shrink's h [LORA_PARTS, T*A, lora_r] float32, the LoRATable entries [L, 1, 3], token slots [T]
+    num_pairs, num_m, N, K, alpha, limit, lora_r,
+    stride_xt, stride_we, stride_se, stride_be, stride_ot, stride_os, stride_lora_el, stride_lora_split,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
     FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16,
 ):
     pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
@@ -207,6 +253,12 @@ def _gate_up_kernel(
                   * first)[:, None]
         acc_u += (tl.load(bias_ptr + expert * stride_be + N + rows, mask=rows_ok, other=0.0).to(tl.float32)
                   * first)[:, None]
+    if LORA:  # the gate_up LoRA delta (B^T [E, r, 2N]: gate columns, then up), before the activation
+        pairs64 = pairs.to(tl.int64)
+        h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
+        slots = tl.load(lora_slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+        acc_g, acc_u = _lora_epilogue(acc_g, acc_u, h, slots, expert, rows, rows_ok, lora_entries_ptr,
+                                      stride_lora_el, 2 * N, N, split == 0, True, LORA_DTYPE, LORA_BLOCK_R, DECODE)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs.to(tl.int64)[None, :] * stride_ot + rows[:, None]
     mask = row_ok[None, :] & rows_ok[:, None]
     if ACT == 2 or SPLIT_K > 1:  # pre-activation (or its partial sum): gate to columns [0, N), up to [N, 2N)
@@ -244,14 +296,17 @@ def _gate_up_finish_kernel(part_ptr, out_ptr, N, alpha, limit, stride_ps, stride
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _down_kernel(
     h_ptr, w_ptr, s_ptr, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    lora_buf_ptr, lora_entries_ptr, lora_slot_ptr,
     # h [T*A, K]; w2 words [E, N, KP/8] int32; scales [E, N, KP/32] uint8; bias [E, N]; topk_weights [T*A];
-    # out [T*A, N] (SPLIT_K 1) or float32 partial sums [SPLIT_K, T*A, N]; tables
-    num_pairs, num_m, N, K,
-    stride_ht, stride_we, stride_se, stride_be, stride_ot, stride_os,
+    # out [T*A, N] (SPLIT_K 1) or float32 partial sums [SPLIT_K, T*A, N]; tables; LoRA as in _gate_up_kernel
+    num_pairs, num_m, N, K, lora_r, lora_top_k,
+    stride_ht, stride_we, stride_se, stride_be, stride_ot, stride_os, stride_lora_el, stride_lora_split,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
     DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16,
 ):
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
@@ -277,6 +332,11 @@ def _down_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
         acc += (bias * (split == 0).to(tl.float32))[:, None]
+    if LORA:  # the down LoRA delta, routing-weighted with the rest below
+        h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
+        slots = tl.load(lora_slot_ptr + pairs64 // lora_top_k, mask=row_ok, other=-1).to(tl.int32)
+        acc, _ = _lora_epilogue(acc, 0, h, slots, expert, rows, rows_ok, lora_entries_ptr, stride_lora_el, N, 0,
+                                split == 0, False, LORA_DTYPE, LORA_BLOCK_R, DECODE)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs64[None, :] * stride_ot + rows[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & rows_ok[:, None])
@@ -297,6 +357,29 @@ def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
         for a in tl.static_range(TOP_K):
             acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok, other=0.0)
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class LoRAEpilogue:
+    """An expert LoRA delta that ``gate_up`` / ``down`` add in their epilogue instead of a separate expand launch:
+    ``buf`` the shrink's rows [parts, T*A, R] float32 (``fused_moe_lora.moe_lora_shrink``: scaled, split-K
+    partials summed in the epilogue), ``table`` the target's ``LoRATable`` (B read through its entries),
+    ``token_slots`` [T] each token's step slot (-1: no adapter)."""
+    buf: torch.Tensor
+    table: LoRATable
+    token_slots: torch.Tensor
+
+
+def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor):
+    """(pointers, lora_r, strides, constexprs) for the kernels' LoRA parameters (``fallback`` stands in unused)."""
+    if lora is None:
+        return [fallback] * 3, 0, [0, 0], dict(LORA=False, LORA_PARTS=1, LORA_BLOCK_R=16, LORA_DTYPE=tl.bfloat16)
+    if lora.token_slots.dim() != 1 or not lora.token_slots.is_contiguous():
+        raise ValueError(f"token_slots must be a contiguous [T] tensor, got {tuple(lora.token_slots.shape)}")
+    return ([lora.buf, lora.table.entries, lora.token_slots], lora.buf.shape[2],
+            [lora.table.entries.stride(0), lora.buf.stride(0)],
+            dict(LORA=True, LORA_PARTS=lora.buf.shape[0], LORA_BLOCK_R=block_r(lora.table.max_rank),
+                 LORA_DTYPE=tl_dtype(lora.table.dtype)))
 
 
 def _interpreting() -> bool:
@@ -398,10 +481,11 @@ def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: 
 
 
 def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
-            limit: float = 7.0) -> torch.Tensor:
+            limit: float = 7.0, lora: LoRAEpilogue | None = None) -> torch.Tensor:
     """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
     or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None. cfg GU_SPLIT_K > 1 splits K: float32
-    partial sums [S, T*A, 2I], then one launch adds them and applies the activation."""
+    partial sums [S, T*A, 2I], then one launch adds them and applies the activation. ``lora``: the gate_up LoRA
+    delta added before the activation (split 0 adds it)."""
     launch = _launch(cfg)[4]
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
     inter = w13.shape[1] // 2
@@ -416,11 +500,12 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
     width = inter if activation else 2 * inter
     out = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     dest = out if splits == 1 else torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, x)
     _gate_up_kernel[(num_m * meta["NUM_N"], splits)](
-        x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post,
-        num_pairs, num_m, inter, hidden, float(alpha), float(limit),
+        x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post, *lora_ptrs,
+        num_pairs, num_m, inter, hidden, float(alpha), float(limit), lora_r,
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, dest.stride(-2),
-        dest.stride(0) if splits > 1 else 0, **meta, **launch, **pdl_launch(pdl))
+        dest.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta, **launch, **pdl_launch(pdl))
     if splits > 1:
         block = min(1024, next_power_of_2(inter))
         _gate_up_finish_kernel[(num_pairs, cdiv(inter, block))](
@@ -429,9 +514,11 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
     return out
 
 
-def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | None = None) -> torch.Tensor:
+def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | None = None,
+         lora: LoRAEpilogue | None = None) -> torch.Tensor:
     """Kernel-layout down GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; with
-    ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them)."""
+    ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them).
+    ``lora``: the down LoRA delta, routing-weighted with the rest (split 0 adds it)."""
     launch = _launch(cfg)[4]
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
@@ -445,11 +532,13 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     else:
         out = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=h.device)
+    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, h)
+    top_k = num_pairs // lora.token_slots.shape[0] if lora is not None else 1  # pair p's token: p // top_k
     _down_kernel[(num_m * meta["NUM_N"], splits)](
         h, w2, s2, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids, expert_ids,
-        num_post, num_pairs, num_m, hidden, inter,
+        num_post, *lora_ptrs, num_pairs, num_m, hidden, inter, lora_r, top_k,
         h.stride(0), w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(-2),
-        out.stride(0) if splits > 1 else 0, **meta, **launch, **pdl_launch(pdl))
+        out.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta, **launch, **pdl_launch(pdl))
     return out
 
 
@@ -499,5 +588,5 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     return sum_pairs(out, num_tokens, top_k, x.dtype, pdl=use_pdl(cfg, x.device))
 
 
-__all__ = ["DEFAULT_CONFIG", "check_kernel_weights", "decode_mode", "down", "down_constexprs", "fused_moe_mxfp4",
+__all__ = ["DEFAULT_CONFIG", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_constexprs", "fused_moe_mxfp4",
            "gate_up", "gate_up_constexprs", "kernel_config", "route_tables", "sum_pairs", "use_pdl"]

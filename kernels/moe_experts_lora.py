@@ -47,6 +47,32 @@ def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
                              fml.default_config(k))
 
 
+# MXFP4 kernel-layout GEMMs at row blocks up to this size (decode) add the LoRA deltas in their epilogues
+EPILOGUE_MAX_BLOCK_M = 16
+
+
+def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
+                            lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit) -> torch.Tensor:
+    """MXFP4 kernel layout at decode sizes: each target's shrink, then its GEMM adds the expand in its epilogue
+    (gate_up before the activation, down before the routing weight), so neither the expand launches nor the
+    activation's nor the pre-activation's round trip through memory remain; both GEMMs keep their split-K."""
+    num_tokens, top_k = topk_ids.shape
+    slots = token_lora_idx.contiguous()
+    gu_lora = dn_lora = None
+    if "gate_up" in cfgs:
+        buf = fml.moe_lora_shrink(x, w13_lora, topk_ids, token_lora_idx, scaling, out_features=w13.shape[1],
+                                  config=cfgs["gate_up"], align=lora_align)
+        gu_lora = fm4.LoRAEpilogue(buf, w13_lora, slots)
+    h = fm4.gate_up(x, w13, s13, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha, limit=limit,
+                    lora=gu_lora)  # [T*A, I]
+    if "down" in cfgs:
+        buf = fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling, out_features=w2.shape[1],
+                                  config=cfgs["down"], align=lora_align)
+        dn_lora = fm4.LoRAEpilogue(buf, w2_lora, slots)
+    out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2, lora=dn_lora)
+    return fm4.sum_pairs(out, num_tokens, top_k, x.dtype, pdl=fm4.use_pdl(cfg, x.device))
+
+
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
                      activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None,
                      config: dict | None = None, lora_config_override: dict | None = None) -> torch.Tensor:
@@ -92,6 +118,10 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
             c["BLOCK_M"] = block_m
         max_loras = (w13_lora or w2_lora).num_slots
         lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
+    if kernel_layout and cfgs and int(cfg["BLOCK_M"]) <= EPILOGUE_MAX_BLOCK_M:
+        return _kernel_layout_epilogue(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_lora_idx,
+                                       scaling, cfg, align, cfgs, lora_align, w13_lora, w2_lora, activation=activation,
+                                       b13=b13, b2=b2, alpha=alpha, limit=limit)
     if kernel_layout:
         pre = fm4.gate_up(x, w13, w13_scale, align, cfg, top_k=top_k, activation=None, b13=b13)  # [T*A, 2I]
     else:

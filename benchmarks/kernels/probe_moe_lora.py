@@ -1,6 +1,8 @@
 """Where the time of the expert layer with expert LoRA goes, per expert format: per-kernel device time (torch
 profiler, plain launches) of ``moe_experts_lora`` next to the same layer without LoRA, bf16 weights and MXFP4 in
 the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
+MXFP4 + LoRA runs twice: as the engine calls it (at decode sizes the expands inside the GEMMs' epilogues) and with
+the expands as separate launches (``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0), and the two outputs are compared.
 ``--mix`` picks the tokens' adapters as ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt
 chunk beside decodes).
 
@@ -26,9 +28,18 @@ from probe_lora import kernel_times_us  # noqa: E402
 
 def variants(inp: dict, lo: dict) -> dict:
     """label -> a call of the expert layer (bf16 / MXFP4 kernel layout, without and with LoRA)."""
+    from loraplex.kernels import moe_experts_lora as mel
     from loraplex.kernels.fused_moe import fused_moe
     from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
+
+    def expands_apart():  # the MXFP4 path with separate expand launches at every M (the prefill path)
+        limit, mel.EPILOGUE_MAX_BLOCK_M = mel.EPILOGUE_MAX_BLOCK_M, 0
+        try:
+            return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
+                                    **lkw)
+        finally:
+            mel.EPILOGUE_MAX_BLOCK_M = limit
 
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
     kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
@@ -40,6 +51,7 @@ def variants(inp: dict, lo: dict) -> dict:
         "mxfp4": lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, **kw),
         "mxfp4 + LoRA": lambda: moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13,
                                                  w2_scale=s2, **lkw),
+        "mxfp4 + LoRA, expands apart": expands_apart,
     }
 
 
@@ -63,7 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         inp = moe_inputs(s, m, "cuda", 3000 + m)
         lo = lora_inputs(s, m, inp["ids"], args.max_loras, args.rank, "cuda", torch.bfloat16)
         lo["idx"] = adapter_indices(m, AdapterMix(args.max_loras, args.mix), "cuda")
-        for label, fn in variants(inp, lo).items():
+        calls = variants(inp, lo)
+        ref, alt = calls["mxfp4 + LoRA, expands apart"]().float(), calls["mxfp4 + LoRA"]().float()
+        delta = (ref - calls["mxfp4"]().float()).norm().item()
+        err = (alt - ref).norm().item() / max(ref.norm().item(), 1e-30)
+        print(f"| M = {m}: MXFP4 + LoRA against the expands apart: relative error {err:.2e} (LoRA delta "
+              f"{delta / max(ref.norm().item(), 1e-30):.2e} of the output) |", flush=True)
+        rows.append(dict(layer="check: mxfp4 + LoRA vs expands apart", m=m, rel_error=err,
+                         lora_delta_rel=delta / max(ref.norm().item(), 1e-30)))
+        for label, fn in calls.items():
             call = bench_time_ms(fn) * 1e3
             parts = kernel_times_us(fn)
             detail = ", ".join(f"{name} {us:.1f}" for name, us in sorted(parts.items(), key=lambda kv: -kv[1]))

@@ -232,6 +232,69 @@ def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config)
                                                     w2_scale=s2, **kw), want, rtol=0, atol=0)
 
 
+EPILOGUE_CASES = {  # (tokens, top_k, base config): row blocks <= 16, so the deltas ride in the GEMMs' epilogues
+    "8-row blocks, both GEMMs split": (29, 4, "8x64x64 gate_up split3"),
+    "16-row blocks, gate/up in one product": (17, 2, "fused 16x64x64 prefetch"),
+    "one pair a block": (3, 4, "direct 16x64x128"),
+    "bits decode, down split": (33, 4, "fused 8x32x128 split2 bits"),
+}
+
+
+@pytest.mark.parametrize("case", list(EPILOGUE_CASES))
+def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
+    """The decode path: shrink launches, the expands inside the MXFP4 GEMMs' epilogues. Slots at ranks 8 / 16 / 4,
+    slot 3 without weights, tokens without an adapter, several slots (and one slot twice) in a row block; the
+    separate expand kernel must not run."""
+    from loraplex.kernels import fused_moe_lora as fml
+    from loraplex.kernels.moe_experts_lora import moe_experts_lora
+    from tests.kernels.lora_inputs import expert_table
+
+    num_tokens, top_k, config = EPILOGUE_CASES[case]
+    x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, True)
+    slots = 4
+    idx = torch.randint(0, slots, (num_tokens,), dtype=torch.int32)
+    idx[::5] = -1
+    scaling = torch.rand(slots) + 0.5
+    tables = (expert_table(slots, E, H, 2 * INTER, empty=(3,), max_rank=R, ranks=(8, 16, 4)),
+              expert_table(slots, E, INTER, H, empty=(3,), max_rank=R, ranks=(8, 16, 4)))
+    monkeypatch.setattr(fml, "_moe_lora_expand_kernel", None)  # any separate expand launch would fail
+    kw = dict(w13_lora=tables[0], w2_lora=tables[1], activation="swiglu_clamp", b13=b13, b2=b2)
+    w13, s13, w2, s2 = kernel
+    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13, w2_scale=s2,
+                           config=CONFIGS[config], lora_config_override=LORA_CFG, **kw)
+    want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, scaling, w13_scale=plain[1],
+                                w2_scale=plain[3], **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    base = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, None, scaling, w13_scale=plain[1],
+                                w2_scale=plain[3], activation="swiglu_clamp", b13=b13, b2=b2)
+    adapted = (idx >= 0) & (idx != 3)
+    assert adapted.any() and (got[adapted] - base[adapted]).abs().max() > 0.05  # the deltas are there
+    torch.testing.assert_close(got[~adapted], base[~adapted], rtol=1e-4, atol=1e-4)
+
+
+def test_lora_epilogue_only_for_decode_blocks(monkeypatch):
+    """Row blocks above 16 (prefill tiles) keep the separate expand launches."""
+    from loraplex.kernels import fused_moe_lora as fml
+    from loraplex.kernels.moe_experts_lora import moe_experts_lora
+
+    calls = []
+    real = fml._moe_lora_expand_kernel
+    monkeypatch.setattr(fml, "_moe_lora_expand_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
+    x, plain, kernel, weights, ids, b13, b2 = _moe(7, 4, True)
+    idx = torch.tensor([0, 1, -1, 2, 0, 1, 2], dtype=torch.int32)
+    lora = [(torch.randn(L, E, R, k) / k ** 0.5, torch.randn(L, E, n, R) / R ** 0.5)
+            for k, n in ((H, 2 * INTER), (INTER, H))]
+    w13, s13, w2, s2 = kernel
+    got = moe_experts_lora(x, w13, w2, weights, ids, idx, torch.ones(L), w13_scale=s13, w2_scale=s2,
+                           config=CONFIGS["32x32x64 split3 bits"], lora_config_override=LORA_CFG,
+                           w13_lora=lora[0], w2_lora=lora[1], activation="silu")
+    want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, torch.ones(L), w13_scale=plain[1],
+                                w2_scale=plain[3], w13_lora=lora[0], w2_lora=lora[1], activation="silu")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2
+
+
 BUILD = r'''
 import json, re, sys
 sys.path.insert(0, "benchmarks/kernels")
