@@ -27,6 +27,12 @@ partial sums per split, bias on split 0, routing weight on each; ``_gate_up_fini
 and applies the activation, ``_sum_pairs_kernel`` adds down's splits and top-k in one pass); without a down split
 the pairs' outputs are written and the top-k sum is torch's, as in ``fused_moe``.
 
+Expert LoRA in the epilogue (``LoRAEpilogue``, what ``moe_experts_lora`` passes at decode sizes): after the bias,
+each program adds B_l[e] @ h for the block's pairs, one product per adapter slot present in the block (h: the
+shrink's scaled rows, its split-K partials summed; B^T [E, r, N] read through the ``LoRATable``), split 0 only;
+gate_up then applies its activation, down its routing weight, so the delta is where the separate expand would have
+put it.
+
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
 block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
 of 64), GROUP_M, SPLIT_K (down), GU_SPLIT_K (gate_up), GU_FUSED, PREFETCH (1: the next K step loaded into
@@ -105,7 +111,7 @@ def _lora_h(buf_ptr, pairs64, row_ok, R, stride_split, PARTS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _lora_epilogue_loop(acc, acc2, h, slots, expert, rows, rows_ok, entries_ptr, stride_el, NOUT, OFF2, first_split,
+def _lora_epilogue(acc, acc2, h, slots, expert, rows, rows_ok, entries_ptr, stride_el, NOUT, OFF2, first_split,
                    TWO: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, DECODE: tl.constexpr):
     """The expert LoRA expand in the GEMM's epilogue: for each adapter slot l among the block's pairs (``slots``
     [BLOCK_M], -1 for padding and pairs without an adapter), acc [ROWS, BLOCK_M] += B_l[e][rows, :] @ h^T masked
@@ -127,44 +133,6 @@ def _lora_epilogue_loop(acc, acc2, h, slots, expert, rows, rows_ok, entries_ptr,
             acc = _mma(tl.trans(tl.load(b_ptrs, mask=b_ok, other=0.0)), ht, acc, DECODE)
             if TWO:
                 acc2 = _mma(tl.trans(tl.load(b_ptrs + OFF2, mask=b_ok, other=0.0)), ht, acc2, DECODE)
-    return acc, acc2
-
-
-@triton.jit
-def _lora_gathered(acc, h, slots, rank, b_base, expert, rows, rows_ok, NOUT, OFF, W_DTYPE: tl.constexpr,
-                   BLOCK_R: tl.constexpr, DECODE: tl.constexpr):
-    """acc [ROWS, C] += sum over rows i of B_slot(i)[e][OFF + rows, :] @ h[i]^T in column i: one product over
-    K = C * BLOCK_R, the B tiles of the C rows' slots gathered side by side ([ROWS, C, BLOCK_R]) against h spread
-    block-diagonally ([C, BLOCK_R, C])."""
-    C: tl.constexpr = slots.shape[0]
-    ROWS: tl.constexpr = rows.shape[0]
-    r = tl.arange(0, BLOCK_R)
-    idx = tl.arange(0, C)
-    ptrs = (b_base[None, :, None].to(tl.pointer_type(W_DTYPE))
-            + ((expert * rank[None, :, None] + r[None, None, :]) * NOUT + OFF + rows[:, None, None]))
-    ok = rows_ok[:, None, None] & (r[None, None, :] < rank[None, :, None])
-    w = tl.reshape(tl.load(ptrs, mask=ok, other=0.0), (ROWS, C * BLOCK_R))
-    spread = ((idx[:, None, None] == idx[None, None, :]) & (r[None, :, None] < rank[:, None, None]))
-    hb = tl.where(spread, tl.permute(h, (1, 0))[None, :, :], 0.0)  # [C, BLOCK_R, C]
-    return _mma(w, tl.reshape(hb, (C * BLOCK_R, C)).to(W_DTYPE), acc, DECODE)
-
-
-@triton.jit
-def _lora_epilogue(acc, acc2, h, slots, expert, rows, rows_ok, entries_ptr, stride_el, NOUT, OFF2, first_split,
-                   TWO: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, DECODE: tl.constexpr):
-    """The expert LoRA expand in the GEMM's epilogue: acc [ROWS, BLOCK_M] += B_l[e][rows, :] @ h[p] in the
-    column of each pair p with an adapter (slot l = ``slots``[p], -1 for padding and pairs without one; B stored
-    as B^T [E, r, NOUT]); with TWO, acc2 the same for output columns OFF2 + rows (gate_up's up half). Every pair's
-    B tile is gathered at once (pairs of one slot read the same tile, from cache) and multiplied in one product
-    (``_lora_gathered``). Only the first split-K split (``first_split``) adds it."""
-    has = (slots >= 0) & (tl.zeros_like(slots) + first_split.to(tl.int32) > 0)
-    ent = entries_ptr + tl.where(has, slots, 0).to(tl.int64) * stride_el
-    rank = tl.load(ent + 2, mask=has, other=0).to(tl.int32)  # 0 for a slot without weights
-    b_base = tl.load(ent + 1, mask=has, other=0)
-    acc = _lora_gathered(acc, h, slots, rank, b_base, expert, rows, rows_ok, NOUT, 0, W_DTYPE, BLOCK_R, DECODE)
-    if TWO:
-        acc2 = _lora_gathered(acc2, h, slots, rank, b_base, expert, rows, rows_ok, NOUT, OFF2, W_DTYPE, BLOCK_R,
-                              DECODE)
     return acc, acc2
 
 
@@ -248,7 +216,7 @@ def _gate_up_kernel(
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
     FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
-    LORA_DTYPE: tl.constexpr = tl.bfloat16, LORA_GATHER: tl.constexpr = True,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16,
 ):
     pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
@@ -295,12 +263,8 @@ def _gate_up_kernel(
         pairs64 = pairs.to(tl.int64)
         h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
         slots = tl.load(lora_slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
-        if LORA_GATHER:
-            acc_g, acc_u = _lora_epilogue(acc_g, acc_u, h, slots, expert, rows, rows_ok, lora_entries_ptr,
-                                          stride_lora_el, 2 * N, N, split == 0, True, LORA_DTYPE, LORA_BLOCK_R, DECODE)
-        else:
-            acc_g, acc_u = _lora_epilogue_loop(acc_g, acc_u, h, slots, expert, rows, rows_ok, lora_entries_ptr,
-                                          stride_lora_el, 2 * N, N, split == 0, True, LORA_DTYPE, LORA_BLOCK_R, DECODE)
+        acc_g, acc_u = _lora_epilogue(acc_g, acc_u, h, slots, expert, rows, rows_ok, lora_entries_ptr,
+                                      stride_lora_el, 2 * N, N, split == 0, True, LORA_DTYPE, LORA_BLOCK_R, DECODE)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs.to(tl.int64)[None, :] * stride_ot + rows[:, None]
     mask = row_ok[None, :] & rows_ok[:, None]
     if ACT == 2 or SPLIT_K > 1:  # pre-activation (or its partial sum): gate to columns [0, N), up to [N, 2N)
@@ -348,7 +312,7 @@ def _down_kernel(
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
     DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
-    LORA_DTYPE: tl.constexpr = tl.bfloat16, LORA_GATHER: tl.constexpr = True,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16,
 ):
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
@@ -377,11 +341,7 @@ def _down_kernel(
     if LORA:  # the down LoRA delta, routing-weighted with the rest below
         h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
         slots = tl.load(lora_slot_ptr + pairs64 // lora_top_k, mask=row_ok, other=-1).to(tl.int32)
-        if LORA_GATHER:
-            acc, _ = _lora_epilogue(acc, 0, h, slots, expert, rows, rows_ok, lora_entries_ptr, stride_lora_el, N, 0,
-                                split == 0, False, LORA_DTYPE, LORA_BLOCK_R, DECODE)
-        else:
-            acc, _ = _lora_epilogue_loop(acc, 0, h, slots, expert, rows, rows_ok, lora_entries_ptr, stride_lora_el, N, 0,
+        acc, _ = _lora_epilogue(acc, 0, h, slots, expert, rows, rows_ok, lora_entries_ptr, stride_lora_el, N, 0,
                                 split == 0, False, LORA_DTYPE, LORA_BLOCK_R, DECODE)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs64[None, :] * stride_ot + rows[:, None]
@@ -419,14 +379,13 @@ class LoRAEpilogue:
 def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor):
     """(pointers, lora_r, strides, constexprs) for the kernels' LoRA parameters (``fallback`` stands in unused)."""
     if lora is None:
-        return [fallback] * 3, 0, [0, 0], dict(LORA=False, LORA_PARTS=1, LORA_BLOCK_R=16, LORA_DTYPE=tl.bfloat16,
-                                               LORA_GATHER=True)
+        return [fallback] * 3, 0, [0, 0], dict(LORA=False, LORA_PARTS=1, LORA_BLOCK_R=16, LORA_DTYPE=tl.bfloat16)
     if lora.token_slots.dim() != 1 or not lora.token_slots.is_contiguous():
         raise ValueError(f"token_slots must be a contiguous [T] tensor, got {tuple(lora.token_slots.shape)}")
     return ([lora.buf, lora.table.entries, lora.token_slots], lora.buf.shape[2],
             [lora.table.entries.stride(0), lora.buf.stride(0)],
             dict(LORA=True, LORA_PARTS=lora.buf.shape[0], LORA_BLOCK_R=block_r(lora.table.max_rank),
-                 LORA_DTYPE=tl_dtype(lora.table.dtype), LORA_GATHER=bool(int(os.environ.get("LORAPLEX_LORA_GATHER", "1")))))
+                 LORA_DTYPE=tl_dtype(lora.table.dtype)))
 
 
 def _interpreting() -> bool:

@@ -15,7 +15,13 @@ made once, before the gate_up GEMM, with the gate_up LoRA config's BLOCK_M (the 
 LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept). MXFP4 weights in the kernel
 layout (int32 words, ``mxfp4.prepare_for_kernel``) run ``fused_moe_mxfp4``'s GEMMs (its tuned config; the down
 GEMM without split-K, since the down delta is added to the pair outputs; a gate_up split-K sums its partials into
-the pre-activation before the gate_up delta).
+the pre-activation before the gate_up delta). At decode sizes (the MXFP4 config's row blocks of at most
+EPILOGUE_MAX_BLOCK_M pairs) the expands move into the MXFP4 GEMMs' epilogues instead:
+
+    moe_lora_shrink(x, A13) ─> h13 ─> gate_up GEMM + bias + gate_up delta + activation ─> h [T*A, I]
+    moe_lora_shrink(h, A2)  ─> h2  ─> down GEMM + bias + down delta, * routing weight (split-K kept) ─> sum over A
+
+two launches fewer per target, no pre-activation round trip, and the down GEMM keeps its split-K.
 """
 from __future__ import annotations
 
@@ -47,8 +53,9 @@ def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
                              fml.default_config(k))
 
 
-# MXFP4 kernel-layout GEMMs at row blocks up to this size (decode) add the LoRA deltas in their epilogues
-EPILOGUE_MAX_BLOCK_M = 16
+# MXFP4 kernel-layout GEMMs at row blocks up to this size (decode up to ~16 tokens) add the LoRA deltas in their
+# epilogues; with larger blocks (more slots per block) the epilogue costs more than the expand launches it replaces
+EPILOGUE_MAX_BLOCK_M = 8
 
 
 def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,

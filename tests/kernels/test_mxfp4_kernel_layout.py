@@ -232,11 +232,11 @@ def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config)
                                                     w2_scale=s2, **kw), want, rtol=0, atol=0)
 
 
-EPILOGUE_CASES = {  # (tokens, top_k, base config): row blocks <= 16, so the deltas ride in the GEMMs' epilogues
-    "8-row blocks, both GEMMs split": (29, 4, "8x64x64 gate_up split3"),
-    "16-row blocks, gate/up in one product": (17, 2, "fused 16x64x64 prefetch"),
-    "one pair a block": (3, 4, "direct 16x64x128"),
-    "bits decode, down split": (33, 4, "fused 8x32x128 split2 bits"),
+EPILOGUE_CASES = {  # (tokens, top_k, base config): 8-row blocks, so the deltas ride in the GEMMs' epilogues
+    "both GEMMs split": (29, 4, "8x64x64 gate_up split3"),
+    "gate/up in one product, bits decode, down split": (17, 2, "fused 8x32x128 split2 bits"),
+    "one pair a block, register prefetch": (3, 4, "direct prefetch 8x128x64 split3"),
+    "many pairs a block": (33, 4, "fused 8x32x128 split2 bits"),
 }
 
 
@@ -272,8 +272,9 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
     torch.testing.assert_close(got[~adapted], base[~adapted], rtol=1e-4, atol=1e-4)
 
 
-def test_lora_epilogue_only_for_decode_blocks(monkeypatch):
-    """Row blocks above 16 (prefill tiles) keep the separate expand launches."""
+@pytest.mark.parametrize("config", ["16x64x64", "32x32x64 split3 bits"])
+def test_lora_epilogue_only_for_small_row_blocks(config, monkeypatch):
+    """Row blocks above 8 pairs (M = 64 decode, prefill tiles) keep the separate expand launches."""
     from loraplex.kernels import fused_moe_lora as fml
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
@@ -287,7 +288,7 @@ def test_lora_epilogue_only_for_decode_blocks(monkeypatch):
             for k, n in ((H, 2 * INTER), (INTER, H))]
     w13, s13, w2, s2 = kernel
     got = moe_experts_lora(x, w13, w2, weights, ids, idx, torch.ones(L), w13_scale=s13, w2_scale=s2,
-                           config=CONFIGS["32x32x64 split3 bits"], lora_config_override=LORA_CFG,
+                           config=CONFIGS[config], lora_config_override=LORA_CFG,
                            w13_lora=lora[0], w2_lora=lora[1], activation="silu")
     want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, torch.ones(L), w13_scale=plain[1],
                                 w2_scale=plain[3], w13_lora=lora[0], w2_lora=lora[1], activation="silu")
@@ -299,10 +300,12 @@ BUILD = r'''
 import json, re, sys
 sys.path.insert(0, "benchmarks/kernels")
 from sm90_loops import build_sm90
+import triton.language as tl
 from loraplex.kernels import fused_moe_mxfp4 as fm
 
 TYPES = {"w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
-         "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
+         "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32", "lora_buf_ptr": "*fp32",
+         "lora_entries_ptr": "*i64", "lora_slot_ptr": "*i32"}
 
 VEC16 = r"ld\.global(\.nc)?\.v4\.b32|cp\.async\.cg\.shared\.global[^;\n]*, 0x10"  # 16-byte loads
 
@@ -322,9 +325,16 @@ for bm, decode, even_k, split, direct, fused, prefetch, warps, stages in (
         (16, 2, True, 1, False, False, 0, 4, 3), (16, 1, False, 2, True, False, 0, 4, 3),
         (8, 2, True, 2, False, False, 0, 2, 3), (16, 2, False, 1, False, True, 1, 4, 1)):
     common = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=45, EVEN_K=even_k,
-                  DECODE=decode, DIRECT=direct, SPLIT_K=split, FUSED=fused, PREFETCH=prefetch, USE_PDL=bm == 8)
+                  DECODE=decode, DIRECT=direct, SPLIT_K=split, FUSED=fused, PREFETCH=prefetch, USE_PDL=bm == 8,
+                  LORA=False, LORA_PARTS=1, LORA_BLOCK_R=32, LORA_DTYPE=tl.bfloat16)
     out.append(build(fm._gate_up_kernel, {**common, "TOP_K": 4, "ACT": 1 if split == 1 else 2}, warps, stages))
     out.append(build(fm._down_kernel, common, warps, stages))
+# the decode configs with the LoRA expand in the epilogue (4 split-K partials of the shrink)
+lora = dict(HAS_BIAS=True, BLOCK_M=8, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=45, EVEN_K=True, DECODE=2,
+            DIRECT=False, SPLIT_K=1, FUSED=False, PREFETCH=1, USE_PDL=False, LORA=True, LORA_PARTS=4,
+            LORA_BLOCK_R=32, LORA_DTYPE=tl.bfloat16)
+out.append(build(fm._gate_up_kernel, {**lora, "TOP_K": 4, "ACT": 1}, 4, 1))
+out.append(build(fm._down_kernel, lora, 4, 1))
 print("RESULT " + json.dumps(out))
 '''
 
@@ -341,6 +351,9 @@ def test_kernel_layout_gemms_build_for_sm90():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     got = json.loads(lines[0][len("RESULT "):])
+    with_lora, got = got[8:], got[:8]
+    for b in with_lora:  # the epilogue's products leave the K loop's decoded fragment as it was
+        assert b["asm"] and b["vec16"] and not b["smem_tile"] and not b["shfl"], b
     assert [b["wgmma"] for b in got] == [True] * 4 + [False] * 2 + [True] * 2
     assert [b["mma_sync"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
     assert [b["asm"] for b in got] == [True, True, False, False, True, True, True, True]
