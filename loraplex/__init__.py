@@ -22,8 +22,8 @@ if _os.path.isdir(_os.path.join(_root, "engine")) and _root not in __path__:
 
 class _InstalledFirst:
     """Meta-path finder: the top-level names of the checkout's folders resolve to an installed distribution of that
-    name when there is one (searched on ``sys.path`` without the repository root), else as before. Costs nothing
-    until such a name is imported."""
+    name when there is one (searched on ``sys.path`` without the repository root and the checkout's folders), else
+    as before. Costs nothing until such a name is imported."""
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
@@ -33,10 +33,20 @@ class _InstalledFirst:
             return None
         from importlib.machinery import PathFinder
 
-        rest = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+        rest = [p for p in _sys.path if not _in_checkout(p)]
         if len(rest) == len(_sys.path):
-            return None  # the root is not on sys.path: the normal search is already right
+            return None  # no checkout folder on sys.path: the normal search is already right
         return PathFinder.find_spec(fullname, rest)  # None: not installed, the normal search goes on
+
+
+def _in_checkout(entry: str) -> bool:
+    """Whether a sys.path entry is the repository root or a folder of the checkout (pytest puts ``tests/`` there,
+    which holds a ``kernels`` package of its own), not a site-packages folder inside it (a virtualenv)."""
+    full = _os.path.abspath(entry or _os.curdir)
+    if full != _root and not full.startswith(_root + _os.sep):
+        return False
+    parts = full.split(_os.sep)
+    return "site-packages" not in parts and "dist-packages" not in parts
 
 
 if _os.path.isdir(_os.path.join(_root, "kernels")) and not any(isinstance(f, _InstalledFirst) for f in _sys.meta_path):

@@ -42,3 +42,11 @@ def test_an_installed_distribution_keeps_its_name_over_the_checkouts_folder(tmp_
 def test_without_an_installed_distribution_the_name_stays_the_checkouts(tmp_path):
     code = "import loraplex, kernels, os; print(os.path.dirname(os.path.dirname(kernels.__file__)) == loraplex._root)"
     assert _run(code, str(tmp_path)) == "True"
+
+
+def test_a_checkout_folder_on_the_path_does_not_shadow_it_either(tmp_path):
+    """pytest puts ``tests/`` on sys.path (it has no __init__.py), and ``tests/kernels`` is a package."""
+    site = _installed_kernels(tmp_path)
+    code = (f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); import loraplex, kernels; "
+            "print(getattr(kernels, 'ORIGIN', kernels.__file__))")
+    assert _run(code, site) == "installed"
