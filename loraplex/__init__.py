@@ -40,8 +40,8 @@ class _InstalledFirst:
 
 
 def _in_checkout(entry: str) -> bool:
-    """Whether a sys.path entry is the repository root or a folder of the checkout (pytest puts ``tests/`` there,
-    which holds a ``kernels`` package of its own), not a site-packages folder inside it (a virtualenv)."""
+    """Whether a sys.path entry is the repository root or a folder of the checkout (``tests/``, for one, holds a
+    ``kernels`` package of its own), not a site-packages folder inside it (a virtualenv)."""
     full = _os.path.abspath(entry or _os.curdir)
     if full != _root and not full.startswith(_root + _os.sep):
         return False

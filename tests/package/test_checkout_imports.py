@@ -45,7 +45,7 @@ def test_without_an_installed_distribution_the_name_stays_the_checkouts(tmp_path
 
 
 def test_a_checkout_folder_on_the_path_does_not_shadow_it_either(tmp_path):
-    """pytest puts ``tests/`` on sys.path (it has no __init__.py), and ``tests/kernels`` is a package."""
+    """A script or runner that puts ``tests/`` on sys.path, where ``tests/kernels`` is a package."""
     site = _installed_kernels(tmp_path)
     code = (f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); import loraplex, kernels; "
             "print(getattr(kernels, 'ORIGIN', kernels.__file__))")
