@@ -594,5 +594,5 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     return sum_pairs(out, num_tokens, top_k, x.dtype, pdl=use_pdl(cfg, x.device))
 
 
-__all__ = ["DEFAULT_CONFIG", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_constexprs", "fused_moe_mxfp4",
-           "gate_up", "gate_up_constexprs", "kernel_config", "route_tables", "sum_pairs", "use_pdl"]
+__all__ = ["DEFAULT_CONFIG", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_constexprs",
+           "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "route_tables", "sum_pairs", "use_pdl"]

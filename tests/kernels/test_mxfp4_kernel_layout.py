@@ -212,22 +212,29 @@ LORA_CFG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2, "GROUP_M"
             "num_stages": 1}
 
 
-@pytest.mark.parametrize("num_tokens,config", [(1, "16x128x128 split2"), (33, "fused 8x32x128 split2 bits")])
-def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config):
+def _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, **kw):
+    """(moe_experts_lora on the kernel layout with ``config``, its reference on the plain layout)."""
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
+    w13, s13, w2, s2 = kernel
+    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13, w2_scale=s2,
+                           config=CONFIGS[config], lora_config_override=LORA_CFG, **kw)
+    want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, scaling, w13_scale=plain[1],
+                                w2_scale=plain[3], **kw)
+    return got, want
+
+
+@pytest.mark.parametrize("num_tokens,config", [(1, "16x128x128 split2"), (33, "fused 8x32x128 split2 bits")])
+def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, 4, True)
     idx = torch.arange(num_tokens, dtype=torch.int32) % (L + 1) - 1  # -1 (no adapter), 0, 1, 2, ...
     scaling = torch.rand(L) + 0.5
     lora = [(torch.randn(L, E, R, k) / k ** 0.5, torch.randn(L, E, n, R) / R ** 0.5)
             for k, n in ((H, 2 * INTER), (INTER, H))]
     kw = dict(w13_lora=lora[0], w2_lora=lora[1], activation="swiglu_clamp", b13=b13, b2=b2)
-    w13, s13, w2, s2 = kernel
-    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13, w2_scale=s2,
-                           config=CONFIGS[config], lora_config_override=LORA_CFG, **kw)
-    want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, scaling, w13_scale=plain[1],
-                                w2_scale=plain[3], **kw)
+    got, want = _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    w13, s13, w2, s2 = kernel
     torch.testing.assert_close(ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13,
                                                     w2_scale=s2, **kw), want, rtol=0, atol=0)
 
@@ -246,7 +253,6 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
     slot 3 without weights, tokens without an adapter, several slots (and one slot twice) in a row block; the
     separate expand kernel must not run."""
     from loraplex.kernels import fused_moe_lora as fml
-    from loraplex.kernels.moe_experts_lora import moe_experts_lora
     from tests.kernels.lora_inputs import expert_table
 
     num_tokens, top_k, config = EPILOGUE_CASES[case]
@@ -258,12 +264,8 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
     tables = (expert_table(slots, E, H, 2 * INTER, empty=(3,), max_rank=R, ranks=(8, 16, 4)),
               expert_table(slots, E, INTER, H, empty=(3,), max_rank=R, ranks=(8, 16, 4)))
     monkeypatch.setattr(fml, "_moe_lora_expand_kernel", None)  # any separate expand launch would fail
-    kw = dict(w13_lora=tables[0], w2_lora=tables[1], activation="swiglu_clamp", b13=b13, b2=b2)
-    w13, s13, w2, s2 = kernel
-    got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, w13_scale=s13, w2_scale=s2,
-                           config=CONFIGS[config], lora_config_override=LORA_CFG, **kw)
-    want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, scaling, w13_scale=plain[1],
-                                w2_scale=plain[3], **kw)
+    got, want = _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, w13_lora=tables[0],
+                            w2_lora=tables[1], activation="swiglu_clamp", b13=b13, b2=b2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, None, scaling, w13_scale=plain[1],
                                 w2_scale=plain[3], activation="swiglu_clamp", b13=b13, b2=b2)
@@ -276,7 +278,6 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
 def test_lora_epilogue_only_for_small_row_blocks(config, monkeypatch):
     """Row blocks above 8 pairs (M = 64 decode, prefill tiles) keep the separate expand launches."""
     from loraplex.kernels import fused_moe_lora as fml
-    from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
     calls = []
     real = fml._moe_lora_expand_kernel
@@ -286,12 +287,8 @@ def test_lora_epilogue_only_for_small_row_blocks(config, monkeypatch):
     idx = torch.tensor([0, 1, -1, 2, 0, 1, 2], dtype=torch.int32)
     lora = [(torch.randn(L, E, R, k) / k ** 0.5, torch.randn(L, E, n, R) / R ** 0.5)
             for k, n in ((H, 2 * INTER), (INTER, H))]
-    w13, s13, w2, s2 = kernel
-    got = moe_experts_lora(x, w13, w2, weights, ids, idx, torch.ones(L), w13_scale=s13, w2_scale=s2,
-                           config=CONFIGS[config], lora_config_override=LORA_CFG,
-                           w13_lora=lora[0], w2_lora=lora[1], activation="silu")
-    want = ref.moe_experts_lora(x, plain[0], plain[2], weights, ids, idx, torch.ones(L), w13_scale=plain[1],
-                                w2_scale=plain[3], w13_lora=lora[0], w2_lora=lora[1], activation="silu")
+    got, want = _lora_layer(x, plain, kernel, weights, ids, idx, torch.ones(L), config, w13_lora=lora[0],
+                            w2_lora=lora[1], activation="silu")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(calls) == 2
 
