@@ -43,14 +43,18 @@ DIV16 = ("N", "K", "H")
 
 def build_sm90(kernel, consts: dict, types: dict, num_warps: int, num_stages: int):
     """``kernel`` compiled for sm_90: ``consts`` its constexprs, ``types`` pointer / scalar types by argument name
-    (pointers default to ``types["*"]``, else bf16; other arguments i32). Pointers, strides and N / K / H carry the
-    16-divisibility the JIT infers for the engine's tensors."""
+    (pointers default to ``types["*"]``, else bf16; other arguments i32); constexprs left out take their defaults.
+    Pointers, strides and N / K / H carry the 16-divisibility the JIT infers for the engine's tensors."""
+    import inspect
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from loraplex.kernels.launch import jit_function
 
-    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+    defaults = {p.name: p.default for p in jit_function(kernel).params
+                if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    consts = {**defaults, **{k: v for k, v in consts.items() if k in kernel.arg_names}}
     sig = {n: "constexpr" if n in consts else types.get(n, types.get("*", "*bf16")) if n.endswith("_ptr")
            else types.get(n, "i32") for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.arg_names
