@@ -377,9 +377,10 @@ class LoRAEpilogue:
 
 
 def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor):
-    """(pointers, lora_r, strides, constexprs) for the kernels' LoRA parameters (``fallback`` stands in unused)."""
+    """(pointers, lora_r, strides, constexprs) for the kernels' LoRA parameters (``fallback`` stands in unused;
+    without LoRA the constexprs keep the kernels' defaults)."""
     if lora is None:
-        return [fallback] * 3, 0, [0, 0], dict(LORA=False, LORA_PARTS=1, LORA_BLOCK_R=16, LORA_DTYPE=tl.bfloat16)
+        return [fallback] * 3, 0, [0, 0], {}
     if lora.token_slots.dim() != 1 or not lora.token_slots.is_contiguous():
         raise ValueError(f"token_slots must be a contiguous [T] tensor, got {tuple(lora.token_slots.shape)}")
     return ([lora.buf, lora.table.entries, lora.token_slots], lora.buf.shape[2],
