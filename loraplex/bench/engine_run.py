@@ -235,5 +235,7 @@ class EngineRun:
         n = cfg.num_adapters if adapters else 0
         plan = request_plan(num_requests=cfg.concurrency, num_adapters=n, mix="even", input_len=cfg.input_len,
                             vocab=self.model_config["vocab_size"], seed=cfg.seed + 2000)
+        if cfg.speculative_method == "replay":  # the profiled requests (and the arrival, plan[0]'s prompt) replay
+            speculative.record_for_replay(self, f"profile-{label}", plan, cfg.concurrency, cfg.output_len, None)
         return profile_decode(self.engine, plan, self.adapter_refs, concurrency=cfg.concurrency,
                               steps=cfg.profile_steps, output_len=cfg.output_len, prefix=f"profile-{label}-")
