@@ -142,6 +142,8 @@ CONFIGS = {
     "fused 8x32x128 split2 bits": {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "GU_FUSED": 1,
                                    "GU_SPLIT_K": 2, "SPLIT_K": 2, "DECODE": "bits", "num_warps": 2,
                                    "num_stages": 2},
+    "fused 16x128x128": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "GU_FUSED": 1,
+                         "num_warps": 4, "num_stages": 3},  # the tuned verify-step (M = 64) tile's shape
     "direct prefetch 8x128x64 split3": {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "DIRECT": 1,
                                         "PREFETCH": 1, "GU_SPLIT_K": 3, "SPLIT_K": 3, "num_warps": 1,
                                         "num_stages": 1},
@@ -224,7 +226,8 @@ def _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, **kw):
     return got, want
 
 
-@pytest.mark.parametrize("num_tokens,config", [(1, "16x128x128 split2"), (33, "fused 8x32x128 split2 bits")])
+@pytest.mark.parametrize("num_tokens,config", [(1, "16x128x128 split2"), (33, "fused 8x32x128 split2 bits"),
+                                               (33, "fused 16x128x128")])
 def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, 4, True)
     idx = torch.arange(num_tokens, dtype=torch.int32) % (L + 1) - 1  # -1 (no adapter), 0, 1, 2, ...
