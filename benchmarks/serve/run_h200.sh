@@ -12,6 +12,9 @@
 #   int8    INT8 experts (--quantization int8)
 #   mxfp4   MXFP4 experts (--quantization mxfp4)
 #   hf      HF transformers, then + PEFT with one adapter: static batch 16, 32 output tokens, extrapolated to 600
+#   spec-bf16-L, spec-mxfp4-L   speculative decoding with replayed proposals at acceptance length L (e.g.
+#           spec-mxfp4-3.0): 8 adapters only, verify steps through CUDA graphs, k = 2 drafts for L <= 2, else 3;
+#           each scenario first runs its requests with speculation off and records them (bench/speculative.py)
 # Workload (docs/performance.md, "GPT-OSS-20B multi-LoRA serving workload"): GPT-OSS-20B shape, dummy bf16
 # weights, 8 random adapters of rank 32 on attention and experts (even mix), 1600 input / 600 output tokens (EOS
 # ignored), closed loop at concurrency 16, REQUESTS requests per scenario, clients STAGGER s apart. A stage's
@@ -56,8 +59,19 @@ stage_flags() {  # the flags that make a stage what it is
     int8) echo "--quantization int8" ;;
     mxfp4) echo "--quantization mxfp4" ;;
     hf) echo "--hf-only --hf-output-len 32" ;;
-    *) echo "unknown stage '$1' (bf16, sync, int8, mxfp4, hf)" >&2; return 1 ;;
+    spec-bf16-*|spec-mxfp4-*) spec_flags "$1" ;;
+    *) echo "unknown stage '$1' (bf16, sync, int8, mxfp4, hf, spec-bf16-L, spec-mxfp4-L)" >&2; return 1 ;;
   esac
+}
+spec_flags() {  # spec-<experts>-<L>
+  local rest=${1#spec-} k=3 q
+  q=${rest%%-*}
+  local length=${rest#*-}
+  [[ "$length" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "stage '$1': L must be a number (spec-mxfp4-3.0)" >&2; return 1; }
+  awk -v l="$length" 'BEGIN { exit !(l + 0 <= 2) }' && k=2
+  [ "$q" = mxfp4 ] && echo -n "--quantization mxfp4 "
+  echo "--no-base-only --speculative-method replay --num-speculative-tokens $k --speculative-acceptance-length $length" \
+    "--speculative-verify-cuda-graphs"
 }
 weight() { [ "$1" = hf ] && echo 1 || echo 3; }
 for s in $STAGES; do stage_flags "$s" > /dev/null || exit 2; done

@@ -7,7 +7,10 @@ GPT-OSS-20B multi-LoRA serving workload.
 A run's label is ``LABEL=`` before its path, else the name of the folder the report is in. Checks compare the
 figures of whichever runs hold them (first match wins): bf16 with adapters >= 100 tok/s per request, TTFT p50
 <= 150 ms, adapter TPOT <= 1.10 x base TPOT (same run), INT8 with adapters >= 170 tok/s per request, adapter
-decode rate >= 15 x HF + PEFT's; a check with no figures is "n/a", never a pass.
+decode rate >= 15 x HF + PEFT's; MXFP4 experts with adapters >= 180 tok/s per request, TTFT p50 <= 100 ms,
+adapter TPOT <= 1.10 x base TPOT; and with speculative decoding (replayed proposals at acceptance length 3) the
+goals of >= 200 tok/s per request with bf16 experts and >= 300 with MXFP4. Speculative rows count for those
+goals only. A check with no figures is "n/a", never a pass.
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ def combine_reports(specs: list[str]) -> dict:
     rows = []
     for run in runs:
         rep, engines = run["report"], run["report"].get("engine") or {}
+        workload = rep.get("workload") or {}
+        spec_length = workload.get("speculative_acceptance_length") \
+            if workload.get("speculative_method") == "replay" else None
         for s in rep.get("scenarios", []):
             info = engines.get(s["name"].split(" ", 1)[0], {})
             rows.append(dict(run=run["label"], scenario=s["name"], kind="engine",
@@ -55,6 +61,8 @@ def combine_reports(specs: list[str]) -> dict:
                              output_throughput_tok_s=s["output_throughput_tok_s"],
                              total_throughput_tok_s=s["total_throughput_tok_s"], peak_memory_gib=s["peak_memory_gib"],
                              truncated=s["truncated"], adapters="adapters" in s["name"],
+                             speculative=((s.get("extra") or {}).get("speculative") or {}).get("method"),
+                             spec_length=spec_length,
                              graph_steps=(s.get("extra") or {}).get("graph_steps"),
                              engine_steps=(s.get("extra") or {}).get("engine_steps")))
         for h in rep.get("hf_baseline", []):
@@ -104,7 +112,8 @@ def _check(name: str, value: float | None, target: float, higher: bool, detail: 
 def serving_checks(rows: list[dict]) -> list[dict]:
     """The serving workload's targets (docs/performance.md, "GPT-OSS-20B multi-LoRA serving workload") against the
     figures of ``rows``; TP = 1 engine rows only."""
-    eng = [r for r in rows if r["kind"] == "engine" and (r["tp"] in (None, 1))]
+    one = [r for r in rows if r["kind"] == "engine" and (r["tp"] in (None, 1))]
+    eng = [r for r in one if not r.get("speculative")]
     bf16_lora = _first(eng, lambda r: r["scenario"].startswith("bf16") and r["adapters"])
     bf16_base = _first(eng, lambda r: r["scenario"].startswith("bf16") and not r["adapters"]
                        and r["run"] == (bf16_lora or {}).get("run"))
@@ -125,11 +134,32 @@ def serving_checks(rows: list[dict]) -> list[dict]:
                if bf16_lora and peft and peft["per_request_decode_tok_s"] else None, 15, True,
                "HF+PEFT decode rate from its static batch"),
     ]
+    checks += _mxfp4_checks(eng)
+    for experts, goal in (("bf16", 200), ("mxfp4", 300)):
+        spec = _first(one, lambda r: r.get("speculative") == "replay" and r["scenario"].startswith(experts)
+                      and r["adapters"] and r.get("spec_length") == 3.0)
+        checks.append(_check(f"{'MXFP4 experts' if experts == 'mxfp4' else 'bf16'}, adapters, speculative "
+                             f"(replayed, acceptance length 3): output tok/s per request >= {goal}",
+                             (spec or {}).get("per_request_output_tok_s"), goal, True, (spec or {}).get("run", "")))
     if bf16_lora and peft and peft.get("est_per_request_output_tok_s"):
         checks.append(_check("bf16 adapters output tok/s per request / HF+PEFT (est. at the same output) >= 15",
                              bf16_lora["per_request_output_tok_s"] / peft["est_per_request_output_tok_s"], 15, True,
                              "HF+PEFT extrapolated from its short run"))
     return checks
+
+
+def _mxfp4_checks(eng: list[dict]) -> list[dict]:
+    lora = _first(eng, lambda r: r["scenario"].startswith("mxfp4") and r["adapters"])
+    base = _first(eng, lambda r: r["scenario"].startswith("mxfp4") and not r["adapters"]
+                  and r["run"] == (lora or {}).get("run"))
+    run = (lora or {}).get("run", "")
+    return [
+        _check("MXFP4 experts, adapters: output tok/s per request >= 180",
+               (lora or {}).get("per_request_output_tok_s"), 180, True, run),
+        _check("MXFP4 experts, adapters: TTFT p50 ms <= 100", (lora or {}).get("ttft_p50_ms"), 100, False, run),
+        _check("MXFP4 experts: adapter TPOT / base TPOT <= 1.10",
+               lora["tpot_mean_ms"] / base["tpot_mean_ms"] if lora and base else None, 1.10, False, run),
+    ]
 
 
 def to_markdown(combined: dict) -> str:

@@ -15,13 +15,47 @@ def _scenario(name, tok_s, tpot, ttft=100.0):
                 total_throughput_tok_s=50 * tok_s, peak_memory_gib=50.0, truncated=False, extra={})
 
 
-def _write(tmp_path, name, scenarios, engine, hf=()):
+def _write(tmp_path, name, scenarios, engine, hf=(), workload=None):
     path = tmp_path / name / "bench_serve.json"
     path.parent.mkdir()
     path.write_text(json.dumps(dict(command=f"loraplex bench serve ({name})", env={"device": "NVIDIA H200"},
                                     engine=engine, scenarios=scenarios, hf_baseline=list(hf),
-                                    setup_s={"engine_start": 12.0})), encoding="utf-8")
+                                    setup_s={"engine_start": 12.0}, workload=workload or {})), encoding="utf-8")
     return str(path)
+
+
+def _replayed(name, tok_s, tpot):
+    s = _scenario(f"{name} [replayed proposals]", tok_s, tpot)
+    s["extra"] = {"speculative": {"method": "replay", "acceptance_length": 2.99}}
+    return s
+
+
+def test_mxfp4_targets_and_speculative_goals_from_their_own_runs(tmp_path):
+    """A speculative run listed first is not taken for the plain targets; its goal is checked at L = 3 only."""
+    spec = dict(speculative_method="replay", speculative_acceptance_length=3.0)
+    runs = [
+        _write(tmp_path, "spec-bf16-3.0", [_replayed("bf16 8 adapters r32", 179.0, 5.5)],
+               {"bf16": {"tensor_parallel_size": 1}}, workload=spec),
+        _write(tmp_path, "spec-mxfp4-2.5", [_replayed("mxfp4 8 adapters r32", 350.0, 3.0)],
+               {"mxfp4": {"tensor_parallel_size": 1}}, workload={**spec, "speculative_acceptance_length": 2.5}),
+        _write(tmp_path, "spec-mxfp4-3.0", [_replayed("mxfp4 8 adapters r32", 305.0, 3.3)],
+               {"mxfp4": {"tensor_parallel_size": 1}}, workload=spec),
+        _write(tmp_path, "bf16", [_scenario("bf16 base-only", 95.0, 10.4), _scenario("bf16 8 adapters r32", 87.0, 11.5)],
+               {"bf16": {"tensor_parallel_size": 1}}),
+        _write(tmp_path, "mxfp4", [_scenario("mxfp4 base-only", 175.0, 5.7),
+                                   _scenario("mxfp4 8 adapters r32", 150.0, 6.6, ttft=40.0)],
+               {"mxfp4": {"tensor_parallel_size": 1}}),
+    ]
+    verdicts = {c["check"]: (c["verdict"], c["value"], c["detail"]) for c in combine_reports(runs)["checks"]}
+    assert verdicts["bf16, adapters: output tok/s per request >= 100"] == ("FAIL", 87.0, "bf16")
+    assert verdicts["MXFP4 experts, adapters: output tok/s per request >= 180"] == ("FAIL", 150.0, "mxfp4")
+    assert verdicts["MXFP4 experts, adapters: TTFT p50 ms <= 100"] == ("PASS", 40.0, "mxfp4")
+    assert verdicts["MXFP4 experts: adapter TPOT / base TPOT <= 1.10"][:2] == ("FAIL", pytest.approx(6.6 / 5.7))
+    goal = "output tok/s per request >= "
+    assert verdicts[f"bf16, adapters, speculative (replayed, acceptance length 3): {goal}200"] == \
+        ("FAIL", 179.0, "spec-bf16-3.0")
+    assert verdicts[f"MXFP4 experts, adapters, speculative (replayed, acceptance length 3): {goal}300"] == \
+        ("PASS", 305.0, "spec-mxfp4-3.0")
 
 
 def test_combined_table_tp_ratios_and_checks(tmp_path, capsys):
