@@ -15,7 +15,9 @@ Stages:
   2. per expert format (bf16, then ``--quantization mxfp4``): one engine (GPT-OSS-20B config, dummy weights, 8
      random PEFT adapters r32 on attention + experts (distinct adapters read from ``--adapter-files`` 2 files, so
      the run writes 1.4 GB, not 5.6), C = 16 requests at once, request i on adapter i % 8,
-     ``--input-len`` 1600 / ``--output-len`` 600 greedy tokens), variants:
+     ``--input-len`` 1600 / ``--output-len`` 600 greedy tokens: one burst, so every prompt is computed before the
+     first verify step and no arrival interrupts them; the serving workload's closed loop with arrivals is
+     ``benchmarks/serve/run_h200.sh`` stages spec-bf16-L / spec-mxfp4-L), variants:
         plain              speculation off (the requests opt out); its outputs are the recording
         replay L (graphs)  L = 2.0, 2.5, 3.0 with k = 2, 3, 3 drafts (per-draft acceptance rate r with
                            1 + r + ... + r^k = L), verify steps through CUDA graphs (the decode graphs' rows)
