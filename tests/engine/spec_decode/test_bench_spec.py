@@ -37,6 +37,19 @@ def test_bench_serve_replay_and_ngram(tmp_path):
                          speculative_acceptance_length=3.5)
 
 
+def test_profile_of_a_replayed_run_verifies_drafts(tmp_path):
+    """--profile-steps with replay records the profiled requests first, so the profiled steps and the profiled
+    arrival verify drafts (the verifier's launch is in the arrival's Python profile)."""
+    out = tmp_path / "out"
+    run_serve_bench(ServeBenchConfig(**TINY, speculative_method="replay", num_speculative_tokens=3,
+                                     speculative_acceptance_length=3.0, profile_steps=2, work_dir=str(tmp_path),
+                                     out_dir=str(out)))
+    text = (out / "profile_adapters.txt").read_text(encoding="utf-8")
+    arrival = text[text.index("# arrival profile"):]
+    assert "verifier.py" in arrival and "(launch)" in arrival
+    assert "replay.py" in arrival  # the replay proposer had the arrival's prompt on record
+
+
 def test_bench_serve_flags():
     import argparse
 
