@@ -114,19 +114,10 @@ def serving_checks(rows: list[dict]) -> list[dict]:
     figures of ``rows``; TP = 1 engine rows only."""
     one = [r for r in rows if r["kind"] == "engine" and (r["tp"] in (None, 1))]
     eng = [r for r in one if not r.get("speculative")]
-    bf16_lora = _first(eng, lambda r: r["scenario"].startswith("bf16") and r["adapters"])
-    bf16_base = _first(eng, lambda r: r["scenario"].startswith("bf16") and not r["adapters"]
-                       and r["run"] == (bf16_lora or {}).get("run"))
+    bf16_checks, bf16_lora = _adapter_checks(eng, "bf16", "bf16", min_tok_s=100, max_ttft_ms=150)
     int8_lora = _first(eng, lambda r: r["scenario"].startswith("int8") and r["adapters"])
     peft = _first(rows, lambda r: r["kind"] == "hf" and r.get("peft"))
-    checks = [
-        _check("bf16, adapters: output tok/s per request >= 100", (bf16_lora or {}).get("per_request_output_tok_s"),
-               100, True, (bf16_lora or {}).get("run", "")),
-        _check("bf16, adapters: TTFT p50 ms <= 150", (bf16_lora or {}).get("ttft_p50_ms"), 150, False,
-               (bf16_lora or {}).get("run", "")),
-        _check("bf16: adapter TPOT / base TPOT <= 1.10",
-               bf16_lora["tpot_mean_ms"] / bf16_base["tpot_mean_ms"] if bf16_lora and bf16_base else None, 1.10,
-               False, (bf16_lora or {}).get("run", "")),
+    checks = bf16_checks + [
         _check("INT8 experts, adapters: output tok/s per request >= 170",
                (int8_lora or {}).get("per_request_output_tok_s"), 170, True, (int8_lora or {}).get("run", "")),
         _check("bf16 adapters decode tok/s per request / HF+PEFT >= 15",
@@ -134,13 +125,13 @@ def serving_checks(rows: list[dict]) -> list[dict]:
                if bf16_lora and peft and peft["per_request_decode_tok_s"] else None, 15, True,
                "HF+PEFT decode rate from its static batch"),
     ]
-    checks += _mxfp4_checks(eng)
-    for experts, goal in (("bf16", 200), ("mxfp4", 300)):
-        spec = _first(one, lambda r: r.get("speculative") == "replay" and r["scenario"].startswith(experts)
+    checks += _adapter_checks(eng, "mxfp4", "MXFP4 experts", min_tok_s=180, max_ttft_ms=100)[0]
+    for prefix, label, goal in (("bf16", "bf16", 200), ("mxfp4", "MXFP4 experts", 300)):
+        spec = _first(one, lambda r, p=prefix: r.get("speculative") == "replay" and r["scenario"].startswith(p)
                       and r["adapters"] and r.get("spec_length") == 3.0)
-        checks.append(_check(f"{'MXFP4 experts' if experts == 'mxfp4' else 'bf16'}, adapters, speculative "
-                             f"(replayed, acceptance length 3): output tok/s per request >= {goal}",
-                             (spec or {}).get("per_request_output_tok_s"), goal, True, (spec or {}).get("run", "")))
+        checks.append(_check(f"{label}, adapters, speculative (replayed, acceptance length 3): output tok/s per "
+                             f"request >= {goal}", (spec or {}).get("per_request_output_tok_s"), goal, True,
+                             (spec or {}).get("run", "")))
     if bf16_lora and peft and peft.get("est_per_request_output_tok_s"):
         checks.append(_check("bf16 adapters output tok/s per request / HF+PEFT (est. at the same output) >= 15",
                              bf16_lora["per_request_output_tok_s"] / peft["est_per_request_output_tok_s"], 15, True,
@@ -148,18 +139,22 @@ def serving_checks(rows: list[dict]) -> list[dict]:
     return checks
 
 
-def _mxfp4_checks(eng: list[dict]) -> list[dict]:
-    lora = _first(eng, lambda r: r["scenario"].startswith("mxfp4") and r["adapters"])
-    base = _first(eng, lambda r: r["scenario"].startswith("mxfp4") and not r["adapters"]
+def _adapter_checks(eng: list[dict], prefix: str, label: str, *, min_tok_s: float,
+                    max_ttft_ms: float) -> tuple[list[dict], dict | None]:
+    """One precision's targets with 8 adapters (output tok/s per request, TTFT p50, adapter TPOT / base-only TPOT of
+    the same run) from the first run whose scenarios start with ``prefix``; (checks, that adapters row)."""
+    lora = _first(eng, lambda r: r["scenario"].startswith(prefix) and r["adapters"])
+    base = _first(eng, lambda r: r["scenario"].startswith(prefix) and not r["adapters"]
                   and r["run"] == (lora or {}).get("run"))
     run = (lora or {}).get("run", "")
     return [
-        _check("MXFP4 experts, adapters: output tok/s per request >= 180",
-               (lora or {}).get("per_request_output_tok_s"), 180, True, run),
-        _check("MXFP4 experts, adapters: TTFT p50 ms <= 100", (lora or {}).get("ttft_p50_ms"), 100, False, run),
-        _check("MXFP4 experts: adapter TPOT / base TPOT <= 1.10",
+        _check(f"{label}, adapters: output tok/s per request >= {min_tok_s}",
+               (lora or {}).get("per_request_output_tok_s"), min_tok_s, True, run),
+        _check(f"{label}, adapters: TTFT p50 ms <= {max_ttft_ms}", (lora or {}).get("ttft_p50_ms"), max_ttft_ms,
+               False, run),
+        _check(f"{label}: adapter TPOT / base TPOT <= 1.10",
                lora["tpot_mean_ms"] / base["tpot_mean_ms"] if lora and base else None, 1.10, False, run),
-    ]
+    ], lora
 
 
 def to_markdown(combined: dict) -> str:

@@ -10,8 +10,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "serve", "run_h200.sh")
-TINY = ("--scale tiny --device cpu --dtype bfloat16 --input-len 16 --output-len 8 --num-requests 3 --num-adapters 2 --rank 4 "
-        "--concurrency 2")
+TINY = ("--scale tiny --device cpu --dtype bfloat16 --input-len 16 --output-len 8 --num-requests 3 "
+        "--num-adapters 2 --rank 4 --concurrency 2")
 
 
 def _run(tmp_path, stages: str) -> subprocess.CompletedProcess:
