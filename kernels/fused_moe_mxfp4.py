@@ -40,7 +40,9 @@ registers while this one computes, instead of Triton's cp.async pipeline; launch
 every kernel of the op launched with programmatic dependent launch on sm_90+: it starts while the previous kernel
 drains, waits for it before reading, and lets the next one start after its K loop), DECODE
 ("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
-and no moe_align launch, ``route_tables``; for a token or two), num_warps, num_stages. Under TRITON_INTERPRET the
+and no moe_align launch, ``route_tables``; for a token or two), num_warps, num_stages, and DOWN_<key> (the down
+GEMM's own BLOCK_N, BLOCK_K, PREFETCH, DECODE, num_warps or num_stages: its K is I and its N is H, not gate_up's
+shape, and it has one accumulator where gate_up has two, so its best tile differs). Under TRITON_INTERPRET the
 decode runs in float32 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in
 float32.
 """
@@ -389,6 +391,21 @@ def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor):
                  LORA_DTYPE=tl_dtype(lora.table.dtype)))
 
 
+# keys a config may set for the down GEMM alone with a DOWN_ prefix (DOWN_BLOCK_N 128: gate_up keeps BLOCK_N, down
+# runs 128-row tiles); the row blocks (BLOCK_M, GROUP_M, DIRECT) come from the one alignment both GEMMs share
+DOWN_KEYS = ("BLOCK_N", "BLOCK_K", "PREFETCH", "DECODE", "num_warps", "num_stages")
+
+
+def down_config(cfg: dict) -> dict:
+    """``cfg`` as the down GEMM runs it: each ``DOWN_<key>`` (a key of DOWN_KEYS) in place of ``<key>``."""
+    over = {k[5:]: v for k, v in cfg.items() if k.startswith("DOWN_")}
+    bad = sorted(set(over) - set(DOWN_KEYS))
+    if bad:
+        raise ValueError(f"config keys {', '.join('DOWN_' + k for k in bad)}: the down GEMM may override only "
+                         f"{', '.join(DOWN_KEYS)} (its row blocks are gate_up's)")
+    return {**cfg, **over} if over else cfg
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -478,7 +495,8 @@ def gate_up_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act: i
 def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: bool,
                     split_k: int | None = None) -> dict:
     """The constexprs ``down`` launches ``_down_kernel`` with for ``cfg`` at h [T*A, inter] and w2 [E, hidden, ..]
-    (``split_k``: default cfg SPLIT_K, at most one split per K step)."""
+    (``split_k``: default cfg SPLIT_K, at most one split per K step; ``DOWN_`` keys applied, ``down_config``)."""
+    cfg = down_config(cfg)
     bm, bn, bk, gm, _ = _launch(cfg)
     splits = int(cfg.get("SPLIT_K", 1) if split_k is None else split_k)
     return dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=cdiv(hidden, bn),
@@ -525,8 +543,9 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
          lora: LoRAEpilogue | None = None) -> torch.Tensor:
     """Kernel-layout down GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; with
     ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them).
-    ``lora``: the down LoRA delta, routing-weighted with the rest (split 0 adds it)."""
-    launch = _launch(cfg)[4]
+    ``lora``: the down LoRA delta, routing-weighted with the rest (split 0 adds it). cfg's ``DOWN_`` keys set
+    down's own tile (``down_config``)."""
+    launch = _launch(down_config(cfg))[4]
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
     pdl = use_pdl(cfg, h.device)
@@ -595,5 +614,5 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     return sum_pairs(out, num_tokens, top_k, x.dtype, pdl=use_pdl(cfg, x.device))
 
 
-__all__ = ["DEFAULT_CONFIG", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_constexprs",
-           "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "route_tables", "sum_pairs", "use_pdl"]
+__all__ = ["DEFAULT_CONFIG", "DOWN_KEYS", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_config",
+           "down_constexprs", "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "route_tables", "sum_pairs", "use_pdl"]

@@ -144,6 +144,10 @@ CONFIGS = {
                                    "num_stages": 2},
     "fused 16x128x128": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "GU_FUSED": 1,
                          "num_warps": 4, "num_stages": 3},  # the tuned verify-step (M = 64) tile's shape
+    "8x64x64, down 128x128 prefetch": {"BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 2,
+                                       "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "DOWN_PREFETCH": 1,
+                                       "DOWN_num_stages": 1, "DOWN_DECODE": "bits", "num_warps": 4,
+                                       "num_stages": 2},  # down's own tile (DOWN_ keys)
     "direct prefetch 8x128x64 split3": {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "DIRECT": 1,
                                         "PREFETCH": 1, "GU_SPLIT_K": 3, "SPLIT_K": 3, "num_warps": 1,
                                         "num_stages": 1},
@@ -174,6 +178,7 @@ def _moe(num_tokens: int, top_k: int, with_bias: bool, dtype=torch.float32):
     (9, 2, "silu", True, "fused 16x64x64 prefetch"),
     (33, 4, "swiglu_clamp", False, "fused 8x32x128 split2 bits"),
     (1, 4, "swiglu_clamp", True, "direct prefetch 8x128x64 split3"),
+    (33, 4, "swiglu_clamp", True, "8x64x64, down 128x128 prefetch"),
 ])
 def test_fused_moe_mxfp4_kernel_layout_matches_reference(num_tokens, top_k, activation, with_bias, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, with_bias)
@@ -203,6 +208,10 @@ def test_fused_moe_mxfp4_kernel_layout_rejects_bad_input():
         fused_moe_mxfp4(x, *kernel, weights, ids, config={**CONFIGS["16x64x64"], "BLOCK_K": 32})
     with pytest.raises(ValueError, match="DECODE"):
         fused_moe_mxfp4(x, *kernel, weights, ids, config={**CONFIGS["16x64x64"], "DECODE": "lut"})
+    with pytest.raises(ValueError, match="DOWN_BLOCK_M.*only"):  # down's row blocks are gate_up's
+        fused_moe_mxfp4(x, *kernel, weights, ids, config={**CONFIGS["16x64x64"], "DOWN_BLOCK_M": 8})
+    with pytest.raises(ValueError, match="BLOCK_N a multiple of 16"):
+        fused_moe_mxfp4(x, *kernel, weights, ids, config={**CONFIGS["16x64x64"], "DOWN_BLOCK_N": 40})
     with pytest.raises(ValueError, match="share a layout"):
         fused_moe_mxfp4(x, w13, s13, plain[2], plain[3], weights, ids)
     with pytest.raises(ValueError, match="do not match"):
@@ -247,6 +256,7 @@ EPILOGUE_CASES = {  # (tokens, top_k, base config): 8-row blocks, so the deltas 
     "gate/up in one product, bits decode, down split": (17, 2, "fused 8x32x128 split2 bits"),
     "one pair a block, register prefetch": (3, 4, "direct prefetch 8x128x64 split3"),
     "many pairs a block": (33, 4, "fused 8x32x128 split2 bits"),
+    "down on its own tile": (21, 4, "8x64x64, down 128x128 prefetch"),
 }
 
 
