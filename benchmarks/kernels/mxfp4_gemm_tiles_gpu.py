@@ -2,19 +2,20 @@
 each combined into one config (down's through the ``DOWN_`` keys of ``fused_moe_mxfp4.down_config``), and the whole
 op and the expert layer with LoRA timed with the committed config and with the combination.
 
-    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py          # H200: ~4 minutes
+    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py          # H200: ~3 minutes
     PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py --m 16 --warm-s 0
 
 The two GEMMs of an expert layer share the row blocks (one alignment: BLOCK_M, GROUP_M, DIRECT), not their
 shapes: gate_up reads K = H and writes two accumulators (gate and up rows) per program, down reads K = I into one,
 so a tile chosen for both is a compromise for one. Rows: ``gate_up, <tile>`` / ``down, <tile>`` (each GEMM alone,
-its output checked against the committed config's, rel. error ≤ 1e-2), ``op, committed`` / ``op, combined`` (the
-whole op against the torch reference) and ``lora, committed`` / ``lora, combined`` (``moe_experts_lora`` with
+its output checked against the committed config's, rel. error ≤ 1e-2), ``op, committed`` / ``op, combined`` /
+``op, combined, PDL`` (the whole op against the torch reference) and ``lora, committed`` / ``lora, fastest``
+(the fastest op row's config; ``moe_experts_lora`` with
 --max-loras adapters of --rank on both expert targets, as the engine calls it). Timing, bytes and the roofline as
 ``mxfp4_gemm_gpu.py`` (CUDA-graph replay after an L2 flush; the touched experts' MXFP4 bytes and the activations;
 a 1 GiB copy's rate). Writes ``mxfp4_tiles.json`` (every row, rewritten as rows come) and ``mxfp4_tiles.md`` into
-$OUT, and ``fused_moe_mxfp4.json``: the committed tuning file with each measured M's entry replaced by the
-combination where the combination was faster for the whole op.
+$OUT, and ``fused_moe_mxfp4.json``: the committed tuning file with each measured M's entry set to the fastest op
+row's config where that is not the committed one.
 """
 from __future__ import annotations
 
@@ -35,26 +36,32 @@ from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, copy_bandwidth_tbs, gem
 TILE_KEYS = ("BLOCK_N", "BLOCK_K", "PREFETCH", "num_warps", "num_stages")
 
 
-def _tile(bn: int, bk: int, prefetch: int, warps: int = 4) -> dict:
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": prefetch, "num_warps": warps, "num_stages": 1 if prefetch else 3}
+def _tile(bn: int, bk: int, prefetch: int, warps: int = 4, stages: int = 3) -> dict:
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": prefetch, "num_warps": warps,
+            "num_stages": 1 if prefetch else stages}
 
 
 def gate_up_tiles(m: int) -> list[dict]:
-    """gate_up candidates (the committed config's row blocks kept): tile, gate/up in one product, split-K at M <= 4."""
+    """gate_up candidates (the committed config's row blocks kept): tile, gate/up in one product, deeper cp.async
+    pipelines, split-K at M <= 8."""
     out = [{**_tile(bn, bk, pf), "GU_FUSED": fused}
            for bn, bk, pf, fused in itertools.product((64, 128), (128, 256), (1, 0), (0, 1))]
-    if m <= 4:
-        out += [{**c, "GU_SPLIT_K": 2} for c in out[:4]]
+    out += [{**_tile(bn, 128, 0, stages=st), "GU_FUSED": fused}
+            for bn, st, fused in itertools.product((64, 128), (4, 6), (0, 1))]
+    if m <= 8:
+        out += [{**_tile(bn, 128, pf), "GU_FUSED": fused, "GU_SPLIT_K": sk}
+                for bn, pf, fused, sk in itertools.product((64, 128), (1, 0), (0, 1), (2, 4))]
     return out
 
 
 def down_tiles(m: int) -> list[dict]:
     """down candidates as ``DOWN_`` keys (SPLIT_K is down's own key already)."""
+    splits = (1, 2, 4) if m <= 8 else (1, 2) if m <= 32 else (1,)
     tiles = [{**_tile(bn, bk, pf), "SPLIT_K": sk}
-             for bn, bk, pf, sk in itertools.product((64, 128, 256), (128, 256), (1, 0), (1, 2) if m <= 16 else (1,))]
+             for bn, bk, pf, sk in itertools.product((64, 128, 256), (128, 256), (1, 0), splits)]
+    tiles += [{**_tile(bn, 128, 0, stages=st), "SPLIT_K": sk}
+              for bn, st, sk in itertools.product((64, 128), (4, 6), splits)]
     tiles += [{**_tile(256, 128, 0, 8), "SPLIT_K": 1}, {**_tile(128, 128, 0, 8), "SPLIT_K": 1}]
-    if m <= 4:
-        tiles += [{**_tile(bn, 128, 1), "SPLIT_K": 4} for bn in (64, 128)]
     return [{("DOWN_" + k if k in TILE_KEYS else k): v for k, v in t.items()} for t in tiles]
 
 
@@ -65,7 +72,7 @@ def label(cfg: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--m", default="16,64,1,4")
+    p.add_argument("--m", default="16,64,1,4,8,32,2")
     p.add_argument("--lora-m", default="16,64")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
@@ -185,24 +192,24 @@ def measure(m, s, tuned, args, run, copy_tbs, lora_ms, fm, ref, moe_experts_lora
     combined = {**tuned, **(best_gu[0] or {}), **(best_dn[0] or {})}
     mx_bytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4")
     ops = {}
-    for name, cfg in (("committed", tuned), ("combined", combined)):
+    for name, cfg in (("committed", tuned), ("combined", combined), ("combined, PDL", {**combined, "PDL": 1})):
         ops[name] = row(f"op, {name}", lambda cfg=cfg: fm.fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg,
                                                                             **kw), mx_bytes,
                         lambda cfg=cfg: rel_error(fm.fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw),
                                                   want), cfg)
+    fastest = min(ops, key=lambda k: ops[k].get("us", float("inf")) if ops[k].get("ok") else float("inf"))
+    best = ops[fastest]["config"]
     if m in lora_ms:
         lo = lora_inputs(s, m, ids, args.max_loras, args.rank, "cuda", x.dtype)
         lkw = dict(w13_lora=lo["w13_lora"], w2_lora=lo["w2_lora"], w13_scale=s13, w2_scale=s2, **kw)
         lbytes = mx_bytes + lora_extra_bytes(m, lo["pairs"], s.hidden, s.inter, s.top_k, args.rank)
         base = moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], config=tuned, **lkw)
-        for name, cfg in (("committed", tuned), ("combined", combined)):
+        for name, cfg in (("committed", tuned), ("fastest", best)):
             row(f"lora, {name}", lambda cfg=cfg: moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"],
                                                                   config=cfg, **lkw), lbytes,
                 lambda cfg=cfg: rel_error(moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"],
                                                            config=cfg, **lkw), base), cfg)
-    c, t = ops["committed"], ops["combined"]
-    faster = t.get("ok") and t.get("us", float("inf")) < c.get("us", float("inf"))
-    return {k: v for k, v in combined.items()} if faster else None
+    return dict(best) if fastest != "committed" else None
 
 
 def kw_gate(kw: dict) -> dict:
