@@ -3,6 +3,8 @@
 Shape legend: T tokens of the step (all sequences packed), H hidden, V vocabulary.
 
     input_ids [T] -> embed_tokens -> L x DecoderLayer -> norm -> hidden [T, H]
+    aux_layer_ids (EAGLE-3 drafts): also the residual stream entering each named layer (h + residual; id L: the
+    last layer's output before the norm), concatenated in layer order -> aux [T, len(ids) * H]
     DecoderLayer:  h, res = input_layernorm(h, res);  h = self_attn(h)
                    h, res = post_attention_layernorm(h, res);  h = mlp(h)
     compute_logits(hidden [N, H]) -> lm_head -> [N, V] float32
@@ -69,13 +71,18 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], aux_layer_ids: tuple[int, ...] = ()):
         h = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in aux_layer_ids:
+                aux.append(h if residual is None else h + residual)
             h, residual = layer(positions, h, residual, attn, kv_cache)
+        if len(self.layers) in aux_layer_ids:
+            aux.append(h + residual)
         h, _ = self.norm(h, residual)
-        return h
+        return (h, torch.cat(aux, dim=-1)) if aux_layer_ids else h
 
 
 class CausalLM(nn.Module):
@@ -99,9 +106,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids [T] long, positions [T] long; kv_caches one (k, v) per layer -> hidden [T, H]."""
-        return self.model(input_ids, positions, attn, kv_caches)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], aux_layer_ids: tuple[int, ...] = ()):
+        """input_ids [T] long, positions [T] long; kv_caches one (k, v) per layer -> hidden [T, H]; with
+        ``aux_layer_ids`` (distinct, in [0, L]) -> (hidden, aux [T, len(aux_layer_ids) * H]) (module docstring)."""
+        return self.model(input_ids, positions, attn, kv_caches, aux_layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""

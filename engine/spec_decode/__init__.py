@@ -7,6 +7,8 @@ distribution (rejection sampling). docs/engine.md, "Speculative decoding".
     ngram.py        prompt lookup          draft_model.py  a small causal LM with its own paged KV
     draft_lora.py   per-adapter draft LoRAs of the draft model
     eagle_head.py   an EAGLE-style draft head   eagle.py  its proposer, on the target's hidden states
+    eagle3_draft.py a published EAGLE-3 draft   eagle3_checkpoint.py  its loader   eagle3.py  its proposer, on
+                    the target's aux hidden states, with its own paged KV
     replay.py       recorded tokens at a set acceptance rate (benchmarks)
     rejection.py    acceptance: greedy prefix match, speculative rejection sampling
     verifier.py     the verify step: one forward, sampling controls per position, acceptance, stop cuts

@@ -4,6 +4,7 @@
     SpeculativeConfig(method="draft", draft_model="/models/small", num_speculative_tokens=4)
     SpeculativeConfig(method="draft", draft_model="/models/small", draft_adapters={"t/a/1": "/adapters/t/a/1"})
     SpeculativeConfig(method="eagle", draft_head="/models/target-eagle-head", num_speculative_tokens=3)
+    SpeculativeConfig(method="eagle3", draft_head="/models/EAGLE3-LLaMA3.1-Instruct-8B", num_speculative_tokens=3)
     SpeculativeConfig(method="replay", replay_acceptance_rate=acceptance_rate_for(2.5, 3), num_speculative_tokens=3)
 
 ``replay`` is for benchmarks only: it proposes the tokens of a recorded non-speculative run (given to the
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft", "eagle", "replay")
+METHODS = ("ngram", "draft", "eagle", "eagle3", "replay")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
 class SpeculativeConfig:
     """``method``: "ngram" (prompt lookup), "draft" (a small causal LM sharing the tokenizer, ``draft_model``),
-    "eagle" (a draft head on the target's hidden states, ``draft_head``: eagle_head.py) or "replay" (benchmarks).
+    "eagle" (a draft head on the target's hidden states, ``draft_head``: eagle_head.py), "eagle3" (a published
+    EAGLE-3 draft on the target's aux hidden states, ``draft_head``: eagle3_checkpoint.py) or "replay" (benchmarks).
     ``num_speculative_tokens``: k, the most drafts a sequence verifies per step.
 
     ``verify_cuda_graphs``: verify steps as flattened decode rows through CUDA graphs (row j of a sequence's k + 1
@@ -36,15 +38,17 @@ class SpeculativeConfig:
     ngram_max: int = 4
     # draft: an HF folder of one of the engine's families with the target's vocabulary
     draft_model: str | None = None
-    draft_num_kv_blocks: int | None = None      # the draft's KV pool (default: max_num_seqs full sequences)
-    draft_max_batched_tokens: int | None = None  # draft catch-up tokens per step (default: max_num_batched_tokens)
+    # draft and eagle3: the draft's KV pool (default: max_num_seqs full sequences) and catch-up tokens per step
+    draft_num_kv_blocks: int | None = None
+    draft_max_batched_tokens: int | None = None  # default: max_num_batched_tokens
     draft_load_format: str = "auto"              # auto | safetensors | dummy (benchmarks)
     # per-adapter drafts: target adapter_id -> the folder of a LoRA of the draft model (or a folder holding it in a
     # ``draft/`` subfolder, draft_lora.py); None: no LoRA on the draft; {} attaches it for drafts registered later
     draft_adapters: dict[str, str] | None = None
     draft_max_lora_rank: int = 16
     discover_draft_adapters: bool = False        # also use the draft/ folder beside each file:// adapter, if any
-    # eagle: the folder of a draft head trained on this target's hidden states (eagle_head.py)
+    # eagle: the folder of a draft head trained on this target's hidden states (eagle_head.py); eagle3: the folder
+    # of a published EAGLE-3 draft of this target (config.json + weights, eagle3_checkpoint.py)
     draft_head: str | None = None
     draft_heads: dict[str, str] | None = None    # adapter id -> a head trained under that adapter (rest: draft_head)
     # replay (benchmarks): P(a replayed draft is accepted), independently per position
@@ -68,8 +72,15 @@ class SpeculativeConfig:
         if self.method == "eagle" and not self.draft_head:
             raise ValueError("speculative method 'eagle' needs draft_head: the folder of a draft head trained on the "
                              "target's hidden states (config.json + model.safetensors)")
-        if self.method != "eagle" and (self.draft_head or self.draft_heads):
-            raise ValueError(f"draft_head(s) set but the speculative method is {self.method!r}; use method='eagle'")
+        if self.method == "eagle3" and not self.draft_head:
+            raise ValueError("speculative method 'eagle3' needs draft_head: the folder of a published EAGLE-3 draft "
+                             "of the target (config.json + model.safetensors or pytorch_model.bin)")
+        if self.method == "eagle3" and self.draft_heads:
+            raise ValueError("draft_heads is set but method 'eagle3' serves one draft for every adapter; use "
+                             "draft_head")
+        if self.method not in ("eagle", "eagle3") and (self.draft_head or self.draft_heads):
+            raise ValueError(f"draft_head(s) set but the speculative method is {self.method!r}; use method='eagle' "
+                             "or 'eagle3'")
         if self.draft_heads is not None and (not isinstance(self.draft_heads, dict) or not all(
                 isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.draft_heads.items())):
             raise ValueError(f"draft_heads must map adapter ids to head folders (non-empty strings), got "

@@ -86,7 +86,27 @@ def _eagle(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
                          adapter_heads={a: load(f) for a, f in (config.draft_heads or {}).items()})
 
 
-for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft), ("eagle", _eagle)):
+def _eagle3(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    from loraplex.engine.spec_decode.draft_model import DraftKVPool
+    from loraplex.engine.spec_decode.eagle3 import Eagle3Proposer, Eagle3Runner
+    from loraplex.engine.spec_decode.eagle3_checkpoint import load_eagle3_draft
+
+    r = ctx.runner
+    draft, aux = load_eagle3_draft(config.draft_head, target=r.model_config, max_model_len=ctx.max_model_len,
+                                   device=r.device, dtype=r.dtype)
+    c = draft.layer_config
+    pool = DraftKVPool(1, c.num_kv_heads, c.head_dim, device=r.device, dtype=r.dtype, block_size=ctx.block_size,
+                       max_model_len=ctx.max_model_len, max_num_seqs=ctx.max_num_seqs,
+                       num_blocks=config.draft_num_kv_blocks, target_kv_tokens=r.num_blocks * r.block_size)
+    logger.info("EAGLE-3 draft: hidden %d, draft vocabulary %d, aux layers %s, %d KV blocks", c.hidden_size,
+                c.vocab_size, list(aux), pool.num_blocks)
+    return Eagle3Proposer(Eagle3Runner(draft, r.model, pool, block_size=ctx.block_size), aux,
+                          k=config.num_speculative_tokens, vocab_size=ctx.vocab_size,
+                          max_batched_tokens=config.draft_max_batched_tokens or ctx.max_num_batched_tokens)
+
+
+for _name, _factory in (("ngram", _ngram), ("replay", _replay), ("draft", _draft), ("eagle", _eagle),
+                        ("eagle3", _eagle3)):
     register_proposer(_name, _factory)
 
 
@@ -108,7 +128,7 @@ class SpecDecoder:
             rows = min(config.verify_graph_max_rows, max_num_seqs * (config.num_speculative_tokens + 1))
             verify_graphs, decode_graphs = make_verify_graphs(runner, rows, max_model_len)
         self.executor = VerifyExecutor(runner, max_model_len=max_model_len, verify_graphs=verify_graphs,
-                                       decode_graphs=decode_graphs)
+                                       decode_graphs=decode_graphs, aux_layer_ids=self.proposer.aux_layer_ids)
         self.stats = SpecDecodeStats()
         self._proposals: dict[int, Proposal] = {}
         self._drafted: dict[int, Sequence] = {}      # sequences given drafts for the coming step

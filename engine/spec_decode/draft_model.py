@@ -46,6 +46,36 @@ logger = logging.getLogger(__name__)
 CUDA_DRAFT_KV_FRACTION = 0.5  # of the memory free after the draft's weights, at most, for its KV pool
 
 
+class DraftKVPool:
+    """A draft's own paged KV: one (k, v) pair per layer, each [num_blocks, block_size, KV, D], and the
+    ``KVCacheManager`` of its blocks (no prefix caching). ``num_blocks`` None: ``max_num_seqs`` full sequences,
+    at most the target pool's tokens, on CUDA at most ``CUDA_DRAFT_KV_FRACTION`` of the free memory."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, device: torch.device,
+                 dtype: torch.dtype, block_size: int, max_model_len: int, max_num_seqs: int,
+                 num_blocks: int | None = None, target_kv_tokens: int | None = None) -> None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        per_seq = -(-max_model_len // block_size)
+        if num_blocks is None:
+            tokens = max_num_seqs * max_model_len if target_kv_tokens is None else min(max_num_seqs * max_model_len,
+                                                                                     target_kv_tokens)
+            num_blocks = max(per_seq, -(-tokens // block_size))
+            if device.type == "cuda":
+                free = torch.cuda.mem_get_info(device)[0]
+                num_blocks = min(num_blocks, int(free * CUDA_DRAFT_KV_FRACTION) // self.bytes_per_block)
+                if num_blocks < per_seq:
+                    raise RuntimeError(f"not enough GPU memory for the draft's KV cache ({num_blocks} blocks, "
+                                       f"one sequence of {max_model_len} tokens needs {per_seq}); lower "
+                                       f"gpu_memory_utilization so the target leaves room for the draft")
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
+                                                                                        device=device))
+                          for _ in range(num_layers)]
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+
+
 class DraftRunner:
     """The draft model, its KV tensors and block manager (satisfies ``cuda_graphs.DecodeRunner``)."""
 
@@ -59,26 +89,11 @@ class DraftRunner:
         self.model, self.model_config = load_model(path, device=device, dtype=dtype, load_format=load_format,
                                                    progress=False)
         cfg = self.model_config
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        per_seq = -(-max_model_len // block_size)
-        if num_blocks is None:
-            tokens = max_num_seqs * max_model_len if target_kv_tokens is None else min(max_num_seqs * max_model_len,
-                                                                                     target_kv_tokens)
-            num_blocks = max(per_seq, -(-tokens // block_size))
-            if device.type == "cuda":
-                free = torch.cuda.mem_get_info(device)[0]
-                num_blocks = min(num_blocks, int(free * CUDA_DRAFT_KV_FRACTION) // self.bytes_per_block)
-                if num_blocks < per_seq:
-                    raise RuntimeError(f"not enough GPU memory for the draft model's KV cache ({num_blocks} blocks, "
-                                       f"one sequence of {max_model_len} tokens needs {per_seq}); lower "
-                                       f"gpu_memory_utilization so the target leaves room for the draft")
-        self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
-                                                                                        device=device))
-                          for _ in range(cfg.num_layers)]
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        pool = DraftKVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype,
+                           block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           num_blocks=num_blocks, target_kv_tokens=target_kv_tokens)
+        self.num_blocks, self.bytes_per_block = pool.num_blocks, pool.bytes_per_block
+        self.kv_caches, self.kv = pool.kv_caches, pool.kv
         self.lora = None
         self.adapters: DraftAdapters | None = None
         if lora_max_rank is not None:  # before the graphs: they capture the LoRA kernels
@@ -95,8 +110,8 @@ class DraftRunner:
             capture = device.type == "cuda"
             g = DecodeGraphs(self, max(1, max_num_seqs), max_model_len, capture=capture)
             self.graphs = g if not capture or g.capture_all() else None
-        logger.info("draft model: %s, %d KV blocks (%.2f GiB), decode %s", cfg.family, num_blocks,
-                    num_blocks * self.bytes_per_block / 2**30,
+        logger.info("draft model: %s, %d KV blocks (%.2f GiB), decode %s", cfg.family, self.num_blocks,
+                    self.num_blocks * self.bytes_per_block / 2**30,
                     "CUDA graphs" if self.graphs is not None and self.graphs.capture else "eager")
 
     @torch.inference_mode()

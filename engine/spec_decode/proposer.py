@@ -20,7 +20,10 @@ Hidden states. A proposer with ``needs_hidden_states = True`` (a draft head on t
 ``SpecSequence.hidden_states`` the target's final hidden states (after the last norm, the input of ``lm_head``)
 [n, H] of the positions ``hidden_start .. hidden_start + n - 1`` of that sequence computed since it was last
 proposed for, accepted tokens only (rejected drafts' rows are dropped), or None when there are none; the engine
-then runs every step holding such a sequence through the speculative executor, which keeps those rows.
+then runs every step holding such a sequence through the speculative executor, which keeps those rows. A proposer
+that also sets ``aux_layer_ids`` (EAGLE-3) gets instead the target's residual stream entering each of those layers
+(hidden + residual; the id L: the last layer's output before the final norm), concatenated in layer order:
+[n, len(aux_layer_ids) * H].
 
 Randomness: a proposer that samples (``probs`` set) draws with ``SpecSequence.generator`` (the request's own, None:
 unseeded), so seeded requests stay reproducible.
@@ -84,6 +87,7 @@ class Proposer:
 
     name = "proposer"
     needs_hidden_states = False
+    aux_layer_ids: tuple[int, ...] = ()  # with needs_hidden_states: hidden rows are these layers' inputs (below)
 
     def propose(self, batch: list[SpecSequence]) -> list[Proposal | None]:
         raise NotImplementedError

@@ -16,6 +16,9 @@ plain decodes may ride along), then acceptance per speculating sequence.
     plain rows: the model runner's own sampling (``ModelRunner._draw``, beam rows), with their grammar masks
 
 Logprobs (requests that ask) are those of the raw target logits at each kept token's row, as without speculation.
+Kept rows (``keep_hidden``, a proposer that needs hidden states): the final hidden states of those sequences'
+positions, or, with ``aux_layer_ids`` (EAGLE-3), the target's residual stream entering those layers, concatenated
+(``CausalLM.forward``); a step keeping aux rows runs eagerly (the CUDA graphs return the final hidden states only).
 ``launch`` enqueues everything up to the acceptance and starts the one read-back ([S, 2] accepted counts and
 tokens, to pinned memory on CUDA); ``finish`` waits for it and cuts the tokens (``execute``: both).
 """
@@ -82,8 +85,10 @@ class LaunchedVerify:
 
 
 class VerifyExecutor:
-    def __init__(self, runner, *, max_model_len: int, verify_graphs=None, decode_graphs=None) -> None:
+    def __init__(self, runner, *, max_model_len: int, verify_graphs=None, decode_graphs=None,
+                 aux_layer_ids: tuple[int, ...] = ()) -> None:
         self.runner = runner
+        self.aux_layer_ids = tuple(aux_layer_ids)
         self.max_model_len = max_model_len
         self.verify_graphs = verify_graphs
         self.decode_graphs = decode_graphs
@@ -119,9 +124,11 @@ class VerifyExecutor:
             else:
                 tokens = seq.token_ids_slice(start, start + s.num_new_tokens)
             entries.append((tokens, start, s.block_ids))
-        hidden, first = self._forward(out, entries, lora_slots, launched.result)
+        aux_layers = self.aux_layer_ids if keep_hidden else ()
+        hidden, first, aux = self._forward(out, entries, lora_slots, launched.result, aux_layers)
         if keep_hidden:
-            launched.kept = {s.seq.seq_id: (e[1], hidden[f:f + len(e[0])].clone())
+            kept = hidden if aux is None else aux
+            launched.kept = {s.seq.seq_id: (e[1], kept[f:f + len(e[0])].clone())
                              for s, e, f in zip(out.scheduled, entries, first) if s.seq.seq_id in keep_hidden}
         index, plain, verify = [], [], []
         for s, (tokens, _, _), f in zip(out.scheduled, entries, first):
@@ -159,9 +166,11 @@ class VerifyExecutor:
         return launched.result, outcomes, launched.kept
 
     # ---- the forward --------------------------------------------------------------------------------------
-    def _forward(self, out: SchedulerOutput, entries: list, lora_slots, result: ModelStepOutput):
+    def _forward(self, out: SchedulerOutput, entries: list, lora_slots, result: ModelStepOutput,
+                 aux_layer_ids: tuple[int, ...] = ()):
+        """(hidden [T, H], each entry's first row, aux rows [T, n * H] or None without ``aux_layer_ids``)."""
         runner = self.runner
-        graphs = self._graphs_for(out, entries)
+        graphs = None if aux_layer_ids else self._graphs_for(out, entries)
         if graphs is not None:
             runner._check_lora_slots(out, lora_slots)
             row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
@@ -172,14 +181,18 @@ class VerifyExecutor:
             for tokens, _, _ in entries:
                 first.append(row)
                 row += len(tokens)
-            return hidden, first
+            return hidden, first, None
         batch = paged_batch(entries, runner.block_size, runner.device)
         runner._set_lora_tokens(out, lora_slots)
-        hidden = runner.model(batch.input_ids, batch.positions, batch.attn, runner.kv_caches)
+        aux = None
+        if aux_layer_ids:
+            hidden, aux = runner.model(batch.input_ids, batch.positions, batch.attn, runner.kv_caches, aux_layer_ids)
+        else:
+            hidden = runner.model(batch.input_ids, batch.positions, batch.attn, runner.kv_caches)
         runner._prompt_logprobs(out, hidden, result)
         self.num_eager_steps += 1
         self.last_on_graphs = False
-        return hidden, batch.first_rows
+        return hidden, batch.first_rows, aux
 
     @staticmethod
     def _run_rows(graphs, entries: list, row_slots: list[int]) -> torch.Tensor:

@@ -7,6 +7,7 @@
     loraplex engine serve --model DIR --enable-lora --speculative-method draft --speculative-draft-model SMALL_DIR \
         --speculative-draft-adapter t/a/1=/adapters/t-a-1      # that adapter's requests draft with its draft LoRA
     loraplex engine serve --model DIR --speculative-method eagle --speculative-draft-head HEAD_DIR
+    loraplex engine serve --model DIR --speculative-method eagle3 --speculative-draft-head EAGLE3_DIR   # published
 """
 from __future__ import annotations
 
@@ -87,17 +88,18 @@ def register(subparsers) -> None:
 def _speculative_flags(s) -> None:
     g = s.add_argument_group("speculative decoding (docs/engine.md, \"Speculative decoding\"); lossless, off by "
                              "default; a request opts out with sampling \"speculative\": false")
-    g.add_argument("--speculative-method", choices=("ngram", "draft", "eagle"), default=None,
+    g.add_argument("--speculative-method", choices=("ngram", "draft", "eagle", "eagle3"), default=None,
                    help="ngram: prompt lookup (no model); draft: a small causal LM sharing the tokenizer; eagle: a "
-                        "draft head on the target's hidden states")
+                        "draft head on the target's hidden states; eagle3: a published EAGLE-3 draft of the target")
     g.add_argument("--num-speculative-tokens", type=int, default=3, help="k: drafts verified per sequence per step")
     g.add_argument("--speculative-draft-model", default=None, help="draft: HF folder of the draft model")
     g.add_argument("--speculative-draft-num-kv-blocks", type=int, default=None,
-                   help="draft: KV blocks of the draft's own cache (default: max-num-seqs full sequences, on CUDA at "
-                        "most half the memory left after the target)")
+                   help="draft, eagle3: KV blocks of the draft's own cache (default: max-num-seqs full sequences, on "
+                        "CUDA at most half the memory left after the target)")
     g.add_argument("--speculative-draft-head", default=None,
                    help="eagle: folder of a draft head trained on this target's hidden states (config.json + "
-                        "model.safetensors)")
+                        "model.safetensors); eagle3: folder of a published EAGLE-3 draft of this target (config.json "
+                        "+ model.safetensors or pytorch_model.bin)")
     g.add_argument("--speculative-adapter-draft-head", action="append", default=None, metavar="ADAPTER_ID=DIR",
                    help="eagle: a head trained under ADAPTER_ID drafts for its requests (repeatable; the others use "
                         "--speculative-draft-head)")
@@ -122,7 +124,7 @@ def speculative_config(args) -> dict | None:
         if (args.speculative_draft_model or args.speculative_draft_adapter or args.speculative_draft_head
                 or args.speculative_discover_draft_adapters or args.speculative_adapter_draft_head):
             raise ValueError("--speculative-draft-model and --speculative-draft-adapter need --speculative-method "
-                             "draft, --speculative-draft-head(s) need --speculative-method eagle")
+                             "draft, --speculative-draft-head(s) need --speculative-method eagle or eagle3")
         return None
     spec = dict(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 draft_model=args.speculative_draft_model, draft_num_kv_blocks=args.speculative_draft_num_kv_blocks,

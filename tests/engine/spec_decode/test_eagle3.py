@@ -1,0 +1,355 @@
+"""EAGLE-3 drafts in the published layout (eagle3_draft.py, eagle3_checkpoint.py, eagle3.py): every proposal equals
+a dense, unpaged reference of the draft on transformers' (+ PEFT's) hidden states, step after step through
+acceptances and rejections; greedy output is the non-speculative output token for token on a dense and a MoE
+family with mixed adapters and an abort, nothing leaks in the draft's pool; sampled drafts carry probabilities
+over the target vocabulary, zero outside the draft's; bad folders are refused naming what is wrong."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from loraplex.engine import SamplingParams
+from loraplex.engine.spec_decode import SpeculativeConfig
+from tests.engine.spec_decode.conftest import adapter_refs, assert_all_free, drive, make_engine, prompt_list
+
+K = 3
+VOCAB, DRAFT_VOCAB, HIDDEN = 320, 200, 72
+HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA = 4, 2, 16, 64, 1e-5, 10000.0
+BIAS = {7: 20.0, 11: 19.0}   # logit_bias, applied by target and draft alike: drafts right often, not always
+
+
+def _draft_tensors(aux: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    H, q, kv = HIDDEN, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    targets = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[targets] = True
+    return {
+        "fc.weight": w(H, aux * H), "midlayer.hidden_norm.weight": norm(H),
+        "midlayer.input_layernorm.weight": norm(H), "midlayer.post_attention_layernorm.weight": norm(H),
+        "midlayer.self_attn.q_proj.weight": w(q, 2 * H, scale=2.0),
+        "midlayer.self_attn.k_proj.weight": w(kv, 2 * H, scale=2.0),
+        "midlayer.self_attn.v_proj.weight": w(kv, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, q),
+        "midlayer.mlp.gate_proj.weight": w(INTER, H), "midlayer.mlp.up_proj.weight": w(INTER, H),
+        "midlayer.mlp.down_proj.weight": w(H, INTER), "norm.weight": norm(H),
+        "lm_head.weight": w(DRAFT_VOCAB, H, scale=4.0), "d2t": targets - torch.arange(DRAFT_VOCAB), "t2d": t2d,
+    }
+
+
+def write_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt: str = "safetensors", prefix: str = "",
+                 drop: str | None = None, reshape: str | None = None, **config) -> str:
+    """A random EAGLE-3 draft of the tiny targets in the published layout (``prefix``: a name prefix such as
+    "model."; ``drop`` / ``reshape``: a tensor left out / given a wrong shape; ``config``: config.json overrides)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
+           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+           "intermediate_size": INTER, "num_hidden_layers": 1, "rms_norm_eps": EPS, "rope_theta": THETA,
+           "rope_scaling": None, "max_position_embeddings": 64, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
+           "hidden_act": "silu", "tie_word_embeddings": False, **config}
+    if aux_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    state = _draft_tensors(3, seed)
+    if drop:
+        del state[drop]
+    if reshape:
+        state[reshape] = state[reshape][..., :-1].contiguous()
+    state = {(name if name == "lm_head.weight" else prefix + name): t for name, t in state.items()}
+    if fmt == "bin":
+        torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+    else:
+        save_file(state, os.path.join(folder, "model.safetensors"))
+    return str(folder)
+
+
+# ---- the reference: dense, unpaged, from the published description ----------------------------------------------
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def _rope(x, pos):  # x [T, heads, D]; rotate-half with the default frequencies
+    inv = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    ang = pos.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _layer(W, e, h, pos):
+    """The draft layer over all rows (embeddings e, hidden h, positions pos) with a causal mask -> (normed, prenorm)."""
+    a = torch.cat([_rms(e, W["midlayer.input_layernorm.weight"]), _rms(h, W["midlayer.hidden_norm.weight"])], -1)
+    T = a.shape[0]
+    q = _rope((a @ W["midlayer.self_attn.q_proj.weight"].T).view(T, HEADS, HEAD_DIM), pos)
+    k = _rope((a @ W["midlayer.self_attn.k_proj.weight"].T).view(T, KV_HEADS, HEAD_DIM), pos)
+    v = (a @ W["midlayer.self_attn.v_proj.weight"].T).view(T, KV_HEADS, HEAD_DIM)
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    x = o.transpose(0, 1).reshape(T, -1) @ W["midlayer.self_attn.o_proj.weight"].T + h
+    m = _rms(x, W["midlayer.post_attention_layernorm.weight"])
+    x = x + (F.silu(m @ W["midlayer.mlp.gate_proj.weight"].T) * (m @ W["midlayer.mlp.up_proj.weight"].T)) \
+        @ W["midlayer.mlp.down_proj.weight"].T
+    return _rms(x, W["norm.weight"]), x
+
+
+def reference_drafts(W, lm, aux_ids, tokens: list[int], k: int, bias: dict[int, float]) -> list[int]:
+    """k greedy drafts after ``tokens`` (x_0 .. x_{N-1}) from transformers' hidden states of x_0 .. x_{N-2}."""
+    ids = torch.tensor([tokens[:-1]])
+    hs = lm(input_ids=ids, output_hidden_states=True).hidden_states
+    h = torch.cat([hs[i][0] for i in aux_ids], -1) @ W["fc.weight"].T         # [N - 1, H], position t
+    embed = lm.get_input_embeddings()
+    e = embed(torch.tensor(tokens[1:]))                                        # x_{t+1} at position t
+    pos = torch.arange(len(tokens) - 1)
+    targets = torch.arange(DRAFT_VOCAB) + W["d2t"]
+    drafts = []
+    for _ in range(k):
+        normed, prenorm = _layer(W, e, h, pos)
+        logits = torch.full((VOCAB,), float("-inf"))
+        logits[targets] = normed[-1] @ W["lm_head.weight"].T
+        for t, b in bias.items():
+            logits[t] += b
+        d = int(logits.argmax())
+        drafts.append(d)
+        e = torch.cat([e, embed(torch.tensor([d]))])
+        h = torch.cat([h, prenorm[-1:]])
+        pos = torch.cat([pos, pos[-1:] + 1])
+    return drafts
+
+
+# ---- engine runs ---------------------------------------------------------------------------------------------
+def _workload(refs: dict, bias: dict | None = None) -> list[tuple]:
+    prompts = prompt_list((6, 9, 4, 11, 7, 5), seed=9)
+    adapters = [None, "a", "b", "a", None, "b"]
+    lengths = [16, 14, 17, 9, 12, 15]
+    return [(f"r{i}", prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True,
+                                                 logit_bias=bias if i % 2 else None),
+             refs[adapters[i]] if adapters[i] else None) for i in range(len(prompts))]
+
+
+def _run(path, refs, spec, cache, before_step=None, record=None, bias=BIAS):
+    """Greedy outputs of the workload, and the engine; ``record`` gets (tokens, adapter, params, drafts) of every
+    proposal and engine.accepted_counts every verification's number of accepted drafts."""
+    engine = make_engine(path, spec, adapter_cache_dir=cache, enable_lora=True, max_loras=2, max_lora_rank=8)
+    for ref in refs.values():
+        assert engine.load_adapter(ref, wait=True) == "ready"
+    engine.accepted_counts = set()
+    if engine.spec is not None:
+        observe = engine.spec.proposer.observe
+
+        def observing(verified):
+            engine.accepted_counts.update(v.num_accepted for v in verified)
+            observe(verified)
+
+        engine.spec.proposer.observe = observing
+    if record is not None:
+        propose = engine.spec.proposer.propose
+
+        def recording(batch):
+            out = propose(batch)
+            for s, p in zip(batch, out):
+                if p is not None:
+                    record.append((s.seq.token_ids_slice(0, s.seq.num_tokens), s.adapter, s.params, list(p.token_ids)))
+            return out
+
+        engine.spec.proposer.propose = recording
+    finals = drive(engine, _workload(refs, bias), arrivals={0: [0, 1, 2, 3], 3: [4, 5]}, before_step=before_step)
+    assert_all_free(engine)
+    return {rid: o.output_token_ids for rid, o in finals.items()}, engine
+
+
+def test_eagle3_proposals_follow_the_reference_and_stay_lossless(tiny_checkpoint, peft_folders, tmp_path):
+    """Llama (dense, LoRA on attention and MLP): every proposal, for base and adapter requests, equals the dense
+    reference on transformers' hidden states, over steps that accept some drafts and reject others."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("llama", num_hidden_layers=4)
+    folders = peft_folders(path)
+    refs = adapter_refs(folders)
+    aux_ids = [1, 2, 3]
+    draft = write_eagle3(tmp_path / "draft", aux_ids)
+    want, _ = _run(path, refs, None, str(tmp_path / "ref"))
+    record: list = []
+    got, engine = _run(path, refs, dict(method="eagle3", draft_head=draft, num_speculative_tokens=K),
+                       str(tmp_path / "eagle3"), record=record)
+    assert got == want
+    assert engine.accepted_counts == {0, 1, 2, 3}  # rejections at every draft, and whole chains accepted
+    stats = engine.spec.snapshot()
+    assert stats["proposer"]["kv_blocks_free"] == stats["proposer"]["kv_blocks_total"]
+    engine.close()
+
+    W = load_file(os.path.join(draft, "model.safetensors"))
+    models = {None: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()}
+    for name, folder in folders.items():
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        models[f"t/{name}/1"] = PeftModel.from_pretrained(base, folder).eval().base_model.model
+    with torch.no_grad():
+        for tokens, adapter, params, drafts in record:
+            lm = models[getattr(adapter, "adapter_id", None)]
+            ref = reference_drafts(W, lm, aux_ids, tokens, len(drafts), params.logit_bias or {})
+            assert drafts == ref, (tokens, adapter)
+    assert len(record) >= 30 and {getattr(a, "adapter_id", None) for _, a, _, _ in record} == set(models)
+
+
+@pytest.mark.parametrize("family,aux_ids", [("gpt_oss", [0, 1, 2]), ("qwen3_moe", [1, 2, 3])])
+def test_eagle3_lossless_on_moe_with_adapters_and_abort(family, aux_ids, tiny_checkpoint, peft_folders, tmp_path):
+    """MoE families with LoRA on attention and the experts; aux layer L (the last layer's output before the final
+    norm) on qwen3_moe; a request aborted mid-run; the draft's pool ends empty (checked after every step)."""
+    path = tiny_checkpoint(family)
+    refs = adapter_refs(peft_folders(path))
+    want, _ = _run(path, refs, None, str(tmp_path / "ref"))
+    spec = dict(method="eagle3", draft_head=write_eagle3(tmp_path / "draft", aux_ids), num_speculative_tokens=K,
+                draft_max_batched_tokens=8)
+
+    def abort_r1(k, engine):
+        if k == 5:
+            engine.abort("r1")
+
+    got, engine = _run(path, refs, spec, str(tmp_path / "eagle3"), before_step=abort_r1)
+    assert "r1" not in got and got == {rid: t for rid, t in want.items() if rid != "r1"}
+    assert {0, 3} < engine.accepted_counts  # a rejection, a whole chain accepted, a chain cut inside
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_eagle3_preemption_and_prefix_hits(mode, tiny_checkpoint, tmp_path):
+    """A 22-block pool for six requests: preempted sequences drop their draft state and catch up again (from the
+    first position the target computes after a swap); wave 2 prompts are wave 1's prompts plus outputs, so the
+    target skips their cached prefix and the draft drafts from the positions after it. Greedy tokens equal the
+    non-speculative run under the same limits; every block of both pools is free at the end."""
+    path = tiny_checkpoint("llama", num_hidden_layers=4)
+    limits = dict(num_kv_blocks=22, preemption_mode=mode, num_cpu_blocks=40 if mode == "swap" else 0, max_num_seqs=6)
+
+    def reqs(prompts, lengths, prefix):
+        return [(f"{prefix}{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=BIAS),
+                 None) for i, (p, n) in enumerate(zip(prompts, lengths))]
+
+    first = reqs(prompt_list((9, 6, 12, 7, 10, 5), seed=4), (20, 18, 16, 22, 14, 19), "a")
+    ref = make_engine(path, **limits)
+    want1 = {rid: o.output_token_ids for rid, o in drive(ref, first).items()}
+    assert ref.scheduler.num_preemptions > 0
+    second = reqs([p + want1[rid] for rid, p, _, _ in first[:3]], (6, 8, 7), "b")
+    want2 = {rid: o.output_token_ids for rid, o in drive(ref, second).items()}
+    engine = make_engine(path, dict(method="eagle3", draft_head=write_eagle3(tmp_path / "draft", [1, 2, 3]),
+                                    num_speculative_tokens=K), **limits)
+    assert {rid: o.output_token_ids for rid, o in drive(engine, first).items()} == want1
+    assert engine.scheduler.num_preemptions > 0 and engine.spec.snapshot()["accepted"] > 0
+    if mode == "swap":
+        assert engine.scheduler.num_swap_outs > 0
+    drafted = []
+    propose = engine.spec.proposer.propose
+
+    def recording(batch):
+        out = propose(batch)
+        drafted.extend(s.request_id for s, p in zip(batch, out) if p is not None)
+        return out
+
+    engine.spec.proposer.propose = recording
+    finals2 = drive(engine, second)
+    assert {rid: o.output_token_ids for rid, o in finals2.items()} == want2
+    assert sum(finals2[rid].num_cached_tokens > 0 for rid, _, _, _ in second) >= 2  # drafting after a cached prefix
+    assert set(drafted) == {rid for rid, _, _, _ in second}
+    assert_all_free(engine)
+
+
+def test_eagle3_sampled_drafts_carry_target_vocab_probs(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama", num_hidden_layers=4)
+    draft = write_eagle3(tmp_path / "draft", [1, 2, 3])
+    spec = dict(method="eagle3", draft_head=draft, num_speculative_tokens=K)
+    outs = []
+    for _ in range(2):
+        engine = make_engine(path, spec)
+        propose, seen = engine.spec.proposer.propose, []
+
+        def recording(batch, propose=propose, seen=seen):
+            out = propose(batch)
+            seen.extend(p for p in out if p is not None)
+            return out
+
+        engine.spec.proposer.propose = recording
+        for i, prompt in enumerate(prompt_list((5, 8, 6), seed=4)):
+            engine.add_request(f"s{i}", prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=i,
+                                                               ignore_eos=True, logit_bias=BIAS))
+        finals = drive(engine, [])
+        outs.append({rid: o.output_token_ids for rid, o in finals.items()})
+        assert_all_free(engine)
+        engine.close()
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[engine.spec.proposer.runner.draft.draft_to_target] = False
+        assert seen and all(p.probs is not None and p.probs.shape == (len(p.token_ids), VOCAB) for p in seen)
+        for p in seen:
+            torch.testing.assert_close(p.probs.sum(-1), torch.ones(len(p.token_ids)))
+            assert not p.probs[:, outside].any() and not outside[p.token_ids].any()
+    assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0].values())
+
+
+def test_eagle3_checkpoint_variants_load_alike(tiny_checkpoint, tmp_path):
+    """pytorch_model.bin with ``model.``-prefixed names reads as the safetensors folder does."""
+    from loraplex.engine.config import ModelConfig
+    from loraplex.engine.spec_decode.eagle3_checkpoint import load_eagle3_draft
+
+    target = ModelConfig.from_pretrained(tiny_checkpoint("llama", num_hidden_layers=4))
+    kw = dict(target=target, max_model_len=128, device=torch.device("cpu"), dtype=torch.float32)
+    a, aux_a = load_eagle3_draft(write_eagle3(tmp_path / "st", [3, 1, 2]), **kw)
+    b, aux_b = load_eagle3_draft(write_eagle3(tmp_path / "bin", [3, 1, 2], fmt="bin", prefix="model."), **kw)
+    assert aux_a == aux_b == (1, 2, 3)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
+    assert torch.equal(a.draft_to_target, b.draft_to_target) and a.embed_tokens is None
+
+
+def test_bad_eagle3_drafts_are_refused(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama", num_hidden_layers=4)
+    with pytest.raises(ValueError, match="'eagle3' needs draft_head"):
+        SpeculativeConfig(method="eagle3")
+    with pytest.raises(ValueError, match="one draft for every adapter"):
+        SpeculativeConfig(method="eagle3", draft_head="/h", draft_heads={"t/a/1": "/x"})
+    cases = [
+        (dict(drop="midlayer.mlp.up_proj.weight"), "missing tensor.*midlayer.mlp.up_proj.weight"),
+        (dict(reshape="fc.weight"), r"tensor fc.weight has shape \[72, 215\], expected \[72, 216\]"),
+        (dict(reshape="midlayer.self_attn.q_proj.weight"), "tensor midlayer.self_attn.q_proj.weight has shape"),
+        (dict(vocab_size=400), "vocabulary of 400 tokens, the target has 320"),
+        (dict(target_hidden_size=64), "target hidden states of size 64.*hidden size is 72"),
+        (dict(hidden_size=64, target_hidden_size=72), r"tensor fc.weight has shape \[72, 216\], expected \[64, 216\]"),
+        (dict(architectures=["LlamaForCausalLM"]), "not an EAGLE-3 draft"),
+        (dict(num_hidden_layers=2), "only one-layer EAGLE-3 drafts"),
+        (dict(norm_before_fc=True), "norm_before_fc is not supported"),
+    ]
+    for i, (kw, msg) in enumerate(cases):
+        folder = write_eagle3(tmp_path / f"bad{i}", [1, 2, 3], **kw)
+        with pytest.raises(ValueError, match=msg):
+            make_engine(path, dict(method="eagle3", draft_head=folder))
+    with pytest.raises(ValueError, match=r"default aux layers .* \[2, 2, 1\] must be distinct"):
+        make_engine(path, dict(method="eagle3", draft_head=write_eagle3(tmp_path / "default-ids", None)))
+    with pytest.raises(ValueError, match="has no config.json"):
+        make_engine(path, dict(method="eagle3", draft_head=str(tmp_path)))
+
+
+def test_serve_flags_select_eagle3(monkeypatch):
+    from loraplex.cli import main
+    from loraplex.commands import engine as engine_cmd
+    from loraplex.engine.engine_config import EngineConfig
+    from loraplex.engine.server import serve as serve_mod
+
+    seen = []
+    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)
+    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
+    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
+    main(["engine", "serve", "--model", "/m", "--speculative-method", "eagle3", "--speculative-draft-head", "/e3",
+          "--speculative-draft-num-kv-blocks", "64"])
+    cfg = EngineConfig(model="/m", **{k: v for k, v in seen[-1].items() if k != "model_name"}).speculative
+    assert (cfg.method, cfg.draft_head, cfg.draft_num_kv_blocks) == ("eagle3", "/e3", 64)
