@@ -196,6 +196,15 @@ MXFP4_PREFILL_SPACE = _cfgs(_MXFP4_KEYS, [  # M >= 1024: hundreds of pairs per e
     (128, 128, 64, 4, 1, 1, 1, 0, 8, 4), (128, 128, 64, 4, 1, 1, 0, 0, 8, 4), (256, 128, 64, 4, 1, 1, 1, 0, 8, 3),
     (128, 256, 64, 4, 1, 1, 1, 0, 8, 3), (256, 64, 64, 4, 1, 1, 1, 0, 4, 3), (128, 64, 64, 8, 1, 1, 0, 0, 4, 4),
     (128, 128, 128, 4, 1, 1, 1, 0, 8, 3), (64, 128, 64, 8, 1, 1, 1, 0, 8, 4), (128, 128, 64, 8, 1, 1, 0, 0, 8, 3)])
+_OWN_DOWN_KEYS = ("DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_PREFETCH", "DOWN_num_warps", "DOWN_num_stages")
+MXFP4_OWN_TILE_SPACE = [  # M <= 32: each GEMM on its own tile (DOWN_ keys), the H200's winners first
+    {**dict(zip(_MXFP4_KEYS, gu)), **dict(zip(_OWN_DOWN_KEYS, dn)), "PDL": 1} for gu, dn in [
+        ((8, 128, 128, 1, 2, 1, 0, 0, 4, 3), (128, 128, 0, 4, 3)),
+        ((8, 128, 128, 1, 2, 2, 1, 0, 4, 3), (64, 128, 0, 4, 3)),
+        ((8, 128, 128, 1, 2, 2, 1, 0, 4, 3), (128, 128, 0, 4, 3)),
+        ((8, 128, 128, 1, 2, 2, 1, 1, 4, 1), (64, 128, 0, 4, 3)),
+        ((8, 128, 128, 1, 2, 1, 1, 0, 4, 3), (128, 128, 0, 4, 3)),
+        ((8, 64, 128, 1, 2, 2, 0, 0, 4, 3), (128, 128, 0, 4, 3))]]
 MXFP4_MID_MIN_M = 128
 MXFP4_PREFILL_MIN_M = 1024
 MXFP4_SPLIT_MAX_M = 16  # split-K candidates: only while the touched experts leave SMs idle
@@ -203,7 +212,8 @@ MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while to
 
 
 def mxfp4_moe_space(m: int) -> list[dict]:
-    """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first: at M <= 16 the decode
+    """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first: at M <= 16 the tiles with
+    the down GEMM on its own tile (``MXFP4_OWN_TILE_SPACE``; the first three of them up to M = 32), then the decode
     tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first
     three candidates up to M = 64, at M <= 2 also DIRECT."""
     if m >= MXFP4_PREFILL_MIN_M:
@@ -211,7 +221,8 @@ def mxfp4_moe_space(m: int) -> list[dict]:
     if m >= MXFP4_MID_MIN_M:
         return list(MXFP4_MID_SPACE) + MXFP4_PREFILL_SPACE[:2] + MXFP4_BLOCK16_SPACE[:2]
     if m > MXFP4_SPLIT_MAX_M:
-        return MXFP4_BLOCK16_SPACE[:2] + [{**c, "PDL": 1} for c in MXFP4_BLOCK16_SPACE[:2]] \
+        own = MXFP4_OWN_TILE_SPACE[:3] if m <= 2 * MXFP4_SPLIT_MAX_M else []
+        return MXFP4_BLOCK16_SPACE[:2] + [{**c, "PDL": 1} for c in MXFP4_BLOCK16_SPACE[:2]] + own \
             + MXFP4_BLOCK16_SPACE[2:] + MXFP4_DECODE_SPACE[:4]
     splits = [{**c, "SPLIT_K": s, "GU_SPLIT_K": g} for c in MXFP4_DECODE_SPACE[:3] for s, g in MXFP4_SPLITS]
     space = splits[:4] + MXFP4_DECODE_SPACE + splits[4:] if m <= 4 else MXFP4_DECODE_SPACE[:6] + splits \
@@ -219,7 +230,7 @@ def mxfp4_moe_space(m: int) -> list[dict]:
     space = space[:3] + [{**c, "PDL": 1} for c in space[:3]] + space[3:]
     if m <= MXFP4_DIRECT_MAX_M:
         space = space[:2] + [{**c, "DIRECT": 1} for c in (space[0], space[1], MXFP4_DECODE_SPACE[0])] + space[2:]
-    return space + MXFP4_BLOCK16_SPACE[:2]
+    return MXFP4_OWN_TILE_SPACE + space + MXFP4_BLOCK16_SPACE[:2]
 
 
 def mxfp4_variants(cfg: dict) -> dict[str, dict]:

@@ -1,0 +1,63 @@
+"""benchmarks/kernels/mxfp4_gemm_tiles_gpu.py's candidate tiles and the tuner's own-tile configs off the GPU: every
+candidate is a config the kernels accept, a down candidate changes only what the down GEMM runs, and the own-tile
+configs give the reference's result through the interpreter (fresh random inputs)."""
+import pytest
+import torch
+
+from loraplex.kernels import fused_moe_mxfp4 as fm
+from loraplex.kernels import reference_lora as ref
+from loraplex.kernels.mxfp4 import prepare_for_kernel, quantize_mxfp4
+from loraplex.kernels.tuning_cases import MXFP4_OWN_TILE_SPACE, mxfp4_moe_space
+from tests.utils.scripts import load_script
+
+SHAPE = dict(hidden=2880, inter=2880)
+
+
+def _script():
+    return load_script("kernels", "mxfp4_gemm_tiles_gpu")
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_candidates_are_valid_and_down_ones_touch_down_only(m):
+    mod = _script()
+    committed = {**fm.DEFAULT_CONFIG, "BLOCK_M": 8 if m <= 16 else 16}
+    gu_meta = fm.gate_up_constexprs(committed, top_k=4, act=0, has_bias=True, pdl=False, **SHAPE)
+    for tile in mod.gate_up_tiles(m):
+        assert not any(k.startswith("DOWN_") for k in tile)
+        fm.gate_up_constexprs({**committed, **tile}, top_k=4, act=0, has_bias=True, pdl=False, **SHAPE)
+    dn_meta = fm.down_constexprs(committed, has_bias=True, pdl=False, **SHAPE)
+    seen = set()
+    for tile in mod.down_tiles(m):
+        assert set(tile) <= {"DOWN_" + k for k in fm.DOWN_KEYS} | {"SPLIT_K"}
+        cfg = {**committed, **tile}
+        # gate_up launches exactly as with the committed config: a down candidate compiles down alone
+        assert fm.gate_up_constexprs(cfg, top_k=4, act=0, has_bias=True, pdl=False, **SHAPE) == gu_meta
+        meta = fm.down_constexprs(cfg, has_bias=True, pdl=False, **SHAPE)
+        assert meta["BLOCK_N"] == tile["DOWN_BLOCK_N"] and meta["BLOCK_M"] == dn_meta["BLOCK_M"]
+        seen.add(tuple(sorted(tile.items())))
+    assert len(seen) == len(mod.down_tiles(m))  # no candidate twice
+
+
+def test_the_tuner_tries_the_own_tile_configs_first_at_decode_sizes():
+    for m in (1, 4, 16):
+        assert mxfp4_moe_space(m)[:len(MXFP4_OWN_TILE_SPACE)] == MXFP4_OWN_TILE_SPACE
+    assert all(c in mxfp4_moe_space(32) for c in MXFP4_OWN_TILE_SPACE[:3])
+    assert not any("DOWN_BLOCK_N" in c for c in mxfp4_moe_space(64) + mxfp4_moe_space(2048))
+
+
+@pytest.mark.parametrize("index", range(len(MXFP4_OWN_TILE_SPACE)))
+def test_own_tile_configs_match_the_reference(index):
+    """Each own-tile config at awkward sizes: N and K not multiples of the tiles (K = 64 k + 32), 9 tokens."""
+    e, h, inter, top_k = 4, 96, 160, 4
+    gen = torch.Generator().manual_seed(1000 + index)
+    x = torch.randn(9, h, generator=gen)
+    w13 = torch.randn(e, 2 * inter, h, generator=gen) / h ** 0.5
+    w2 = torch.randn(e, h, inter, generator=gen) / inter ** 0.5
+    b13, b2 = torch.randn(e, 2 * inter, generator=gen), torch.randn(e, h, generator=gen)
+    weights, ids = torch.topk(torch.rand(9, e, generator=gen).softmax(-1), top_k, dim=-1)
+    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    kernel = (*prepare_for_kernel(q13, s13), *prepare_for_kernel(q2, s2))
+    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
+    got = fm.fused_moe_mxfp4(x, *kernel, weights, ids, config=MXFP4_OWN_TILE_SPACE[index], **kw)
+    want = ref.fused_moe_mxfp4(x, q13, s13, q2, s2, weights, ids, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
