@@ -23,6 +23,22 @@ class ConfigError(ValueError):
     """A model config that loraplex cannot serve; the message names the field and what to change."""
 
 
+def read_config_json(folder: str | os.PathLike) -> dict:
+    """The JSON object in ``folder``/config.json; ``ConfigError`` naming the file when it is missing, not JSON or
+    not an object."""
+    path = os.path.join(os.fspath(folder), "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config.json in {os.fspath(folder)!r}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return d
+
+
 @dataclass
 class RopeConfig:
     """Rotary embedding parameters. ``rope_type`` is one of default, linear, llama3, yarn."""
@@ -164,15 +180,7 @@ class ModelConfig:
     # ---- construction ----------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
-        cfg_path = os.path.join(os.fspath(path), "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ConfigError(f"no config.json in {os.fspath(path)!r}")
-        with open(cfg_path, encoding="utf-8") as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
-        cfg = cls.from_hf_dict(d)
+        cfg = cls.from_hf_dict(read_config_json(path))
         cfg.name_or_path = os.fspath(path)
         return cfg
 

@@ -18,29 +18,23 @@ for one target, with errors that name what is wrong.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 from torch import nn
 
-from loraplex.engine.config import ConfigError, ModelConfig
+from loraplex.engine.config import ConfigError, ModelConfig, read_config_json
 from loraplex.engine.spec_decode.eagle3_draft import Eagle3Config, Eagle3Draft, default_aux_layer_ids
 
 BIN_FILE = "pytorch_model.bin"
 
 
 def read_eagle3_config(folder: str) -> Eagle3Config:
+    try:
+        raw = read_config_json(folder)
+    except ConfigError as e:
+        raise ValueError(f"EAGLE-3 draft folder: {e}") from None
     path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"EAGLE-3 draft folder {folder!r} has no config.json")
-    with open(path, encoding="utf-8") as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object")
     return Eagle3Config.from_dict(raw, path)
 
 

@@ -335,7 +335,7 @@ def test_bad_eagle3_drafts_are_refused(tiny_checkpoint, tmp_path):
             make_engine(path, dict(method="eagle3", draft_head=folder))
     with pytest.raises(ValueError, match=r"default aux layers .* \[2, 2, 1\] must be distinct"):
         make_engine(path, dict(method="eagle3", draft_head=write_eagle3(tmp_path / "default-ids", None)))
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match="EAGLE-3 draft folder: no config.json"):
         make_engine(path, dict(method="eagle3", draft_head=str(tmp_path)))
 
 
