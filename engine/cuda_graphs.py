@@ -78,11 +78,16 @@ class DecodeRunner(Protocol):
 class DecodeGraphs:
     """The padded decode path of one ``ModelRunner``: static buffers, buckets and (``capture=True``) graphs."""
 
-    def __init__(self, runner: DecodeRunner, max_batch_size: int, max_model_len: int, *, capture: bool) -> None:
+    def __init__(self, runner: DecodeRunner, max_batch_size: int, max_model_len: int, *, capture: bool,
+                 aux_layer_ids: tuple[int, ...] = ()) -> None:
         if capture and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use capture=False for the eager padded path")
         self.runner = runner
         self.capture = capture
+        # with aux_layer_ids the forward also gives the residual stream entering those layers (EAGLE-3 drafts,
+        # CausalLM.forward); each run leaves its rows in ``last_aux`` [n, len(ids) * H]
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.last_aux: torch.Tensor | None = None
         self.buckets = batch_buckets(max_batch_size)
         self.max_model_len = max_model_len
         B = self.max_batch_size = self.buckets[-1]
@@ -105,7 +110,7 @@ class DecodeGraphs:
                                            seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
                                            max_query_len=1, max_seq_len=max_model_len) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}   # hidden [b, H] written by graph b (in the shared pool)
+        self._outputs: dict[int, Any] = {}   # hidden [b, H] (with aux ids: (hidden, aux)) written by graph b
         self._copied: torch.cuda.Event | None = None  # host buffers are free again once this completes
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
@@ -176,12 +181,19 @@ class DecodeGraphs:
         return self._replay(b, n)
 
     def _replay(self, b: int, n: int) -> torch.Tensor:
-        """Run bucket ``b`` on the static buffers just written: hidden [n, H] of its first ``n`` rows."""
+        """Run bucket ``b`` on the static buffers just written: hidden [n, H] of its first ``n`` rows (and their
+        aux rows in ``last_aux`` when the path has aux layers)."""
         self.num_steps += 1
         if self.capture:
             self._graphs[b].replay()
-            return self._outputs[b][:n]
-        return self._forward(b)[:n]
+            out = self._outputs[b]
+        else:
+            out = self._forward(b)
+        if self.aux_layer_ids:
+            hidden, aux = out
+            self.last_aux = aux[:n]
+            return hidden[:n]
+        return out[:n]
 
     def _host_buffers(self, b: int) -> tuple:
         """Views of the pinned host buffers (ids, positions, slots, pending rows, seq_lens, LoRA indices, block
@@ -250,13 +262,17 @@ class DecodeGraphs:
         """Every row of bucket ``b`` padded (warm-up and capture: no KV cache read or written)."""
         self._write_inputs([], None, b)
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The model on bucket ``b``'s static buffers -> hidden [b, H] (what a graph captures)."""
+    def _forward(self, b: int):
+        """The model on bucket ``b``'s static buffers -> hidden [b, H], with aux layers (hidden, aux [b, n H])
+        (what a graph captures)."""
         runner = self.runner
         lora = runner.lora
         if lora is not None:
             lora.bind_static_token_slots(self.token_lora_idx[:b], min(b, lora.max_step_slots))
         try:
+            if self.aux_layer_ids:
+                return runner.model(self.input_ids[:b], self.positions[:b], self._attn[b], runner.kv_caches,
+                                    self.aux_layer_ids)
             return runner.model(self.input_ids[:b], self.positions[:b], self._attn[b], runner.kv_caches)
         finally:
             if lora is not None:
@@ -295,8 +311,8 @@ class DecodeGraphs:
                     torch.cuda.synchronize(dev)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        hidden = self._forward(b)
-                    self._graphs[b], self._outputs[b] = graph, hidden
+                        out = self._forward(b)
+                    self._graphs[b], self._outputs[b] = graph, out
             torch.cuda.synchronize(dev)
         except Exception as e:  # noqa: BLE001 - any capture problem: fall back to eager, loudly
             self._graphs.clear()

@@ -126,7 +126,8 @@ class SpecDecoder:
             from loraplex.engine.spec_decode.verify_graphs import make_verify_graphs
 
             rows = min(config.verify_graph_max_rows, max_num_seqs * (config.num_speculative_tokens + 1))
-            verify_graphs, decode_graphs = make_verify_graphs(runner, rows, max_model_len)
+            verify_graphs, decode_graphs = make_verify_graphs(runner, rows, max_model_len,
+                                                              aux_layer_ids=self.proposer.aux_layer_ids)
         self.executor = VerifyExecutor(runner, max_model_len=max_model_len, verify_graphs=verify_graphs,
                                        decode_graphs=decode_graphs, aux_layer_ids=self.proposer.aux_layer_ids)
         self.stats = SpecDecodeStats()

@@ -18,7 +18,8 @@ plain decodes may ride along), then acceptance per speculating sequence.
 Logprobs (requests that ask) are those of the raw target logits at each kept token's row, as without speculation.
 Kept rows (``keep_hidden``, a proposer that needs hidden states): the final hidden states of those sequences'
 positions, or, with ``aux_layer_ids`` (EAGLE-3), the target's residual stream entering those layers, concatenated
-(``CausalLM.forward``); a step keeping aux rows runs eagerly (the CUDA graphs return the final hidden states only).
+(``CausalLM.forward``); with ``verify_cuda_graphs`` such steps run on verify graphs that also give those rows
+(``make_verify_graphs``), else eagerly.
 ``launch`` enqueues everything up to the acceptance and starts the one read-back ([S, 2] accepted counts and
 tokens, to pinned memory on CUDA); ``finish`` waits for it and cuts the tokens (``execute``: both).
 """
@@ -170,8 +171,8 @@ class VerifyExecutor:
                  aux_layer_ids: tuple[int, ...] = ()):
         """(hidden [T, H], each entry's first row, aux rows [T, n * H] or None without ``aux_layer_ids``)."""
         runner = self.runner
-        graphs = None if aux_layer_ids else self._graphs_for(out, entries)
-        if graphs is not None:
+        graphs = self._graphs_for(out, entries)
+        if graphs is not None and (not aux_layer_ids or graphs.aux_layer_ids == aux_layer_ids):
             runner._check_lora_slots(out, lora_slots)
             row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
             hidden = self._run_rows(graphs, entries, row_slots)
@@ -181,7 +182,7 @@ class VerifyExecutor:
             for tokens, _, _ in entries:
                 first.append(row)
                 row += len(tokens)
-            return hidden, first, None
+            return hidden, first, graphs.last_aux if aux_layer_ids else None
         batch = paged_batch(entries, runner.block_size, runner.device)
         runner._set_lora_tokens(out, lora_slots)
         aux = None

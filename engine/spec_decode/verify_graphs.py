@@ -26,16 +26,28 @@ logger = logging.getLogger(__name__)
 class VerifyGraphs(DecodeGraphs):
     """Buckets of ``batch_buckets(max_rows)`` above ``skip_up_to`` (those the decode graphs already cover)."""
 
-    def __init__(self, runner, max_rows: int, max_model_len: int, *, capture: bool, skip_up_to: int = 0) -> None:
-        super().__init__(runner, max_rows, max_model_len, capture=capture)
+    def __init__(self, runner, max_rows: int, max_model_len: int, *, capture: bool, skip_up_to: int = 0,
+                 aux_layer_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(runner, max_rows, max_model_len, capture=capture, aux_layer_ids=aux_layer_ids)
         self.buckets = [b for b in batch_buckets(max_rows) if b > skip_up_to] or [max_rows]
 
 
-def make_verify_graphs(runner, max_rows: int, max_model_len: int) -> tuple[VerifyGraphs | None, DecodeGraphs | None]:
+def make_verify_graphs(runner, max_rows: int, max_model_len: int, *,
+                       aux_layer_ids: tuple[int, ...] = ()) -> tuple[VerifyGraphs | None, DecodeGraphs | None]:
     """(the verify graphs, the decode graphs to use for steps that fit them). On CUDA with graphs enabled the
-    buckets above the decode graphs' are captured; a failed capture leaves verify steps eager (None)."""
+    buckets above the decode graphs' are captured; a failed capture leaves verify steps eager (None). With
+    ``aux_layer_ids`` (a proposer reading the target's aux hidden states, EAGLE-3) the verify graphs cover every
+    bucket up to ``max_rows`` and also give those layers' inputs, and the decode graphs (hidden states only) are
+    not used."""
     decode = runner.decode_graphs
     capture = runner.graphs_enabled() and decode is not None and decode.capture
+    if aux_layer_ids:
+        graphs = VerifyGraphs(runner, max_rows, max_model_len, capture=capture, aux_layer_ids=aux_layer_ids)
+        if capture and not graphs.capture_all():
+            logger.warning("verify CUDA graphs with aux hidden states could not be captured: verify steps run "
+                           "eagerly")
+            return None, None
+        return graphs, None
     skip = decode.max_batch_size if capture and decode.num_graphs else 0
     if capture and skip >= max_rows:
         return None, decode  # the decode graphs already serve every verify step that fits a graph

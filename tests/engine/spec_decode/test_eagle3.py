@@ -205,6 +205,28 @@ def test_eagle3_proposals_follow_the_reference_and_stay_lossless(tiny_checkpoint
     assert len(record) >= 30 and {getattr(a, "adapter_id", None) for _, a, _, _ in record} == set(models)
 
 
+@pytest.mark.parametrize("family,aux_ids", [("llama", [1, 2, 4]), ("gpt_oss", [0, 1, 2])])
+def test_eagle3_verify_steps_on_the_padded_graph_path(family, aux_ids, tiny_checkpoint, peft_folders, tmp_path):
+    """verify_cuda_graphs: steps that keep aux rows run on the verify graphs' padded path (what a CUDA graph
+    replays; eager here on the CPU), which also gives the aux rows: every proposal and every output token as on the
+    eager multi-token forward, most steps on that path."""
+    path = tiny_checkpoint(family, num_hidden_layers=4) if family == "llama" else tiny_checkpoint(family)
+    refs = adapter_refs(peft_folders(path))
+    draft = write_eagle3(tmp_path / "draft", aux_ids)
+    runs = {}
+    for graphs in (False, True):
+        record: list = []
+        spec = dict(method="eagle3", draft_head=draft, num_speculative_tokens=K, verify_cuda_graphs=graphs)
+        got, engine = _run(path, refs, spec, str(tmp_path / f"eagle3-{graphs}"), record=record)
+        executor = engine.spec.executor
+        runs[graphs] = (got, [(t, getattr(a, "adapter_id", None), d) for t, a, _, d in record],
+                        executor.num_graph_steps, executor.num_eager_steps)
+        engine.close()
+    (eager_out, eager_rec, eager_graph, _), (out, rec, graph_steps, eager_steps) = runs[False], runs[True]
+    assert out == eager_out and rec == eager_rec and len(rec) >= 20
+    assert eager_graph == 0 and graph_steps > eager_steps  # prefill chunks stay eager
+
+
 @pytest.mark.parametrize("family,aux_ids", [("gpt_oss", [0, 1, 2]), ("qwen3_moe", [1, 2, 3])])
 def test_eagle3_lossless_on_moe_with_adapters_and_abort(family, aux_ids, tiny_checkpoint, peft_folders, tmp_path):
     """MoE families with LoRA on attention and the experts; aux layer L (the last layer's output before the final
