@@ -2,6 +2,7 @@
 shared library) for each values file, once per session.
 
     rendered["production"] -> Rendering(values, manifests=[{kind, metadata, ...}, ...], notes)
+    engine_config_of(rendering, monkeypatch) -> the engine settings the real CLI builds from the rendered args
 """
 from __future__ import annotations
 
@@ -70,3 +71,18 @@ def pod_templates(rendering: Rendering) -> list[tuple[dict, dict]]:
         elif m["kind"] == "CronJob":
             out.append((m, m["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
     return out
+
+
+def engine_config_of(rendering, monkeypatch) -> dict:
+    """The EngineConfig fields `loraplex engine serve` builds from the engine container's rendered args."""
+    import loraplex.commands.engine as engine_cmd
+    import loraplex.engine.server.serve as serve_mod
+    from loraplex.cli import main
+
+    seen: list[dict] = []
+    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)   # no model folder here
+    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
+    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
+    main(rendering.one("StatefulSet", "-engine")["spec"]["template"]["spec"]["containers"][0]["args"])
+    [kw] = seen
+    return kw

@@ -17,7 +17,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tests.deploy.conftest import CHART, KUBE_VERSION, pod_templates, render
+from tests.deploy.conftest import CHART, KUBE_VERSION, engine_config_of, pod_templates, render
 from tests.deploy.crd_schemas import HTTPROUTE_V1, PROMETHEUS_TRIGGER_METADATA, SCALEDOBJECT_V1ALPHA1
 
 CRDS = {("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTPROUTE_V1,
@@ -29,7 +29,9 @@ EVERYTHING = {
                        "azureWorkloadIdentity": True},
     "platform": {"autoscaling": {"enabled": True, "targetRequestsPerSecond": 25}, "pdb": {"enabled": True}},
     "engine": {"autoscaling": {"enabled": True, "mode": "hpa", "minReplicas": 2, "maxReplicas": 6},
-               "metrics": {"vllmCompatibleNames": True}},
+               "metrics": {"vllmCompatibleNames": True},
+               "speculative": {"method": "draft", "draftModel": "/models/Qwen3-0.6B",
+                               "draftAdapters": {"t/bot/1": "/models/drafts/bot"}}},
     "ingress": {"enabled": True, "className": "nginx", "hosts": [{"host": "api.example.com"}],
                 "tls": [{"secretName": "lpx-tls", "hosts": ["api.example.com"]}]},
     "httpRoute": {"enabled": True, "parentRefs": [{"name": "public", "namespace": "gateway-system",
@@ -296,21 +298,6 @@ def test_vllm_compatible_engine_metrics_are_opt_in():
     assert "LORAPLEX_ENGINE_VLLM_METRICS" not in env_of(render({}).one("StatefulSet", "-engine"))
     on = render({"engine": {"metrics": {"vllmCompatibleNames": True}}})
     assert env_of(on.one("StatefulSet", "-engine"))["LORAPLEX_ENGINE_VLLM_METRICS"] == "1"
-
-
-def engine_config_of(rendering, monkeypatch) -> dict:
-    """The EngineConfig fields `loraplex engine serve` builds from the engine container's rendered args."""
-    import loraplex.commands.engine as engine_cmd
-    import loraplex.engine.server.serve as serve_mod
-    from loraplex.cli import main
-
-    seen: list[dict] = []
-    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)   # no model folder here
-    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
-    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
-    main(rendering.one("StatefulSet", "-engine")["spec"]["template"]["spec"]["containers"][0]["args"])
-    [kw] = seen
-    return kw
 
 
 def test_engine_batch_and_adapter_caps_default_to_what_the_engine_derives(monkeypatch):
