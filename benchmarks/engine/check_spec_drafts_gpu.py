@@ -7,8 +7,10 @@ Cases, per family (llama; qwen3_moe: expert LoRA on target and draft):
   proposals   a DraftRunner with draft LoRAs and captured decode graphs: one propose step mixing two draft LoRAs, a
               bare row and an adapter without one proposes what transformers + PEFT propose (greedy), before and
               after accepted tokens
-  lossless    greedy tokens with per-adapter drafts (verify steps eager, then through graphs) and with a random EAGLE
-              head equal the non-speculative tokens; base and two adapters mixed; every KV block free at the end
+  lossless    greedy tokens with per-adapter drafts (verify steps eager, then through graphs), with a random EAGLE
+              head and with a random EAGLE-3 draft in the published layout (steps eager, then on the verify graphs
+              captured with the target's aux hidden states) equal the non-speculative tokens; base and two adapters
+              mixed; every KV block free at the end
 PASS / FAIL per case; ``--out``: check_spec_drafts_gpu.json there.
 """
 from __future__ import annotations
@@ -165,6 +167,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from loraplex.engine.spec_decode.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
+    from loraplex.engine.testing.eagle3 import write_random_eagle3
     from loraplex.engine.testing.tiny import make_tiny_checkpoint
 
     work = tempfile.mkdtemp(prefix="spec-drafts-")
@@ -188,6 +191,11 @@ def main() -> int:
         cases.append(check_lossless(target, target_loras, dict(method="eagle", draft_head=head,
                                                                num_speculative_tokens=K),
                                     "EAGLE head", args.device, work))
+        eagle3 = dict(method="eagle3", num_speculative_tokens=K,
+                      draft_head=write_random_eagle3(os.path.join(work, f"{family}-eagle3"), [0, 1, 2]))
+        cases.append(check_lossless(target, target_loras, eagle3, "EAGLE-3 draft, eager", args.device, work))
+        cases.append(check_lossless(target, target_loras, dict(eagle3, verify_cuda_graphs=True),
+                                    "EAGLE-3 draft, verify graphs", args.device, work))
         for c in cases:
             c["family"] = family
             print(f"{'PASS' if c['ok'] else 'FAIL'} {family:10s} {c['case']:40s} "

@@ -5,7 +5,6 @@ family with mixed adapters and an abort, nothing leaks in the draft's pool; samp
 over the target vocabulary, zero outside the draft's; bad folders are refused naming what is wrong."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -14,66 +13,12 @@ from torch.nn import functional as F
 
 from loraplex.engine import SamplingParams
 from loraplex.engine.spec_decode import SpeculativeConfig
+from loraplex.engine.testing.eagle3 import (DRAFT_VOCAB, EPS, HEAD_DIM, HEADS, KV_HEADS, THETA, VOCAB,
+                                            write_random_eagle3 as write_eagle3)
 from tests.engine.spec_decode.conftest import adapter_refs, assert_all_free, drive, make_engine, prompt_list
 
 K = 3
-VOCAB, DRAFT_VOCAB, HIDDEN = 320, 200, 72
-HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA = 4, 2, 16, 64, 1e-5, 10000.0
 BIAS = {7: 20.0, 11: 19.0}   # logit_bias, applied by target and draft alike: drafts right often, not always
-
-
-def _draft_tensors(aux: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5
-
-    def norm(n):
-        return 1.0 + 0.1 * torch.randn(n, generator=g)
-
-    H, q, kv = HIDDEN, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    targets = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[targets] = True
-    return {
-        "fc.weight": w(H, aux * H), "midlayer.hidden_norm.weight": norm(H),
-        "midlayer.input_layernorm.weight": norm(H), "midlayer.post_attention_layernorm.weight": norm(H),
-        "midlayer.self_attn.q_proj.weight": w(q, 2 * H, scale=2.0),
-        "midlayer.self_attn.k_proj.weight": w(kv, 2 * H, scale=2.0),
-        "midlayer.self_attn.v_proj.weight": w(kv, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, q),
-        "midlayer.mlp.gate_proj.weight": w(INTER, H), "midlayer.mlp.up_proj.weight": w(INTER, H),
-        "midlayer.mlp.down_proj.weight": w(H, INTER), "norm.weight": norm(H),
-        "lm_head.weight": w(DRAFT_VOCAB, H, scale=4.0), "d2t": targets - torch.arange(DRAFT_VOCAB), "t2d": t2d,
-    }
-
-
-def write_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt: str = "safetensors", prefix: str = "",
-                 drop: str | None = None, reshape: str | None = None, **config) -> str:
-    """A random EAGLE-3 draft of the tiny targets in the published layout (``prefix``: a name prefix such as
-    "model."; ``drop`` / ``reshape``: a tensor left out / given a wrong shape; ``config``: config.json overrides)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-           "intermediate_size": INTER, "num_hidden_layers": 1, "rms_norm_eps": EPS, "rope_theta": THETA,
-           "rope_scaling": None, "max_position_embeddings": 64, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
-           "hidden_act": "silu", "tie_word_embeddings": False, **config}
-    if aux_ids is not None:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}
-    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f)
-    state = _draft_tensors(3, seed)
-    if drop:
-        del state[drop]
-    if reshape:
-        state[reshape] = state[reshape][..., :-1].contiguous()
-    state = {(name if name == "lm_head.weight" else prefix + name): t for name, t in state.items()}
-    if fmt == "bin":
-        torch.save(state, os.path.join(folder, "pytorch_model.bin"))
-    else:
-        save_file(state, os.path.join(folder, "model.safetensors"))
-    return str(folder)
 
 
 # ---- the reference: dense, unpaged, from the published description ----------------------------------------------
