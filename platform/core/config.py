@@ -11,7 +11,7 @@ import tempfile
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_SECRET = "changethis"
@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     engine_max_lora_rank: int = Field(default=16, ge=1)
     engine_max_num_seqs: int | None = Field(default=None, ge=1)  # null: the engine's default (256 CUDA, 64 CPU)
     engine_null_tokens: int = Field(default=8, ge=1)
+    # the embedded engine's speculative decoding (None: off); combinations are checked by gateway/speculation.py
+    engine_speculative_method: Literal["ngram", "draft", "eagle", "eagle3"] | None = None
+    engine_num_speculative_tokens: int = Field(default=3, ge=1, le=16)   # k: drafts per sequence per step
+    engine_speculative_draft_model: str | None = None   # draft: folder of a small LM sharing the tokenizer
+    engine_speculative_draft_head: str | None = None    # eagle / eagle3: folder of the draft head
     max_model_len: int | None = None  # default: the base model's max_position_embeddings, capped at 8192
     residency_poll_s: float = Field(default=2.0, gt=0)  # how often replicas' resident adapters are polled
     engine_limits_poll_s: float = Field(default=30.0, gt=0)  # how often engines' serving limits are re-read
@@ -133,6 +138,18 @@ class Settings(BaseSettings):
 
     # admin dashboard sign-ins (server-side sessions in the registry; sign-out revokes)
     dashboard_session_s: int = Field(default=12 * 3600, gt=0)
+
+    @field_validator("engine_speculative_method", mode="before")
+    @classmethod
+    def _speculative_method(cls, value):
+        if isinstance(value, str):
+            value = value.strip().lower()
+            if value in ("", "none", "off"):
+                return None
+            if value == "replay":
+                raise ValueError("'replay' is for benchmarks only (`loraplex bench`); choose ngram, draft, eagle or "
+                                 "eagle3, or none")
+        return value
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> "Settings":

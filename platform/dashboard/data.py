@@ -11,11 +11,14 @@
     errors      the last errors (time, tenant, adapter, status, code), newest first
     uploads     outcomes by (outcome, reason), uploads in flight with their progress, the last finished ones (each with
                 its tenant, adapter and version once known)
+    speculative speculative decoding where replicas speculate (method, k, acceptance overall and per adapter:
+                ``speculative.py``), else null
 """
 from __future__ import annotations
 
 from typing import Any
 
+from loraplex.platform.dashboard.speculative import speculative_ids, speculative_view
 from loraplex.platform.metrics.platform_metrics import PlatformMetrics
 
 ENGINE_FIELDS = ("requests_running", "requests_waiting", "queue_length", "kv_blocks_total", "kv_blocks_used",
@@ -25,8 +28,9 @@ MAX_ADAPTERS_LISTED = 200
 
 
 def resident_ids(engines: dict[str, dict]) -> list[str]:
-    """Every adapter id some replica reports in a tier (what the names lookup needs)."""
-    ids: set[str] = set()
+    """Every adapter id some replica reports in a tier or in its speculative counters (what the names lookup
+    needs)."""
+    ids: set[str] = set(speculative_ids(engines))
     for entry in engines.values():
         ad = (entry.get("stats") or {}).get("adapters") or {}
         for tier in ("gpu", "loading", "cpu"):
@@ -75,7 +79,7 @@ def _tenants(metrics: PlatformMetrics, quotas: dict[str, dict]) -> list[dict]:
 
 def dashboard_data(metrics: PlatformMetrics, *, quotas: dict[str, dict] | None = None, bin_s: int = 5,
                    span_s: int = 300, names: dict[str, dict] | None = None) -> dict[str, Any]:
-    """Everything the page draws, as plain JSON. ``names``: ``resident_names`` of the resident adapter ids."""
+    """Everything the page draws, as plain JSON. ``names``: ``resident_names`` of ``resident_ids``."""
     totals = dict(metrics.totals)
     totals["error_rate"] = totals["errors"] / totals["requests"] if totals["requests"] else 0.0
     engines = dict(metrics.engines)
@@ -94,4 +98,5 @@ def dashboard_data(metrics: PlatformMetrics, *, quotas: dict[str, dict] | None =
         "uploads": {"outcomes": [{"outcome": o, "reason": r, "count": n}
                                  for (o, r), n in sorted(dict(metrics.upload_counts).items())],
                     **metrics.uploads.snapshot()},
+        "speculative": speculative_view(engines, names or {}),
     }

@@ -44,6 +44,9 @@ class EngineClient(Protocol):
     async def residency(self) -> Residency:
         ...
 
+    async def stats(self) -> dict:
+        """``loraplex.engine.stats.engine_stats`` of the engine (what the metrics poller and the dashboard read)."""
+
     async def health(self) -> EngineHealth:
         """``ready`` only once the model is loaded; unreachable → ``EngineUnavailableError``."""
 

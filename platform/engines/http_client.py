@@ -94,6 +94,11 @@ class HttpEngineClient:
     async def residency(self) -> Residency:
         return Residency.from_wire(await self._request("GET", "/v1/adapters"))
 
+    async def stats(self) -> dict:
+        """The engine's ``GET /v1/stats`` (``loraplex.engine.stats.engine_stats``: load, KV cache, adapters,
+        ``speculative``)."""
+        return await self._request("GET", "/v1/stats")
+
     async def health(self) -> EngineHealth:
         try:
             resp = await self._client.get("/health")

@@ -74,6 +74,10 @@ class InProcessEngineClient:
     async def residency(self) -> Residency:
         return Residency.from_wire(self.service.residency())
 
+    async def stats(self) -> dict:
+        """``engine_stats`` of the engine in this process (the null engine's ``empty_stats``)."""
+        return await self.service.stats()
+
     async def health(self) -> EngineHealth:
         health = EngineHealth.from_wire(self.service.health())
         if not health.ready:

@@ -8,6 +8,7 @@ import os
 from loraplex.platform.core.config import Settings
 from loraplex.platform.engines.http_client import HttpEngineClient
 from loraplex.platform.engines.inprocess import InProcessEngineClient, NullEngineClient
+from loraplex.platform.gateway.speculation import check_speculative_settings, embedded_speculative
 from loraplex.platform.routing import Replica
 
 logger = logging.getLogger(__name__)
@@ -33,18 +34,21 @@ def build_replicas(settings: Settings, *, model_name: str) -> list[Replica]:
 
 
 def embedded_engine_kwargs(settings: Settings) -> dict:
-    """``EngineConfig`` fields of the embedded engine."""
+    """``EngineConfig`` fields of the embedded engine (``EngineSettingsError`` for speculative settings that do not
+    go together)."""
     return dict(device=settings.engine_device, dtype=settings.engine_dtype, progress=False,
                 max_num_seqs=settings.engine_max_num_seqs, max_model_len=settings.max_model_len, enable_lora=True,
                 max_loras=settings.engine_max_loras, max_lora_rank=settings.engine_max_lora_rank,
                 max_cpu_loras=max(16, settings.engine_max_loras or 0),
-                adapter_cache_dir=os.path.join(os.path.abspath(settings.data_dir), "adapter-cache"))
+                adapter_cache_dir=os.path.join(os.path.abspath(settings.data_dir), "adapter-cache"),
+                speculative=embedded_speculative(settings))
 
 
 def check_engine_settings(settings: Settings) -> None:
     """Refuses, before anything loads, engine settings the base model cannot honour (``EngineSettingsError``,
     one line: ``loraplex serve`` prints it and exits). Separate engines (``ENGINE_URLS``) check their own at start;
-    the gateway's context length must still fit the base model."""
+    the gateway's context length must still fit the base model; speculative settings must go together."""
+    check_speculative_settings(settings)
     if not settings.base_model_path:
         return
     from loraplex.engine.config import ModelConfig

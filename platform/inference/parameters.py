@@ -106,6 +106,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     _x("guided_regex", BOTH, "a regular expression the output must match"),
     _x("guided_choice", BOTH, "a list of strings; the output is one of them"),
     _x("guided_grammar", BOTH, "a Lark (llguidance dialect) or GBNF grammar the output must match"),
+    _x("speculative", BOTH, "true/false (default true): false opts the request out of speculative decoding where "
+                            "the deployment speculates (the output is the same; only its speed differs)"),
 )
 
 _BY_ENDPOINT: dict[str, dict[str, Parameter]] = {

@@ -2,10 +2,10 @@
 
 Requests accept the fields of ``parameters.py``'s table: OpenAI's, plus the engine extensions the ``openai`` client
 sends through ``extra_body`` (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``guided_*``); ``parse_request`` refuses an unknown or refused field with a 400 ``unsupported_parameter`` naming it
-before the body is validated. ``sampling_params()`` turns a request into the engine's ``SamplingParams`` fields
-(structured outputs: ``structured_request.py``; ``logit_bias``); ``choice_plan()`` says how the ``n`` choices come out
-of the engine (``plan.py``).
+``guided_*``, ``speculative``); ``parse_request`` refuses an unknown or refused field with a 400
+``unsupported_parameter`` naming it before the body is validated. ``sampling_params()`` turns a request into the
+engine's ``SamplingParams`` fields (structured outputs: ``structured_request.py``; ``logit_bias``); ``choice_plan()``
+says how the ``n`` choices come out of the engine (``plan.py``).
 
 Completions take a list of prompts (strings or token-id lists): each prompt is one engine request of ``n`` choices,
 answered as choices ``prompt_index * n + choice``.
@@ -26,7 +26,7 @@ import uuid
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_serializer
 
 from loraplex.platform.inference.errors import InferenceError
 from loraplex.platform.inference.parameters import Endpoint, check_parameters
@@ -128,6 +128,7 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
+    speculative: StrictBool | None = None    # false: this request never speculates (true / absent: as deployed)
 
     @field_validator("logit_bias")
     @classmethod
@@ -158,7 +159,7 @@ class _SamplingFields(BaseModel):
         if stop:
             d["stop"] = stop
         for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                     "repetition_penalty", "min_tokens", "ignore_eos"):
+                     "repetition_penalty", "min_tokens", "ignore_eos", "speculative"):
             value = getattr(self, name)
             if value is not None:
                 d[name] = value

@@ -2,8 +2,8 @@
 
     inprocess_source(async_engine)       the embedded engine: ``engine_stats(async_engine.engine)``
     http_source("http://engine-0:8001")  a ``loraplex engine serve`` process: GET <url>/v1/stats (JSON)
-    client_source(replica.client)        the gateway's engine client: its in-process service's ``stats()``
-                                         (embedded or null engine) or ``http_source(client.base_url)``
+    client_source(replica.client)        the gateway's engine client's ``stats()`` (in-process: the engine
+                                         service's; HTTP: the engine's GET /v1/stats on the client's pool)
 """
 from __future__ import annotations
 
@@ -37,9 +37,13 @@ def http_source(base_url: str, *, path: str = "/v1/stats", timeout_s: float = 2.
 
 
 def client_source(client: Any) -> Callable[[], Any] | None:
-    """The stats source of one of the gateway's engine clients: an in-process engine service's ``stats()`` (the
-    embedded engine's ``engine_stats``, the null engine's ``empty_stats``), else ``http_source(base_url)`` for an
-    HTTP client; None for a client with neither (a test double), which then has no engine gauges."""
+    """The stats source of one of the gateway's engine clients: its ``stats()`` (``EngineClient``; the embedded
+    engine's ``engine_stats``, the null engine's ``empty_stats``, an engine server's ``/v1/stats``), else an
+    in-process service's ``stats()`` or ``http_source(base_url)``; None for a client with none of them (a test
+    double), which then has no engine gauges."""
+    stats = getattr(client, "stats", None)
+    if callable(stats):
+        return stats
     service = getattr(client, "service", None)
     if service is not None and callable(getattr(service, "stats", None)):
         return service.stats

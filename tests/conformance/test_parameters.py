@@ -240,6 +240,19 @@ def _ignore_eos(live, endpoint):
     assert r.usage.completion_tokens == 12 and sent(live)["ignore_eos"] is True
 
 
+@effect("chat:speculative", "completion:speculative")
+def _speculative(live, endpoint):
+    # this engine does not speculate: the opt-out reaches the engine and changes nothing; the engine's counters with
+    # an engine that speculates: tests/platform/gateway/test_speculative.py
+    default = text(call(live, endpoint, max_tokens=6, extra_body={"ignore_eos": True}))
+    assert "speculative" not in sent(live)
+    r = call(live, endpoint, max_tokens=6, extra_body={"ignore_eos": True, "speculative": False})
+    assert sent(live)["speculative"] is False and text(r) == default
+    with pytest.raises(openai.BadRequestError) as e:
+        call(live, endpoint, extra_body={"speculative": "no"})
+    assert e.value.param == "speculative" and e.value.code == "invalid_value"
+
+
 @effect("chat:guided_json", "completion:guided_json")
 def _guided_json(live, endpoint):
     for schema in (SMALL_SCHEMA, json.dumps(SMALL_SCHEMA)):   # an object or its JSON text

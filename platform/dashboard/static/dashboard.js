@@ -1,5 +1,6 @@
-// loraplex admin dashboard: polls the data endpoint and redraws six Chart.js charts; lists adapters with their
-// version history (click a row). State for tests and debugging:
+// loraplex admin dashboard: polls the data endpoint and redraws six Chart.js charts; shows speculative decoding's
+// acceptance (overall and per adapter) where engines speculate; lists adapters with their version history (click a
+// row). State for tests and debugging:
 // window.loraplexDashboard = {charts, data, updates, failures, lastError, adapters, history}.
 (function () {
   "use strict";
@@ -153,6 +154,37 @@
     box.replaceChildren(...items);
   }
 
+  const ratio = (v, digits) => (v === null || v === undefined ? "–" : v.toFixed(digits));
+  const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%");
+
+  // speculative decoding: summed over the replicas that speculate; "not speculating" when none does
+  function renderSpeculative(sp) {
+    $("spec-tiles").hidden = !sp;
+    $("spec-table").hidden = !sp;
+    if (!sp) {
+      $("spec-summary").textContent = "Not speculating: no engine replica runs speculative decoding.";
+      setRows("spec-table", []);
+      return;
+    }
+    const methods = [...new Set(sp.replicas.map((r) => `${r.method}, k = ${r.num_speculative_tokens}`))];
+    $("spec-summary").textContent = `${sp.replicas.length} replica(s) speculating (${sp.replicas.map((r) => r.replica)
+      .join(", ")}); counts since each engine started.`;
+    $("spec-method").textContent = methods.join(" · ");
+    $("spec-length").textContent = ratio(sp.acceptance_length, 2);
+    $("spec-rate").textContent = pct(sp.acceptance_rate);
+    $("spec-proposed").textContent = fmt(sp.proposed);
+    $("spec-accepted").textContent = fmt(sp.accepted);
+    const rows = sp.adapters.map((a) => [a.adapter_id === null ? "–" : a.tenant,
+      a.adapter_id === null ? "(base model)" : a.adapter, a.version === null ? null : `v${a.version}`,
+      a.proposed, a.accepted, ratio(a.acceptance_length, 2), pct(a.acceptance_rate)]);
+    const o = sp.adapters_other;
+    if (o && o.proposed > 0) {
+      rows.push(["–", `(${o.adapters} more)`, null, o.proposed, o.accepted, ratio(o.acceptance_length, 2),
+                 pct(o.acceptance_rate)]);
+    }
+    setRows("spec-table", rows);
+  }
+
   function update(d) {
     const s = d.series;
     const labels = s.t.map(clock);
@@ -186,6 +218,7 @@
     c.uploads.data.labels = d.uploads.outcomes.map((o) => `${o.outcome}: ${o.reason}`);
     c.uploads.data.datasets[0].data = d.uploads.outcomes.map((o) => o.count);
     renderUploads(d.uploads);
+    renderSpeculative(d.speculative);
 
     for (const chart of Object.values(c)) chart.update("none");
 

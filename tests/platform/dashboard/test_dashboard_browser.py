@@ -3,9 +3,11 @@ while traffic runs: the whole platform app (SQLite, local blobs, its lifespan an
 real tiny engine with LoRA as its one replica (and so its stats source), real uploads and real inference over
 HTTP (adapters, the base model, quota 429s; every fifth round one request the engine client fails with a 500).
 Every chart must show non-empty series; resident adapters and recent uploads show tenant and adapter names and
-version numbers (never the registry's ids), and a click on an adapter opens its version history. The screenshot goes to the test's temp folder, or to the path in
-``LORAPLEX_DASHBOARD_SCREENSHOT`` (``LORAPLEX_DASHBOARD_SCREENSHOT=docs/dashboard.png`` refreshes the README's
-picture), so a test run leaves the tree as it was. Chromium missing is a failure, never a skip."""
+version numbers (never the registry's ids), a click on an adapter opens its version history, and the speculative
+decoding view says the engine is not speculating (``test_speculative_browser.py`` has one that does). The screenshot
+goes to the test's temp folder, or to the path in ``LORAPLEX_DASHBOARD_SCREENSHOT``
+(``LORAPLEX_DASHBOARD_SCREENSHOT=docs/dashboard.png`` refreshes the README's picture), so a test run leaves the
+tree as it was. Chromium missing is a failure, never a skip."""
 from __future__ import annotations
 
 import io
@@ -258,6 +260,8 @@ def _check_names_and_history(driver) -> None:
     def text(element_id: str) -> str:
         return driver.find_element(By.ID, element_id).get_attribute("textContent")
 
+    assert text("spec-summary") == "Not speculating: no engine replica runs speculative decoding."
+    assert not driver.find_element(By.ID, "spec-table").is_displayed()
     resident = text("adapter-table")
     assert "acme" in resident and "support-bot" in resident and re.search(r"v[12]", resident), resident
     assert not re.search(r"[0-9a-f]{32}", resident), resident            # no tenant or version ids
