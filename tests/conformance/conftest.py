@@ -45,15 +45,7 @@ def live(tmp_path_factory) -> Live:
         names = ("conf-a", "conf-b")
         for seed, name in enumerate(names, start=1):
             server.upload(key, name, make_adapter(base, str(tmp / name), seed=seed))
-        sent: list = []
-        client = server.gateway.router.replicas["embedded"].client
-        generate = client.generate
-
-        def recording(request):
-            sent.append(request)
-            return generate(request)
-
-        client.generate = recording
+        sent = server.record_engine_requests()
         yield Live(server, key, names, sent)
     finally:
         server.stop()

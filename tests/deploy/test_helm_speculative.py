@@ -22,6 +22,7 @@ import kubernetes_validate
 import pytest
 
 from tests.deploy.conftest import CHART, KUBE_VERSION, REPO, VALUES_FILES, engine_config_of, load_values, render
+from tests.utils.grafana import check_grid
 
 ENGINES_DASHBOARD = REPO / "deploy" / "grafana" / "loraplex-engines-dashboard.json"
 SPEC_FLAG = re.compile(r"^--(num-)?speculative")
@@ -206,15 +207,8 @@ def test_engines_dashboard_has_a_speculative_decoding_row_laid_out_cleanly():
     titles = {p["title"] for p in dash["panels"]}
     assert {"Acceptance length by adapter (top 10)", "Draft tokens proposed vs accepted /s",
             "Acceptance rate by adapter (top 10)"} <= titles
-    ids = [p["id"] for p in dash["panels"]]
-    assert len(ids) == len(set(ids))
-    cells = set()
+    check_grid(dash)
     for p in dash["panels"]:
-        g = p["gridPos"]
-        assert g["x"] + g["w"] <= 24, p["title"]
-        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
-        assert not cells & mine, f"panel {p['title']!r} overlaps another"
-        cells |= mine
         if p["type"] != "row":
             assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
     for expr in _exprs(dash):

@@ -103,6 +103,19 @@ class LiveServer:
         assert r.status_code == 201, r.text
         return r.json()
 
+    def record_engine_requests(self, replica: str = "embedded") -> list:
+        """The ``EngineRequest`` of every generation sent to ``replica`` from now on, in order."""
+        sent: list = []
+        client = self.gateway.router.replicas[replica].client
+        generate = client.generate
+
+        def recording(request):
+            sent.append(request)
+            return generate(request)
+
+        client.generate = recording
+        return sent
+
     def openai(self, key: str, **kw):
         import openai
 

@@ -27,15 +27,7 @@ def live(tiny_base, tmp_path_factory):
     try:
         _, key = server.new_tenant()
         server.upload(key, "spec-a", make_adapter(tiny_base, str(tmp / "spec-a"), seed=1))
-        sent: list = []
-        client = server.gateway.router.replicas["embedded"].client
-        generate = client.generate
-
-        def recording(request):
-            sent.append(request)
-            return generate(request)
-
-        client.generate = recording
+        sent = server.record_engine_requests()
         yield server, key, sent
     finally:
         server.stop()

@@ -7,6 +7,7 @@ import re
 
 from loraplex.platform.metrics import PlatformMetrics
 from tests.platform.metrics.conftest import parse_scrape
+from tests.utils.grafana import check_grid
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DASHBOARD = os.path.join(REPO, "deploy", "grafana", "loraplex-dashboard.json")
@@ -35,14 +36,6 @@ def test_every_query_uses_an_exported_metric_and_panels_do_not_overlap():
                    "loraplex_engine_adapters_resident", "loraplex_uploads_total", "loraplex_quota_rejections_total",
                    "loraplex_engine_adapter_load_seconds_bucket", "loraplex_engine_gpu_slot_hit_rate"):
         assert family in used, family
-    ids = [p["id"] for p in dash["panels"]]
-    assert len(ids) == len(set(ids))
-    cells = set()
-    for p in dash["panels"]:
-        g = p["gridPos"]
-        assert g["x"] + g["w"] <= 24, p["title"]
-        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
-        assert not cells & mine, f"panel {p['title']!r} overlaps another"
-        cells |= mine
+    check_grid(dash)
     variables = {v["name"] for v in dash["templating"]["list"]}
     assert {"datasource", "tenant", "replica"} <= variables
