@@ -130,3 +130,28 @@ def assert_all_free(engine: LLMEngine) -> None:
         if draft is not None:
             draft.kv.check_invariants()
             assert draft.kv.num_free_blocks == draft.kv.num_blocks and not engine.spec.proposer.num_sequences
+
+
+@pytest.fixture
+def serve_speculative(monkeypatch):
+    """``run(*flags)`` -> the ``SpeculativeConfig`` (None: off) ``loraplex engine serve --model /m *flags`` would give
+    the engine, without loading anything; ``run.exit_codes`` the CLI's return values."""
+    from loraplex.cli import main
+    from loraplex.commands import engine as engine_cmd
+    from loraplex.engine.engine_config import EngineConfig
+    from loraplex.engine.server import serve as serve_mod
+
+    seen: list[dict] = []
+    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)  # "/m" has no config.json
+    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
+    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
+
+    def run(*flags: str):
+        before = len(seen)
+        run.exit_codes.append(main(["engine", "serve", "--model", "/m", *flags]))
+        if len(seen) == before:
+            return None
+        return EngineConfig(model="/m", **{k: v for k, v in seen[-1].items() if k != "model_name"}).speculative
+
+    run.exit_codes = []
+    return run

@@ -212,33 +212,20 @@ def test_draft_adapter_errors(tiny_checkpoint, peft_folders, tmp_path):
     engine.close()
 
 
-def test_serve_flags_register_draft_adapters(monkeypatch):
-    from loraplex.cli import main
-    from loraplex.commands import engine as engine_cmd
-    from loraplex.engine.engine_config import EngineConfig
-    from loraplex.engine.server import serve as serve_mod
-
-    seen = []
-    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)
-    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
-    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
-    main(["engine", "serve", "--model", "/m", "--speculative-method", "draft", "--speculative-draft-model", "/d",
-          "--speculative-draft-adapter", "t/a/1=/up/a", "--speculative-draft-adapter", "t/b/1=/up/b=2",
-          "--speculative-draft-max-lora-rank", "32"])
-    cfg = EngineConfig(model="/m", **{k: v for k, v in seen[0].items() if k != "model_name"}).speculative
+def test_serve_flags_register_draft_adapters(serve_speculative):
+    run = serve_speculative
+    draft = ("--speculative-method", "draft", "--speculative-draft-model", "/d")
+    cfg = run(*draft, "--speculative-draft-adapter", "t/a/1=/up/a", "--speculative-draft-adapter", "t/b/1=/up/b=2",
+              "--speculative-draft-max-lora-rank", "32")
     assert cfg.draft_adapters == {"t/a/1": "/up/a", "t/b/1": "/up/b=2"} and cfg.draft_max_lora_rank == 32
     assert not cfg.discover_draft_adapters
-    main(["engine", "serve", "--model", "/m", "--speculative-method", "draft", "--speculative-draft-model", "/d",
-          "--speculative-discover-draft-adapters"])
-    cfg = EngineConfig(model="/m", **{k: v for k, v in seen[-1].items() if k != "model_name"}).speculative
+    cfg = run(*draft, "--speculative-discover-draft-adapters")
     assert cfg.discover_draft_adapters and cfg.draft_adapters == {}
     for bad in (["--speculative-draft-adapter", "no-folder"],
                 ["--speculative-draft-adapter", "t/a/1=/x", "--speculative-draft-adapter", "t/a/1=/y"]):
-        assert main(["engine", "serve", "--model", "/m", "--speculative-method", "draft",
-                     "--speculative-draft-model", "/d", *bad]) == 2
-    assert main(["engine", "serve", "--model", "/m", "--speculative-draft-adapter", "t/a/1=/x"]) == 2
-    main(["engine", "serve", "--model", "/m", "--speculative-method", "eagle", "--speculative-draft-head", "/h",
-          "--speculative-adapter-draft-head", "t/a/1=/ha"])
-    cfg = EngineConfig(model="/m", **{k: v for k, v in seen[-1].items() if k != "model_name"}).speculative
+        assert run(*draft, *bad) is None and run.exit_codes[-1] == 2
+    assert run("--speculative-draft-adapter", "t/a/1=/x") is None and run.exit_codes[-1] == 2
+    cfg = run("--speculative-method", "eagle", "--speculative-draft-head", "/h", "--speculative-adapter-draft-head",
+              "t/a/1=/ha")
     assert cfg.method == "eagle" and cfg.draft_head == "/h" and cfg.draft_heads == {"t/a/1": "/ha"}
-    assert main(["engine", "serve", "--model", "/m", "--speculative-draft-head", "/h"]) == 2
+    assert run("--speculative-draft-head", "/h") is None and run.exit_codes[-1] == 2

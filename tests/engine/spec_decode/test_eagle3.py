@@ -306,17 +306,7 @@ def test_bad_eagle3_drafts_are_refused(tiny_checkpoint, tmp_path):
         make_engine(path, dict(method="eagle3", draft_head=str(tmp_path)))
 
 
-def test_serve_flags_select_eagle3(monkeypatch):
-    from loraplex.cli import main
-    from loraplex.commands import engine as engine_cmd
-    from loraplex.engine.engine_config import EngineConfig
-    from loraplex.engine.server import serve as serve_mod
-
-    seen = []
-    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)
-    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
-    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
-    main(["engine", "serve", "--model", "/m", "--speculative-method", "eagle3", "--speculative-draft-head", "/e3",
-          "--speculative-draft-num-kv-blocks", "64"])
-    cfg = EngineConfig(model="/m", **{k: v for k, v in seen[-1].items() if k != "model_name"}).speculative
+def test_serve_flags_select_eagle3(serve_speculative):
+    cfg = serve_speculative("--speculative-method", "eagle3", "--speculative-draft-head", "/e3",
+                            "--speculative-draft-num-kv-blocks", "64")
     assert (cfg.method, cfg.draft_head, cfg.draft_num_kv_blocks) == ("eagle3", "/e3", 64)

@@ -126,25 +126,15 @@ def test_counters_per_adapter_stay_bounded():
     assert listed == snap["verified"] == 3 + MAX_ADAPTERS + 5
 
 
-def test_engine_serve_flags(monkeypatch):
-    import loraplex.commands.engine as engine_cmd
-    import loraplex.engine.server.serve as serve_mod
-    from loraplex.cli import main
-
-    seen = []
-    monkeypatch.setattr(engine_cmd, "_check_settings", lambda model, kwargs: None)
-    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw))
-    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
-    main(["engine", "serve", "--model", "/m"])
-    main(["engine", "serve", "--model", "/m", "--speculative-method", "draft", "--speculative-draft-model", "/d",
-          "--num-speculative-tokens", "5", "--speculative-verify-cuda-graphs"])
-    main(["engine", "serve", "--model", "/m", "--speculative-method", "ngram", "--speculative-ngram-max", "6"])
-    assert seen[0]["speculative"] is None
-    cfgs = [EngineConfig(model="/m", **{k: v for k, v in kw.items() if k != "model_name"}).speculative for kw in seen]
-    assert cfgs[1] == SpeculativeConfig(method="draft", draft_model="/d", num_speculative_tokens=5,
-                                        verify_cuda_graphs=True)
-    assert cfgs[2].method == "ngram" and cfgs[2].ngram_max == 6
-    assert main(["engine", "serve", "--model", "/m", "--speculative-draft-model", "/d"]) == 2  # no method
+def test_engine_serve_flags(serve_speculative):
+    assert serve_speculative() is None
+    assert serve_speculative("--speculative-method", "draft", "--speculative-draft-model", "/d",
+                             "--num-speculative-tokens", "5", "--speculative-verify-cuda-graphs") == \
+        SpeculativeConfig(method="draft", draft_model="/d", num_speculative_tokens=5, verify_cuda_graphs=True)
+    cfg = serve_speculative("--speculative-method", "ngram", "--speculative-ngram-max", "6")
+    assert cfg.method == "ngram" and cfg.ngram_max == 6
+    assert serve_speculative("--speculative-draft-model", "/d") is None  # no method: refused, nothing started
+    assert serve_speculative.exit_codes[-1] == 2 and 2 not in serve_speculative.exit_codes[:-1]
 
 
 def test_draft_model_padded_decode_path_matches_eager(tiny_checkpoint):
