@@ -155,3 +155,20 @@ def serve_speculative(monkeypatch):
 
     run.exit_codes = []
     return run
+
+
+def record_proposals(engine: LLMEngine, record: list, *, with_params: bool = False) -> None:
+    """From now on, append (token ids, adapter[, params], drafts) to ``record`` for every proposal the engine's
+    proposer makes."""
+    propose = engine.spec.proposer.propose
+
+    def recording(batch):
+        out = propose(batch)
+        for s, p in zip(batch, out):
+            if p is not None:
+                tokens = s.seq.token_ids_slice(0, s.seq.num_tokens)
+                record.append((tokens, s.adapter, s.params, list(p.token_ids)) if with_params
+                              else (tokens, s.adapter, list(p.token_ids)))
+        return out
+
+    engine.spec.proposer.propose = recording

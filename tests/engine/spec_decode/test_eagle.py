@@ -13,7 +13,8 @@ import torch
 from loraplex.engine import SamplingParams
 from loraplex.engine.spec_decode import SpeculativeConfig
 from loraplex.engine.spec_decode.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
-from tests.engine.spec_decode.conftest import adapter_refs, assert_all_free, drive, make_engine, prompt_list
+from tests.engine.spec_decode.conftest import (adapter_refs, assert_all_free, drive, make_engine, prompt_list,
+                                               record_proposals)
 from tests.utils.scripts import load_script
 
 K = 3
@@ -49,16 +50,7 @@ def _run(path, refs, spec, cache, before_step=None, record=None):
     for ref in refs.values():
         assert engine.load_adapter(ref, wait=True) == "ready"
     if record is not None:
-        propose = engine.spec.proposer.propose
-
-        def recording(batch):
-            out = propose(batch)
-            for s, p in zip(batch, out):
-                if p is not None:
-                    record.append((s.seq.token_ids_slice(0, s.seq.num_tokens), s.adapter, list(p.token_ids)))
-            return out
-
-        engine.spec.proposer.propose = recording
+        record_proposals(engine, record)
     finals = drive(engine, _workload(refs), arrivals={0: [0, 1, 2, 3], 3: [4, 5]}, before_step=before_step)
     assert_all_free(engine)
     assert engine.spec is None or engine.spec.proposer.num_sequences == 0

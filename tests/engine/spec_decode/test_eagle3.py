@@ -15,7 +15,8 @@ from loraplex.engine import SamplingParams
 from loraplex.engine.spec_decode import SpeculativeConfig
 from loraplex.engine.testing.eagle3 import (DRAFT_VOCAB, EPS, HEAD_DIM, HEADS, KV_HEADS, THETA, VOCAB,
                                             write_random_eagle3 as write_eagle3)
-from tests.engine.spec_decode.conftest import adapter_refs, assert_all_free, drive, make_engine, prompt_list
+from tests.engine.spec_decode.conftest import (adapter_refs, assert_all_free, drive, make_engine, prompt_list,
+                                               record_proposals)
 
 K = 3
 BIAS = {7: 20.0, 11: 19.0}   # logit_bias, applied by target and draft alike: drafts right often, not always
@@ -100,16 +101,7 @@ def _run(path, refs, spec, cache, before_step=None, record=None, bias=BIAS):
 
         engine.spec.proposer.observe = observing
     if record is not None:
-        propose = engine.spec.proposer.propose
-
-        def recording(batch):
-            out = propose(batch)
-            for s, p in zip(batch, out):
-                if p is not None:
-                    record.append((s.seq.token_ids_slice(0, s.seq.num_tokens), s.adapter, s.params, list(p.token_ids)))
-            return out
-
-        engine.spec.proposer.propose = recording
+        record_proposals(engine, record, with_params=True)
     finals = drive(engine, _workload(refs, bias), arrivals={0: [0, 1, 2, 3], 3: [4, 5]}, before_step=before_step)
     assert_all_free(engine)
     return {rid: o.output_token_ids for rid, o in finals.items()}, engine
