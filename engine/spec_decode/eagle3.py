@@ -91,13 +91,14 @@ class Eagle3Proposer(Proposer):
 
     # ---- state --------------------------------------------------------------------------------------------
     def _take(self, batch: list[SpecSequence]) -> None:
-        """fc over every candidate's new aux rows (one batched projection), appended to its pending features."""
+        """fc (after the draft's aux norms, ``Eagle3Draft.combine``) over every candidate's new aux rows (one batched
+        projection), appended to its pending features."""
         rows = [s for s in batch if s.hidden_states is not None and s.hidden_states.shape[0]]
         if not rows:
             return
         w = self.runner.draft.fc.weight
         with torch.inference_mode():
-            g = self.runner.draft.fc(torch.cat([s.hidden_states for s in rows]).to(w.dtype))
+            g = self.runner.draft.combine(torch.cat([s.hidden_states for s in rows]).to(w.dtype))
         first = 0
         for s in rows:
             n = s.hidden_states.shape[0]

@@ -4,7 +4,8 @@ for one target, with errors that name what is wrong.
     config.json   architectures ["LlamaForCausalLMEagle3"] (or "Eagle3LlamaForCausalLM"), hidden_size,
                   num_attention_heads, num_key_value_heads, head_dim?, intermediate_size, rms_norm_eps,
                   rope_theta / rope_scaling, vocab_size (the target's), draft_vocab_size, target_hidden_size?,
-                  eagle_aux_hidden_state_layer_ids? (top level or in eagle_config), norm_before_residual?
+                  eagle_aux_hidden_state_layer_ids?, norm_before_residual?, norm_before_fc?, fc_norm?, norm_output?
+                  (each at the top level or in eagle_config)
     weights       model.safetensors (or sharded with model.safetensors.index.json) or pytorch_model.bin:
         fc.weight                                     [H, 3 * H_t]
         midlayer.hidden_norm / input_layernorm / post_attention_layernorm .weight   [H]
@@ -12,6 +13,7 @@ for one target, with errors that name what is wrong.
         midlayer.self_attn.o_proj.weight              [H, Q * D]
         midlayer.mlp.{gate,up}_proj.weight [I, H], down_proj.weight [H, I]
         norm.weight [H], lm_head.weight [V_d, H]
+        input_norm.weight [3 * H_t] (norm_before_fc), fc_norm.{0,1,2}.weight [H_t] (fc_norm)
         d2t [V_d] int64 (target id = draft id + d2t[draft id]; absent: V_d == V, identity), t2d [V] bool (checked,
         not needed), embed_tokens.weight [V, H] (absent: the target's embedding)
     names may carry a ``model.`` prefix, and ``layers.0.`` for ``midlayer.``
@@ -91,6 +93,10 @@ def _expected(cfg: Eagle3Config, num_aux: int) -> dict[str, tuple[int, ...]]:
         "midlayer.mlp.down_proj.weight": (H, inter),
         "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H),
     }
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (num_aux * cfg.target_hidden_size,)
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(num_aux)})
     if cfg.attention_bias:
         shapes.update({"midlayer.self_attn.q_proj.bias": (q,), "midlayer.self_attn.k_proj.bias": (kv,),
                        "midlayer.self_attn.v_proj.bias": (kv,), "midlayer.self_attn.o_proj.bias": (H,)})
@@ -128,7 +134,8 @@ def load_eagle3_draft(folder: str, *, target: ModelConfig, max_model_len: int, d
     unexpected = sorted(set(state) - set(expected) - set(optional))
     if unexpected:
         raise ValueError(f"EAGLE-3 draft {folder!r} has unexpected tensor(s) {', '.join(unexpected)} (a one-layer "
-                         "EAGLE-3 draft holds fc, midlayer.*, norm, lm_head, d2t, t2d and optionally embed_tokens)")
+                         "EAGLE-3 draft holds fc, midlayer.*, norm, lm_head, d2t, t2d, optionally embed_tokens, and "
+                         "input_norm or fc_norm.* when its config.json sets norm_before_fc or fc_norm)")
     for name, shape in {**expected, **optional}.items():
         if name in state and tuple(state[name].shape) != shape:
             raise ValueError(f"EAGLE-3 draft {folder!r}: tensor {name} has shape {list(state[name].shape)}, "

@@ -6,6 +6,9 @@ V_d the draft's (a subset of V).
 
     g      = fc(aux)                      aux [T, n * H_t]: the target's residual stream entering each aux layer
                                           (first draft step of a position), else the draft's own previous prenorm
+                                          (norm_output: its previous normed output)
+             norm_before_fc: fc(input_norm(aux)), one RMSNorm over the n * H_t concatenation (e.g. gpt-oss drafts)
+             fc_norm:        fc([fc_norm[0](aux_0) ; .. ; fc_norm[n-1](aux_n-1)]), an RMSNorm per aux layer
     e      = embed(x)                     [T, H]   the target's embedding (or the checkpoint's own embed_tokens)
     res    = g;  a = [input_layernorm(e) ; hidden_norm(g)]          [T, 2H]   (norm_before_residual: res = the
                                                                                normed g)
@@ -54,6 +57,9 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...] | None  # None: default_aux_layer_ids of the target
     norm_before_residual: bool = False
     attention_bias: bool = False
+    norm_before_fc: bool = False   # one RMSNorm over the concatenated aux states before fc (input_norm)
+    fc_norm: bool = False          # an RMSNorm per aux state before the concatenation (fc_norm.<i>)
+    norm_output: bool = False      # the chain feeds the normed output back, not the prenorm sum
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "Eagle3Config":
@@ -74,9 +80,16 @@ class Eagle3Config:
             raise ConfigError(f"{where}: num_hidden_layers {layers}; only one-layer EAGLE-3 drafts are supported")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (need 'silu')")
-        if d.get("norm_before_fc"):
-            raise ConfigError(f"{where}: norm_before_fc is not supported (an RMSNorm over the aux states before fc)")
         eagle = d.get("eagle_config") or {}
+        flags = {}
+        for key in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"):
+            value = d.get(key, eagle.get(key, False))  # top level (speculators) or in eagle_config (NVIDIA)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
+            flags[key] = value
+        if flags["norm_before_fc"] and flags["fc_norm"]:
+            raise ConfigError(f"{where}: norm_before_fc and fc_norm are both set; a draft norms its aux states "
+                              "once, over the concatenation (norm_before_fc) or per layer (fc_norm)")
         if not eagle.get("use_aux_hidden_state", True):
             raise ConfigError(f"{where}: eagle_config.use_aux_hidden_state is false; only drafts reading the "
                               "target's aux hidden states (fc over 3 layers) are supported")
@@ -94,8 +107,7 @@ class Eagle3Config:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)), vocab_size=vocab,
             draft_vocab_size=draft_vocab, target_hidden_size=int(d.get("target_hidden_size") or hidden),
             aux_layer_ids=tuple(ids) if ids is not None else None,
-            norm_before_residual=bool(d.get("norm_before_residual", False)),
-            attention_bias=bool(d.get("attention_bias", False)))
+            attention_bias=bool(d.get("attention_bias", False)), **flags)
 
     def layer_config(self, max_positions: int) -> ModelConfig:
         """The decoder layer's dimensions as an engine ModelConfig (a one-layer llama), for its attention."""
@@ -147,18 +159,34 @@ class Eagle3Draft(nn.Module):
         cfg = config.layer_config(max_positions)
         self.layer_config = cfg
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.fc = Linear(num_aux_layers * config.target_hidden_size, config.hidden_size)
+        width = num_aux_layers * config.target_hidden_size
+        self.num_aux_layers = num_aux_layers
+        self.input_norm = RMSNorm(width, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                     for _ in range(num_aux_layers)) if config.fc_norm else None
+        self.fc = Linear(width, config.hidden_size)
         self.midlayer = Eagle3Layer(cfg, self.rotary, config.norm_before_residual)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.draft_vocab_size)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size) if own_embedding else None
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
 
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux rows [T, n * H_t] -> g [T, H] (fc, after the checkpoint's norms: module docstring)."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        elif self.fc_norm is not None:
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(self.num_aux_layers, dim=-1),
+                                                              strict=True)], dim=-1)
+        return self.fc(aux)
+
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (normed [T, H]: the lm_head input, prenorm [T, H]: the next draft step's hidden)."""
+        """-> (normed [T, H]: the lm_head input, the next draft step's hidden [T, H]: the prenorm sum, or with
+        ``norm_output`` the normed output)."""
         h, residual = self.midlayer(positions, embeds, hidden, attn, kv_cache)
-        return self.norm(h, residual)
+        normed, prenorm = self.norm(h, residual)
+        return normed, normed if self.config.norm_output else prenorm
 
     def target_logits(self, normed: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[N, H] -> logits [N, vocab_size] float32 over the target's ids: the draft vocabulary's scattered through

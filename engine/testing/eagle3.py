@@ -41,10 +41,13 @@ def _draft_tensors(aux: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def write_random_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt: str = "safetensors", prefix: str = "",
-                 drop: str | None = None, reshape: str | None = None, **config) -> str:
+def write_random_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt: str = "safetensors",
+                        prefix: str = "", drop: str | None = None, reshape: str | None = None,
+                        eagle: dict | None = None, **config) -> str:
     """A random EAGLE-3 draft of the tiny targets in the published layout (``prefix``: a name prefix such as
-    "model."; ``drop`` / ``reshape``: a tensor left out / given a wrong shape; ``config``: config.json overrides)."""
+    "model."; ``drop`` / ``reshape``: a tensor left out / given a wrong shape; ``config``: config.json overrides;
+    ``eagle``: more ``eagle_config`` keys). With ``norm_before_fc`` or ``fc_norm`` set (either place) it also holds
+    ``input_norm.weight`` or ``fc_norm.<i>.weight``."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -53,11 +56,19 @@ def write_random_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt
            "intermediate_size": INTER, "num_hidden_layers": 1, "rms_norm_eps": EPS, "rope_theta": THETA,
            "rope_scaling": None, "max_position_embeddings": 64, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
            "hidden_act": "silu", "tie_word_embeddings": False, **config}
-    if aux_ids is not None:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}
+    if aux_ids is not None or eagle:
+        cfg["eagle_config"] = {"use_aux_hidden_state": True, **(eagle or {})}
+        if aux_ids is not None:
+            cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = aux_ids
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f)
     state = _draft_tensors(3, seed)
+    flags = {**cfg, **cfg.get("eagle_config", {})}
+    g = torch.Generator().manual_seed(seed + 1)  # the other tensors as without these norms
+    if flags.get("norm_before_fc"):
+        state["input_norm.weight"] = 1.0 + 0.3 * torch.randn(3 * HIDDEN, generator=g)
+    if flags.get("fc_norm"):
+        state.update({f"fc_norm.{i}.weight": 1.0 + 0.3 * torch.randn(HIDDEN, generator=g) for i in range(3)})
     if drop:
         del state[drop]
     if reshape:

@@ -51,11 +51,20 @@ def _layer(W, e, h, pos):
     return _rms(x, W["norm.weight"]), x
 
 
-def reference_drafts(W, lm, aux_ids, tokens: list[int], k: int, bias: dict[int, float]) -> list[int]:
-    """k greedy drafts after ``tokens`` (x_0 .. x_{N-1}) from transformers' hidden states of x_0 .. x_{N-2}."""
+def reference_drafts(W, lm, aux_ids, tokens: list[int], k: int, bias: dict[int, float],
+                     norm_output: bool = False) -> list[int]:
+    """k greedy drafts after ``tokens`` (x_0 .. x_{N-1}) from transformers' hidden states of x_0 .. x_{N-2}; the
+    aux states through ``input_norm`` (norm_before_fc) or ``fc_norm.<i>`` (fc_norm) when W holds them, and with
+    ``norm_output`` the normed output fed back along the chain."""
     ids = torch.tensor([tokens[:-1]])
     hs = lm(input_ids=ids, output_hidden_states=True).hidden_states
-    h = torch.cat([hs[i][0] for i in aux_ids], -1) @ W["fc.weight"].T         # [N - 1, H], position t
+    parts = [hs[i][0] for i in aux_ids]
+    if "fc_norm.0.weight" in W:
+        parts = [_rms(p, W[f"fc_norm.{j}.weight"]) for j, p in enumerate(parts)]
+    aux = torch.cat(parts, -1)
+    if "input_norm.weight" in W:
+        aux = _rms(aux, W["input_norm.weight"])
+    h = aux @ W["fc.weight"].T                                                 # [N - 1, H], position t
     embed = lm.get_input_embeddings()
     e = embed(torch.tensor(tokens[1:]))                                        # x_{t+1} at position t
     pos = torch.arange(len(tokens) - 1)
@@ -70,7 +79,7 @@ def reference_drafts(W, lm, aux_ids, tokens: list[int], k: int, bias: dict[int, 
         d = int(logits.argmax())
         drafts.append(d)
         e = torch.cat([e, embed(torch.tensor([d]))])
-        h = torch.cat([h, prenorm[-1:]])
+        h = torch.cat([h, (normed if norm_output else prenorm)[-1:]])
         pos = torch.cat([pos, pos[-1:] + 1])
     return drafts
 
@@ -82,7 +91,7 @@ def _workload(refs: dict, bias: dict | None = None) -> list[tuple]:
     lengths = [16, 14, 17, 9, 12, 15]
     return [(f"r{i}", prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True,
                                                  logit_bias=bias if i % 2 else None),
-             refs[adapters[i]] if adapters[i] else None) for i in range(len(prompts))]
+             refs.get(adapters[i])) for i in range(len(prompts))]  # no refs: base requests only
 
 
 def _run(path, refs, spec, cache, before_step=None, record=None, bias=BIAS):
@@ -140,6 +149,44 @@ def test_eagle3_proposals_follow_the_reference_and_stay_lossless(tiny_checkpoint
             ref = reference_drafts(W, lm, aux_ids, tokens, len(drafts), params.logit_bias or {})
             assert drafts == ref, (tokens, adapter)
     assert len(record) >= 30 and {getattr(a, "adapter_id", None) for _, a, _, _ in record} == set(models)
+
+
+VARIANTS = {  # the EAGLE-3.1 norms, where trainers write them
+    "norm_before_fc in eagle_config (gpt-oss drafts)": dict(eagle={"norm_before_fc": True}),
+    "fc_norm and norm_output at the top level": dict(fc_norm=True, norm_output=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_eagle3_norm_variants_follow_the_reference(variant, tiny_checkpoint, tmp_path):
+    """Drafts that norm the aux states before fc (one RMSNorm over the concatenation, or one per layer) and feed
+    the normed output back along the chain: every proposal equals the dense reference, output lossless."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("llama", num_hidden_layers=4)
+    aux_ids = [1, 2, 3]
+    draft = write_eagle3(tmp_path / "draft", aux_ids, **VARIANTS[variant])
+    want, _ = _run(path, {}, None, str(tmp_path / "ref"))
+    record: list = []
+    got, engine = _run(path, {}, dict(method="eagle3", draft_head=draft, num_speculative_tokens=K),
+                       str(tmp_path / "eagle3"), record=record)
+    assert got == want and 0 in engine.accepted_counts and max(engine.accepted_counts) >= 2
+    engine.close()
+    W = load_file(os.path.join(draft, "model.safetensors"))
+    assert ("input_norm.weight" in W) != ("fc_norm.0.weight" in W)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    norm_output = "norm_output" in VARIANTS[variant]
+    with torch.no_grad():
+        for tokens, _, params, drafts in record:
+            assert drafts == reference_drafts(W, lm, aux_ids, tokens, len(drafts), params.logit_bias or {},
+                                              norm_output), tokens
+    # the same weights read without the norms draft differently somewhere: the norms are applied
+    plain = {k: v for k, v in W.items() if not k.startswith(("input_norm", "fc_norm"))}
+    with torch.no_grad():
+        assert any(drafts != reference_drafts(plain, lm, aux_ids, tokens, len(drafts), params.logit_bias or {})
+                   for tokens, _, params, drafts in record)
+    assert len(record) >= 20
 
 
 @pytest.mark.parametrize("family,aux_ids", [("llama", [1, 2, 4]), ("gpt_oss", [0, 1, 2])])
@@ -286,7 +333,10 @@ def test_bad_eagle3_drafts_are_refused(tiny_checkpoint, tmp_path):
         (dict(hidden_size=64, target_hidden_size=72), r"tensor fc.weight has shape \[72, 216\], expected \[64, 216\]"),
         (dict(architectures=["LlamaForCausalLM"]), "not an EAGLE-3 draft"),
         (dict(num_hidden_layers=2), "only one-layer EAGLE-3 drafts"),
-        (dict(norm_before_fc=True), "norm_before_fc is not supported"),
+        (dict(norm_before_fc=True, fc_norm=True), "norm_before_fc and fc_norm are both set"),
+        (dict(norm_before_fc=True, drop="input_norm.weight"), "missing tensor.*input_norm.weight"),
+        (dict(fc_norm=True, reshape="fc_norm.2.weight"), r"tensor fc_norm.2.weight has shape \[71\]"),
+        (dict(drop="norm.weight", fc_norm="yes"), "fc_norm must be true or false"),
     ]
     for i, (kw, msg) in enumerate(cases):
         folder = write_eagle3(tmp_path / f"bad{i}", [1, 2, 3], **kw)
