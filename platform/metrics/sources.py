@@ -37,17 +37,8 @@ def http_source(base_url: str, *, path: str = "/v1/stats", timeout_s: float = 2.
 
 
 def client_source(client: Any) -> Callable[[], Any] | None:
-    """The stats source of one of the gateway's engine clients: its ``stats()`` (``EngineClient``; the embedded
-    engine's ``engine_stats``, the null engine's ``empty_stats``, an engine server's ``/v1/stats``), else an
-    in-process service's ``stats()`` or ``http_source(base_url)``; None for a client with none of them (a test
-    double), which then has no engine gauges."""
+    """The stats source of one of the gateway's engine clients: its ``stats()`` (``EngineClient``: the embedded
+    engine's ``engine_stats``, the null engine's ``empty_stats``, an engine server's ``/v1/stats`` on the client's
+    pool); None for a client without it (a test double), which then has no engine gauges."""
     stats = getattr(client, "stats", None)
-    if callable(stats):
-        return stats
-    service = getattr(client, "service", None)
-    if service is not None and callable(getattr(service, "stats", None)):
-        return service.stats
-    base_url = getattr(client, "base_url", None)
-    if isinstance(base_url, str) and base_url:
-        return http_source(base_url)
-    return None
+    return stats if callable(stats) else None
