@@ -165,10 +165,10 @@ TINY = Shapes("tiny", 96, 4, 2, 64)  # K = 64 + 32 for gate_up
 
 
 class Run:
-    """Rows, the output files and the time budget."""
+    """Rows, the output file (``name`` in ``out_dir``, rewritten as rows come) and the time budget."""
 
-    def __init__(self, out_dir: str, budget_s: float, meta: dict) -> None:
-        self.out_dir, self.start, self.budget_s = out_dir, time.monotonic(), budget_s
+    def __init__(self, out_dir: str, budget_s: float, meta: dict, *, name: str = "mxfp4_gemm.json") -> None:
+        self.out_dir, self.name, self.start, self.budget_s = out_dir, name, time.monotonic(), budget_s
         self.data = {**meta, "rows": [], "notes": []}
         os.makedirs(out_dir, exist_ok=True)
 
@@ -186,7 +186,7 @@ class Run:
         self.save()
 
     def save(self) -> None:
-        path = os.path.join(self.out_dir, "mxfp4_gemm.json")
+        path = os.path.join(self.out_dir, self.name)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(self.data, f, indent=1, default=str)
         os.replace(path + ".tmp", path)

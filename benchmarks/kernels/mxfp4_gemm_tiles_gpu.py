@@ -83,25 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     from loraplex.kernels import fused_moe_mxfp4 as fm
     from loraplex.kernels import reference_lora as ref
     from loraplex.kernels import tuning
-    from loraplex.kernels.fused_moe import shape_of
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
     from loraplex.kernels.tuning_cases import bench_time_ms
 
-    s, dev, dtype = GPT_OSS_20B, "cuda", torch.bfloat16
+    s, dev = GPT_OSS_20B, "cuda"
     ms = [int(v) for v in args.m.split(",")]
     lora_ms = {int(v) for v in args.lora_m.split(",")}
     run = Run(args.out, args.budget_s, {"device": torch.cuda.get_device_name(), "shape": s.__dict__,
-                                          "torch": torch.__version__, "args": vars(args)})
-    run.save = _saver(run, os.path.join(args.out, "mxfp4_tiles.json"))
+                                          "torch": torch.__version__, "args": vars(args)}, name="mxfp4_tiles.json")
     copy_tbs = copy_bandwidth_tbs(dev, 1 << 30)
     run.note(f"copy roofline {copy_tbs:.2f} TB/s")
-    committed = {}
-    for m in ms:
-        x = torch.zeros(m, s.hidden, dtype=dtype, device=dev)
-        w = torch.empty(s.num_experts, 2 * s.inter, 1, dtype=torch.int32, device=dev)
-        ids = torch.zeros(m, s.top_k, dtype=torch.long, device=dev)
-        committed[m] = {**fm.DEFAULT_CONFIG, **tuning.get_config("fused_moe_mxfp4", shape_of(x, w, ids), m,
-                                                                 fm.DEFAULT_CONFIG)}
+    shape = {"E": s.num_experts, "A": s.top_k, "H": s.hidden, "I": s.inter}  # fused_moe.shape_of's key
+    committed = {m: {**fm.DEFAULT_CONFIG, **tuning.get_config("fused_moe_mxfp4", shape, m, fm.DEFAULT_CONFIG)}
+                 for m in ms}
     if args.warm_s > 0:
         cfgs = []
         for m in ms:
@@ -118,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                bench_time_ms)
     path = tuning.config_path("fused_moe_mxfp4", torch.cuda.get_device_name())
     table = json.load(open(path)) if os.path.exists(path) else {}
-    key = tuning.shape_key({"E": s.num_experts, "A": s.top_k, "H": s.hidden, "I": s.inter})
+    key = tuning.shape_key(shape)
     for m, cfg in best_file.items():
         if cfg is not None:
             table.setdefault(key, {})[str(m)] = cfg
@@ -132,14 +126,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r.get('roofline_pct', float('nan')):.1f} | {r.get('rel_err', float('nan')):.1e} | "
                     f"{r.get('error') or label(r.get('config') or {})} |\n")
     return 0
-
-
-def _saver(run: Run, path: str):
-    def save() -> None:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(run.data, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
-    return save
 
 
 def measure(m, s, tuned, args, run, copy_tbs, lora_ms, fm, ref, moe_experts_lora, bench_time_ms):
