@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.engine.engine_config import EngineConfig, EngineSettingsError
+from tests.utils.platform_cli import refused_serve_line
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +50,6 @@ def test_engine_serve_prints_one_line_and_exits(tiny_llama, capsys):
 
 
 def test_platform_serve_prints_one_line_and_exits(tiny_llama, tmp_path, monkeypatch, capsys):
-    from loraplex.cli import main
-    from loraplex.platform.core.config import get_settings
-
-    monkeypatch.setenv("LORAPLEX_BASE_MODEL_PATH", tiny_llama)
-    monkeypatch.setenv("LORAPLEX_MAX_MODEL_LEN", "2048")
-    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path))
-    get_settings.cache_clear()
-    try:
-        assert main(["serve", "--port", "0"]) == 2
-    finally:
-        get_settings.cache_clear()
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("loraplex serve: error: embedded engine: max_model_len=2048") and "\n" not in err, err
+    err = refused_serve_line(monkeypatch, capsys, {"LORAPLEX_BASE_MODEL_PATH": tiny_llama,
+                                                   "LORAPLEX_MAX_MODEL_LEN": "2048", "LORAPLEX_DATA_DIR": str(tmp_path)})
+    assert err.startswith("loraplex serve: error: embedded engine: max_model_len=2048"), err

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import io
 import re
-import threading
 
 import httpx
 import pytest
 
 from tests.platform.conftest import ADMIN_KEY, make_settings, read_files
 from tests.platform.dashboard.test_dashboard_browser import _driver
-from tests.utils.services import free_port, wait_for_port
+from tests.platform.gateway.conftest import LiveServer
 
 K = 3
 
@@ -24,8 +23,6 @@ K = 3
 @pytest.fixture
 def live(tmp_path, base_model_dir, adapter_dir):
     """The platform app with the embedded engine speculating, on a loopback port, after a tenant's traffic."""
-    import uvicorn
-
     from loraplex.commands.db import run
     from loraplex.platform.main import create_app
 
@@ -33,21 +30,14 @@ def live(tmp_path, base_model_dir, adapter_dir):
                              engine_device="cpu", engine_dtype="float32", engine_max_num_seqs=4,
                              engine_speculative_method="ngram", engine_num_speculative_tokens=K)
     run("upgrade", "head", url=settings.sqlalchemy_url)
-    app = create_app(settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name="dashboard-uvicorn", daemon=True)
-    thread.start()
-    wait_for_port(port)
-    url = f"http://127.0.0.1:{port}"
+    server = LiveServer(create_app(settings))
     try:
-        with httpx.Client(base_url=url, timeout=60.0) as http:
+        with httpx.Client(base_url=server.url, timeout=60.0) as http:   # CPU inference: slower than the default
             _traffic(http, read_files(adapter_dir(seed=21)))
-        yield url, app
+        yield server.url, server.app
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        app.state.sessionmaker.kw["bind"].dispose()
+        server.stop()
+        server.app.state.sessionmaker.kw["bind"].dispose()
 
 
 def _traffic(http: httpx.Client, files: dict[str, bytes]) -> None:

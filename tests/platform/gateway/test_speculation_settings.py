@@ -10,6 +10,7 @@ from loraplex.engine.engine_config import EngineSettingsError
 from loraplex.platform.core.config import Settings
 from loraplex.platform.gateway.engines import build_replicas, check_engine_settings, embedded_engine_kwargs
 from loraplex.platform.gateway.speculation import embedded_speculative
+from tests.utils.platform_cli import refused_serve_line
 
 
 def settings(**kw) -> Settings:
@@ -123,17 +124,6 @@ def test_refused_before_anything_loads(tiny_base, tmp_path, monkeypatch):
      "loraplex serve: error: LORAPLEX_ENGINE_NUM_SPECULATIVE_TOKENS: Input should be less than or equal to 16"),
 ])
 def test_platform_serve_prints_one_line_and_exits(tiny_base, tmp_path, monkeypatch, capsys, env, line):
-    from loraplex.cli import main
-    from loraplex.platform.core.config import get_settings
-
-    monkeypatch.setenv("LORAPLEX_BASE_MODEL_PATH", tiny_base)
-    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path))
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    get_settings.cache_clear()
-    try:
-        assert main(["serve", "--port", "0"]) == 2
-    finally:
-        get_settings.cache_clear()
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(line) and "\n" not in err and "Traceback" not in err, err
+    err = refused_serve_line(monkeypatch, capsys, {"LORAPLEX_BASE_MODEL_PATH": tiny_base,
+                                                   "LORAPLEX_DATA_DIR": str(tmp_path), **env})
+    assert err.startswith(line), err
