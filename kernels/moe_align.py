@@ -21,10 +21,9 @@ from loraplex.kernels.intmath import next_power_of_2
 from loraplex.kernels.launch import cached_launch
 
 
-@cached_launch
-@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
-def _moe_align_kernel(
-    ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr, offsets_ptr,
+@triton.jit
+def _align_program(
+    expert, lora, ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr, offsets_ptr,
     # topk_ids [T*A]; token_lora_idx [T]; sorted_ids [L, capacity]; expert_ids [L, num_blocks];
     # num_tokens_post_pad [L]; counts, offsets [L, E] (pairs per expert, start of its padded group)
     num_pairs, num_experts, capacity, num_blocks,
@@ -32,8 +31,7 @@ def _moe_align_kernel(
     BLOCK_E: tl.constexpr,  # power of two > E: bin E collects the pairs of other slots
     BLOCK: tl.constexpr,
 ):
-    expert = tl.program_id(0)
-    lora = tl.program_id(1)
+    """Program (expert, slot ``lora``) of an alignment (module docstring)."""
     lora64 = lora.to(tl.int64)
     # ---- does any token use this slot? (a decode graph's table has many idle slots: they skip the histogram)
     if HAS_LORA:
@@ -74,38 +72,91 @@ def _moe_align_kernel(
     for b in range(total // BLOCK_SIZE + expert * BLOCK, num_blocks, BLOCK * num_experts):
         bo = b + tl.arange(0, BLOCK)
         tl.store(expert_ids_ptr + lora64 * num_blocks + bo, tl.full([BLOCK], -1, tl.int32), mask=bo < num_blocks)
-    if mine == 0:  # expert without pairs of this slot
-        return
-    # ---- block -> expert, and the pad after this expert's pairs
-    my_padded = (mine + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
-    first_block = offset // BLOCK_SIZE
-    for b in range(0, my_padded // BLOCK_SIZE, BLOCK):
-        bo = b + tl.arange(0, BLOCK)
-        tl.store(expert_ids_ptr + lora64 * num_blocks + first_block + bo, tl.full([BLOCK], 0, tl.int32) + expert,
-                 mask=bo < my_padded // BLOCK_SIZE)
-    pad = tl.arange(0, PAD_BLOCK)
-    tl.store(sorted_ptr + lora64 * capacity + offset + mine + pad, tl.full([PAD_BLOCK], 0, tl.int32) + num_pairs,
-             mask=pad < my_padded - mine)
-    # ---- scatter this expert's pairs in token order
-    placed = 0
-    for start in range(0, num_pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < num_pairs
-        hit = ok & (tl.load(ids_ptr + offs, mask=ok, other=-1) == expert)
-        if HAS_LORA:
-            hit = hit & (tl.load(lora_ptr + offs // TOP_K, mask=ok, other=-1) == lora)
-        hit_i = hit.to(tl.int32)
-        rank = tl.cumsum(hit_i, 0) - 1 + placed
-        tl.store(sorted_ptr + lora64 * capacity + offset + rank, offs.to(tl.int32), mask=hit)
-        placed += tl.sum(hit_i, 0)
+    if mine > 0:  # an expert with pairs of this slot
+        # ---- block -> expert, and the pad after this expert's pairs
+        my_padded = (mine + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+        first_block = offset // BLOCK_SIZE
+        for b in range(0, my_padded // BLOCK_SIZE, BLOCK):
+            bo = b + tl.arange(0, BLOCK)
+            tl.store(expert_ids_ptr + lora64 * num_blocks + first_block + bo,
+                     tl.full([BLOCK], 0, tl.int32) + expert, mask=bo < my_padded // BLOCK_SIZE)
+        pad = tl.arange(0, PAD_BLOCK)
+        tl.store(sorted_ptr + lora64 * capacity + offset + mine + pad,
+                 tl.full([PAD_BLOCK], 0, tl.int32) + num_pairs, mask=pad < my_padded - mine)
+        # ---- scatter this expert's pairs in token order
+        placed = 0
+        for start in range(0, num_pairs, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < num_pairs
+            hit = ok & (tl.load(ids_ptr + offs, mask=ok, other=-1) == expert)
+            if HAS_LORA:
+                hit = hit & (tl.load(lora_ptr + offs // TOP_K, mask=ok, other=-1) == lora)
+            hit_i = hit.to(tl.int32)
+            rank = tl.cumsum(hit_i, 0) - 1 + placed
+            tl.store(sorted_ptr + lora64 * capacity + offset + rank, offs.to(tl.int32), mask=hit)
+            placed += tl.sum(hit_i, 0)
+
+
+@cached_launch
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+def _moe_align_kernel(
+    ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr, offsets_ptr,
+    num_pairs, num_experts, capacity, num_blocks,
+    TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (experts, slots): one alignment (``_align_program``'s arguments)."""
+    _align_program(tl.program_id(0), tl.program_id(1), ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                   counts_ptr, offsets_ptr, num_pairs, num_experts, capacity, num_blocks, TOP_K, HAS_LORA, BLOCK_SIZE,
+                   PAD_BLOCK, BLOCK_E, BLOCK)
+
+
+@cached_launch
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks", "lora_capacity", "lora_num_blocks", "L"])
+def _moe_align_pair_kernel(
+    ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr, offsets_ptr,
+    lora_sorted_ptr, lora_expert_ids_ptr, lora_num_post_ptr, lora_counts_ptr, lora_offsets_ptr,
+    num_pairs, num_experts, capacity, num_blocks, lora_capacity, lora_num_blocks, L,
+    TOP_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_BLOCK: tl.constexpr, LORA_BLOCK_SIZE: tl.constexpr,
+    LORA_PAD_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (experts, L + 1): slots 0..L-1 align the pairs by (adapter slot, expert) at LORA_BLOCK_SIZE (the LoRA
+    tables), the last row aligns every pair by expert at BLOCK_SIZE (the base GEMMs' tables): both alignments of an
+    expert layer with LoRA in one launch."""
+    expert = tl.program_id(0)
+    lora = tl.program_id(1)
+    if lora < L:
+        _align_program(expert, lora, ids_ptr, lora_ptr, lora_sorted_ptr, lora_expert_ids_ptr, lora_num_post_ptr,
+                       lora_counts_ptr, lora_offsets_ptr, num_pairs, num_experts, lora_capacity, lora_num_blocks,
+                       TOP_K, True, LORA_BLOCK_SIZE, LORA_PAD_BLOCK, BLOCK_E, BLOCK)
+    else:
+        _align_program(expert, lora - L, ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr,
+                       offsets_ptr, num_pairs, num_experts, capacity, num_blocks, TOP_K, False, BLOCK_SIZE,
+                       PAD_BLOCK, BLOCK_E, BLOCK)
+
+
+def _outputs(slots: int, capacity: int, num_blocks: int, num_experts: int, device) -> tuple:
+    """An alignment's outputs, every entry of which its kernel writes: (sorted_ids [L, P], expert_ids
+    [L, P / block_size], num_tokens_post_pad [L], counts [L, E], offsets [L, E])."""
+    return (torch.empty(slots, capacity, dtype=torch.int32, device=device),
+            torch.empty(slots, num_blocks, dtype=torch.int32, device=device),
+            torch.empty(slots, dtype=torch.int32, device=device),
+            torch.empty(slots, num_experts, dtype=torch.int32, device=device),
+            torch.empty(slots, num_experts, dtype=torch.int32, device=device))
+
+
+def _check_ids(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor | None = None) -> None:
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, A], got {tuple(topk_ids.shape)}")
+    if token_lora_idx is not None and token_lora_idx.shape != (topk_ids.shape[0],):
+        raise ValueError(f"token_lora_idx must be [T={topk_ids.shape[0]}], got {tuple(token_lora_idx.shape)}")
 
 
 def _align(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor | None, num_experts: int, max_loras: int,
            block_size: int):
     """(sorted_ids [L, P], expert_ids [L, P / block_size], num_tokens_post_pad [L], counts [L, E],
     offsets [L, E])."""
-    if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be [T, A], got {tuple(topk_ids.shape)}")
+    _check_ids(topk_ids)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     cap, num_blocks = moe_align_capacity(num_pairs, num_experts, block_size)
@@ -115,20 +166,14 @@ def _align(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor | None, num_expe
         return (torch.full((max_loras, cap), num_pairs, dtype=torch.int32, device=dev),
                 torch.full((max_loras, num_blocks), -1, dtype=torch.int32, device=dev),
                 torch.zeros(max_loras, dtype=torch.int32, device=dev), zeros, zeros.clone())
-    # every entry of every output is written by the kernel
-    sorted_ids = torch.empty(max_loras, cap, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_loras, num_blocks, dtype=torch.int32, device=dev)
-    num_post = torch.empty(max_loras, dtype=torch.int32, device=dev)
-    counts = torch.empty(max_loras, num_experts, dtype=torch.int32, device=dev)
-    offsets = torch.empty(max_loras, num_experts, dtype=torch.int32, device=dev)
+    out = _outputs(max_loras, cap, num_blocks, num_experts, dev)
     ids = topk_ids.contiguous()
     has_lora = token_lora_idx is not None
     _moe_align_kernel[(num_experts, max_loras)](
-        ids, token_lora_idx if has_lora else ids, sorted_ids, expert_ids, num_post, counts, offsets,
-        num_pairs, num_experts, cap, num_blocks, TOP_K=top_k, HAS_LORA=has_lora, BLOCK_SIZE=block_size,
-        PAD_BLOCK=next_power_of_2(block_size), BLOCK_E=next_power_of_2(num_experts + 1),
-        BLOCK=1024, num_warps=4)
-    return sorted_ids, expert_ids, num_post, counts, offsets
+        ids, token_lora_idx if has_lora else ids, *out, num_pairs, num_experts, cap, num_blocks, TOP_K=top_k,
+        HAS_LORA=has_lora, BLOCK_SIZE=block_size, PAD_BLOCK=next_power_of_2(block_size),
+        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK=1024, num_warps=4)
+    return out
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_size: int):
@@ -140,9 +185,33 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_size: int):
 def moe_align_lora(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, num_experts: int, max_loras: int,
                    block_size: int):
     """Same contract as ``reference_lora.moe_align_lora``."""
-    if token_lora_idx.shape != (topk_ids.shape[0],):
-        raise ValueError(f"token_lora_idx must be [T={topk_ids.shape[0]}], got {tuple(token_lora_idx.shape)}")
+    _check_ids(topk_ids, token_lora_idx)
     return _align(topk_ids, token_lora_idx.contiguous(), num_experts, max_loras, block_size)[:3]
+
+
+def moe_align_pair(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, num_experts: int, max_loras: int,
+                   block_size: int, lora_block_size: int):
+    """``(moe_align(topk_ids, E, block_size), moe_align_lora(topk_ids, token_lora_idx, E, max_loras,
+    lora_block_size))`` in one launch: an expert layer with LoRA needs both, and in an eager step every launch
+    costs host time."""
+    _check_ids(topk_ids, token_lora_idx)
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return (moe_align(topk_ids, num_experts, block_size),
+                moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, lora_block_size))
+    dev = topk_ids.device
+    cap, num_blocks = moe_align_capacity(num_pairs, num_experts, block_size)
+    lora_cap, lora_blocks = moe_align_capacity(num_pairs, num_experts, lora_block_size)
+    base = _outputs(1, cap, num_blocks, num_experts, dev)
+    lora = _outputs(max_loras, lora_cap, lora_blocks, num_experts, dev)
+    ids = topk_ids.contiguous()
+    _moe_align_pair_kernel[(num_experts, max_loras + 1)](
+        ids, token_lora_idx.contiguous(), *base, *lora, num_pairs, num_experts, cap, num_blocks, lora_cap,
+        lora_blocks, max_loras, TOP_K=top_k, BLOCK_SIZE=block_size, PAD_BLOCK=next_power_of_2(block_size),
+        LORA_BLOCK_SIZE=lora_block_size, LORA_PAD_BLOCK=next_power_of_2(lora_block_size),
+        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK=1024, num_warps=4)
+    return (base[0][0], base[1][0], base[2]), lora[:3]
 
 
 def group_by_slot(token_lora_idx: torch.Tensor, max_loras: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

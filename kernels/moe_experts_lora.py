@@ -1,7 +1,7 @@
 """The fused expert path with multi-LoRA in Triton: no per-expert loop, no host sync, allocations that depend
 on shapes only, so a CUDA graph can capture it (same contract as ``reference_lora.moe_experts_lora``).
 
-    moe_align (base BLOCK_M), moe_align_lora (LoRA BLOCK_M, shared by both LoRA calls)
+    moe_align_pair: moe_align (base BLOCK_M) and moe_align_lora (LoRA BLOCK_M, shared by both LoRA calls), one launch
                                  gate_up GEMM + bias (+ INT8 / MXFP4 dequant) ─> pre [T*A, 2I]  (pre-activation)
                                  fused_moe_lora(pre, x, A13, B13)                   (delta added in place)
                                  act(gate) * up ─> h [T*A, I]
@@ -33,7 +33,7 @@ from loraplex.kernels import fused_moe_mxfp4 as fm4
 from loraplex.kernels.activation import silu_and_mul, swiglu_clamp_and_mul
 from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.lora_table import LoRATable
-from loraplex.kernels.moe_align import moe_align, moe_align_lora
+from loraplex.kernels.moe_align import moe_align, moe_align_lora, moe_align_pair
 from loraplex.kernels.mxfp4 import is_kernel_layout
 from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
 
@@ -110,8 +110,6 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     else:
         op = "fused_moe_mxfp4" if mxfp4 else "fused_moe_int8" if quantized else "fused_moe"
         cfg = moe_config(op, x, w13, topk_ids, config)
-    align = fm4.route_tables(topk_ids, num_experts, cfg) if kernel_layout else moe_align(topk_ids, num_experts,
-                                                                                           int(cfg["BLOCK_M"]))
     cfgs = {}  # LoRA config of each target with LoRA this call
     if token_lora_idx is not None:
         calls = {"gate_up": (w13_lora, _Shape(num_pairs, two_i), x),
@@ -119,12 +117,22 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
         for target, (pair, y, inp) in calls.items():
             if pair is not None:
                 cfgs[target] = dict(lora_config_override or lora_config(y, inp, pair, topk_ids))
+    direct = kernel_layout and int(cfg.get("DIRECT", 0))  # base row blocks straight from topk_ids: no alignment
     if cfgs:  # one alignment for both LoRA calls, made early (PDL kernels may read it before they wait)
         block_m = int(next(iter(cfgs.values()))["BLOCK_M"])
         for c in cfgs.values():
             c["BLOCK_M"] = block_m
         max_loras = (w13_lora or w2_lora).num_slots
-        lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
+        if direct:
+            align = fm4.route_tables(topk_ids, num_experts, cfg)
+            lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
+        else:  # the base GEMMs' and the LoRA calls' alignments in one launch
+            align, lora_align = moe_align_pair(topk_ids, token_lora_idx, num_experts, max_loras,
+                                               int(cfg["BLOCK_M"]), block_m)
+    elif kernel_layout:
+        align = fm4.route_tables(topk_ids, num_experts, cfg)
+    else:
+        align = moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
     if kernel_layout and cfgs and int(cfg["BLOCK_M"]) <= EPILOGUE_MAX_BLOCK_M:
         return _kernel_layout_epilogue(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_lora_idx,
                                        scaling, cfg, align, cfgs, lora_align, w13_lora, w2_lora, activation=activation,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from loraplex.kernels import reference_lora as ref
-from loraplex.kernels.moe_align import moe_align, moe_align_lora
+from loraplex.kernels.moe_align import moe_align, moe_align_lora, moe_align_pair
 from tests.kernels.lora_inputs import token_adapters
 
 
@@ -98,3 +98,31 @@ def test_moe_align_lora_idle_slots_of_a_wide_table(poisoned_empty, num_tokens, b
         assert torch.equal(g, w)
     used = {int(v) for v in lora.unique() if v >= 0}
     assert {i for i in range(37) if int(got[2][i]) > 0} == used
+
+
+@pytest.mark.parametrize("num_tokens,top_k,block_size,lora_block_size", [(1, 2, 16, 16), (33, 3, 4, 16), (19, 2, 64, 4),
+                                                                          (700, 2, 16, 8)])
+def test_moe_align_pair_is_both_alignments_in_one_launch(poisoned_empty, num_tokens, top_k, block_size,
+                                                         lora_block_size):
+    """The base tables at one block size and the LoRA tables at another, from one launch, equal the two
+    references entry for entry (every entry written: torch.empty is poisoned), an idle slot's row included."""
+    topk_ids = _routing(num_tokens, 7, top_k)
+    lora = token_adapters(num_tokens, 4)
+    lora[lora == 3] = 0  # slot 3 idle
+    base, lora_tables = moe_align_pair(topk_ids, lora, 7, 4, block_size, lora_block_size)
+    for got, want in ((base, ref.moe_align(topk_ids, 7, block_size)),
+                      (lora_tables, ref.moe_align_lora(topk_ids, lora, 7, 4, lora_block_size))):
+        assert len(got) == len(want) == 3
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(g, w)
+    assert int(lora_tables[2][3]) == 0 and (lora_tables[1][3] == -1).all()
+
+
+def test_moe_align_pair_without_pairs():
+    topk_ids = torch.zeros(0, 2, dtype=torch.int64)
+    lora = torch.zeros(0, dtype=torch.int32)
+    base, lora_tables = moe_align_pair(topk_ids, lora, 5, 3, 16, 4)
+    want_base, want_lora = ref.moe_align(topk_ids, 5, 16), ref.moe_align_lora(topk_ids, lora, 5, 3, 4)
+    for got, want in ((base, want_base), (lora_tables, want_lora)):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)

@@ -115,11 +115,12 @@ def test_every_token_in_one_slot_and_all_base_tokens():
 
 
 def test_one_lora_alignment_shared_when_tuned_block_sizes_differ(monkeypatch):
-    """The LoRA tables are made once, with the gate_up config's BLOCK_M; the down call is run at that BLOCK_M
-    even when its own tuned config says otherwise."""
+    """The LoRA tables are made once, with the gate_up config's BLOCK_M, in the base alignment's launch; the down
+    call is run at that BLOCK_M even when its own tuned config says otherwise."""
     calls = []
-    align = mel.moe_align_lora
-    monkeypatch.setattr(mel, "moe_align_lora", lambda *a: calls.append(a[-1]) or align(*a))
+    align, pair = mel.moe_align_lora, mel.moe_align_pair
+    monkeypatch.setattr(mel, "moe_align_lora", lambda *a: calls.append(("lora", a[-1])) or align(*a))
+    monkeypatch.setattr(mel, "moe_align_pair", lambda *a: calls.append(("pair", a[-2], a[-1])) or pair(*a))
     monkeypatch.setattr(mel, "lora_config", lambda y, x, lora_a, ids: {**LORA_CFG, "BLOCK_M": 16 if y.shape[1] ==
                                                                       2 * INTER else 32})
     x, w13, w2, weights, ids, kw = _inputs(11, False)
@@ -129,7 +130,7 @@ def test_one_lora_alignment_shared_when_tuned_block_sizes_differ(monkeypatch):
     got = moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, config=BASE_CFG, **lora, **kw)
     want = ref.moe_experts_lora(x, w13, w2, weights, ids, idx, scaling, **lora, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert calls == [16]
+    assert calls == [("pair", BASE_CFG["BLOCK_M"], 16)]
 
 
 def test_bad_input_is_refused():
