@@ -3,6 +3,8 @@
     python3 benchmarks/engine/probe_arrival_host.py --out "$OUT"          # H200: about 90 s on a cold machine
     python3 benchmarks/engine/probe_arrival_host.py --scale tiny --device cpu --concurrency 4 --num-adapters 2 \
         --adapter-files 2 --prompt-len 24 --arrivals 3 --out /tmp/probe   # CPU smoke run (seconds)
+    python3 benchmarks/engine/probe_arrival_host.py --emulate-launches --concurrency 16 --num-adapters 8 \
+        --adapter-files 8 --quantization mxfp4 --arrivals 6 --out /tmp/probe   # the CUDA path's host work on a CPU
 
 An engine at the workload's shape (default GPT-OSS-20B, dummy bf16 weights, CUDA graphs and overlapped scheduling
 as deployed; the eager warm-up off, so the first ``--skip`` arrivals of a phase compile and are not reported)
@@ -21,6 +23,12 @@ count and time), ``triton launch`` (``JITFunction.run``: the launches that went 
 and the explicit device waits (``Event.synchronize``). Writes ``probe_arrival_host.json`` under ``--out`` and
 prints one line per reported arrival.
 
+``--emulate-launches`` (CPU; ``loraplex.bench.host_emulation``): the CUDA path's launchers run on CPU tensors
+with every kernel launch a recorded no-op, at ``--scale host`` unless given (GPT-OSS-20B's depth and experts, toy
+widths), MXFP4 experts repacked as on CUDA and the H200's tuning files read. Each row then carries ``launches``
+(count by kernel); its times are the host work of the CUDA path less the driver's share of each launch (no
+device runs, so the step is host time alone; the numbers computed are meaningless).
+
 ``--profile N``: the reported arrivals' steps after a sync also run under cProfile, and each phase's N functions
 with the most own time (summed over its reported arrivals; cProfile's own cost inflates small Python functions,
 so read it for where the time goes, not for totals) go into the report as ``profile``.
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import json
 import os
@@ -80,23 +89,24 @@ class Sections:
         return {k: (v[0], round(v[1] * 1e3, 3)) for k, v in sorted(self.totals.items(), key=lambda kv: -kv[1][1])}
 
 
-def instrument(engine, sections: Sections) -> None:
+def instrument(engine, sections: Sections, emulating: bool = False) -> None:
     """Wrap the engine's step sections (instance attributes) and the module / launch classes (class attributes,
-    until ``sections.restore()``)."""
+    until ``sections.restore()``; ``emulating``: inside ``emulated_launches``, whose launch stand-ins are timed)."""
     import torch
 
     from loraplex.engine.lora import layers
 
     sections.wrap_method(layers.LoRALinear, "forward", "LoRALinear.forward")
     sections.wrap_method(layers.LoRAFusedExperts, "forward", "LoRAFusedExperts.forward")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or emulating:
         import triton.runtime.jit as triton_jit
 
         from loraplex.kernels.launch import CachedLaunch
 
         sections.wrap_method(triton_jit.JITFunction, "run", "triton launch")
         sections.wrap_method(CachedLaunch, "launch", "cached launch")
-        sections.wrap_method(torch.cuda.Event, "synchronize", "Event.synchronize")
+        if not emulating:
+            sections.wrap_method(torch.cuda.Event, "synchronize", "Event.synchronize")
     runner = engine.runner
     targets = ((engine, ("_lora_slots", "_sampling", "_resolve_inflight")),
                (engine.scheduler, ("schedule", "update", "update_launched")),
@@ -119,7 +129,7 @@ def top_functions(profiler: cProfile.Profile, n: int) -> list[list]:
 
 
 def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device,
-              profiler: cProfile.Profile | None = None) -> list[dict]:
+              profiler: cProfile.Profile | None = None, launches=None) -> list[dict]:
     """``args.concurrency`` decoding requests, then the arrivals (module docstring); the reported rows.
     ``profiler``: enabled around the reported arrivals' steps after a sync."""
     from loraplex.engine import SamplingParams
@@ -150,6 +160,8 @@ def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device,
             if synced:
                 sync_device()
             sections.totals.clear()
+            if launches is not None:
+                launches.clear()
             sections.on = True
             steps = []
             profiling = profiler is not None and synced and a >= args.skip
@@ -171,6 +183,8 @@ def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device,
             if a >= args.skip:
                 row = {"phase": tag, "arrival": a, "after_sync": synced, "steps_ms": steps,
                        "early_launched_steps": engine.num_early_launched_steps, "sections": sections.report()}
+                if launches is not None:
+                    row["launches"] = {"total": launches.total, "by_kernel": dict(launches.by_kernel.most_common())}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for _ in range(3):
@@ -182,7 +196,7 @@ def run_phase(engine, sections: Sections, refs: list, args, prompt, sync_device,
     return rows
 
 
-def _probe(engine, sections: Sections, run, args) -> tuple[list[dict], dict[str, list]]:
+def _probe(engine, sections: Sections, run, args, launches=None) -> tuple[list[dict], dict[str, list]]:
     """Both phases' reported rows, base-only then spread over the run's adapters, and (``--profile``) each
     phase's top functions."""
     import torch
@@ -200,7 +214,7 @@ def _probe(engine, sections: Sections, run, args) -> tuple[list[dict], dict[str,
     rows, profile = [], {}
     for phase, refs in (("base", [None]), ("adapters", run.adapter_refs)):
         profiler = cProfile.Profile() if args.profile else None
-        rows += run_phase(engine, sections, refs, args, prompt, sync_device, profiler)
+        rows += run_phase(engine, sections, refs, args, prompt, sync_device, profiler, launches)
         if profiler is not None:
             profile[phase] = top_functions(profiler, args.profile)
     return rows, profile
@@ -208,7 +222,9 @@ def _probe(engine, sections: Sections, run, args) -> tuple[list[dict], dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", default="full", help="workload model shape (full: GPT-OSS-20B; tiny: CPU smoke)")
+    p.add_argument("--scale", default=None,
+                   help="workload model shape (full: GPT-OSS-20B, the default; tiny: CPU smoke; host: the default "
+                        "with --emulate-launches)")
     p.add_argument("--device", default="auto")
     p.add_argument("--concurrency", type=int, default=128, help="decoding requests beside each arrival (incl. it)")
     p.add_argument("--num-adapters", type=int, default=32)
@@ -222,11 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=2, help="first arrivals of a phase not reported (kernel compiles)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile the reported arrivals' steps after a sync; report each phase's top N functions")
+    p.add_argument("--emulate-launches", action="store_true",
+                   help="CPU: run the CUDA path's launchers with every kernel launch a no-op (module docstring)")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     if args.skip >= args.arrivals:
         p.error("--skip must be below --arrivals")
+    if args.emulate_launches and args.device not in ("auto", "cpu"):
+        p.error("--emulate-launches runs on the CPU; leave --device out")
+    if args.scale is None:
+        args.scale = "host" if args.emulate_launches else "full"
+    if args.emulate_launches:
+        args.device = "cpu"
 
     import tempfile
 
@@ -244,18 +268,28 @@ def main(argv: list[str] | None = None) -> int:
     run = EngineRun(cfg, work, num_adapter_files=min(args.adapter_files, args.num_adapters))
     kw = engine_kwargs(cfg, work, device=run.device.type, dtype=run.dtype, quantization=args.quantization)
     kw["eager_warmup_budget_s"] = 0  # the first --skip arrivals compile instead
-    t0 = time.monotonic()
-    engine = LLMEngine.from_pretrained(run.folder, **kw)
-    use_in_place_fetcher(engine)
-    start_s = time.monotonic() - t0
-    sections = Sections()
-    try:
-        instrument(engine, sections)
-        rows, profile = _probe(engine, sections, run, args)
-    finally:
-        sections.restore()
-        engine.close()
-    report = {"args": vars(args), "device": torch.cuda.get_device_name() if run.is_cuda else "cpu",
+    with contextlib.ExitStack() as stack:
+        launches = None
+        if args.emulate_launches:
+            from loraplex.bench.host_emulation import emulated_launches, use_mxfp4_kernel_layout
+
+            launches = stack.enter_context(emulated_launches())
+        t0 = time.monotonic()
+        engine = LLMEngine.from_pretrained(run.folder, **kw)
+        use_in_place_fetcher(engine)
+        if args.emulate_launches:
+            use_mxfp4_kernel_layout(engine.runner.model)
+        start_s = time.monotonic() - t0
+        sections = Sections()
+        try:
+            instrument(engine, sections, args.emulate_launches)
+            rows, profile = _probe(engine, sections, run, args, launches)
+        finally:
+            sections.restore()
+            engine.close()
+    device = torch.cuda.get_device_name() if run.is_cuda else "cpu, launches emulated" if args.emulate_launches \
+        else "cpu"
+    report = {"args": vars(args), "device": device,
               "torch": torch.__version__, "engine_start_s": round(start_s, 2),
               "async_scheduling": engine.async_scheduling, "rows": rows}
     if profile:

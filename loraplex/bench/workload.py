@@ -7,7 +7,7 @@ prompts.
 
 Scales: ``full`` is GPT-OSS-20B (24 layers, 32 experts top-4, hidden 2880, 64 q / 8 kv heads of 64, vocabulary
 201,088, sliding window 128 on alternate layers, YaRN rope); ``tiny`` keeps the family and its features at toy
-sizes for CPU smoke runs.
+sizes for CPU smoke runs; ``host`` is ``tiny`` at GPT-OSS-20B's depth and expert count (host-time probes).
 """
 from __future__ import annotations
 
@@ -41,7 +41,16 @@ GPT_OSS_TINY: dict = dict(
                       original_max_position_embeddings=256),
 )
 
-SCALES = {"full": GPT_OSS_20B, "tiny": GPT_OSS_TINY}
+# GPT-OSS-20B's depth, experts, routing and attention layout at toy widths: the host work of a step (launches per
+# layer, per expert group, per adapter slot) as at full scale, its arithmetic negligible on a CPU
+# (``host_emulation``: host-time probes of the CUDA path).
+GPT_OSS_HOST: dict = dict(
+    GPT_OSS_TINY, num_hidden_layers=GPT_OSS_20B["num_hidden_layers"], layer_types=GPT_OSS_20B["layer_types"],
+    num_local_experts=GPT_OSS_20B["num_local_experts"], num_experts_per_tok=GPT_OSS_20B["num_experts_per_tok"],
+    experts_per_token=GPT_OSS_20B["experts_per_token"], max_position_embeddings=4096,
+)
+
+SCALES = {"full": GPT_OSS_20B, "tiny": GPT_OSS_TINY, "host": GPT_OSS_HOST}
 MIXES = ("even", "zipf", "uniform")
 
 
