@@ -26,6 +26,7 @@ TRITON_LAUNCHERS: dict[str, str] = {
     "silu_and_mul": "activation:silu_and_mul",
     "swiglu_clamp_and_mul": "activation:swiglu_clamp_and_mul",
     "rotary_embedding": "rotary:rotary_embedding",
+    "rotary_embedding_and_cache": "rotary:rotary_embedding_and_cache",
     "moe_route": "moe_route:moe_route",
     "reshape_and_cache": "reshape_and_cache:reshape_and_cache",
     "copy_blocks": "copy_blocks:copy_blocks",

@@ -25,6 +25,11 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return resolve("rotary_embedding", q)(positions, q, k, cos_sin_cache)
 
 
+def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    return resolve("rotary_embedding_and_cache", q)(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                                    slot_mapping)
+
+
 def moe_route(router_logits, top_k, *, scoring, renormalize):
     return resolve("moe_route", router_logits)(router_logits, top_k, scoring=scoring, renormalize=renormalize)
 

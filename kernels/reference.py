@@ -133,6 +133,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
 
+def rotary_embedding_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``rotary_embedding`` of q and k, then ``reshape_and_cache`` of the rotated k and of v -> the rotated q."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """For every layer, copy block src -> dst for each row (src, dst) of block_mapping [N, 2], in place."""
     if block_mapping.numel() == 0:

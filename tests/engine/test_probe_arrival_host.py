@@ -71,7 +71,7 @@ def test_emulated_launches_count_the_cuda_paths_launches(tmp_path):
     make both alignments in one launch, and the dense and expert LoRA kernels run only where adapters do."""
     report = _run_emulated(tmp_path, "--quantization", "mxfp4")
     assert report["device"] == "cpu, launches emulated" and report["args"]["scale"] == "host"
-    per_layer = {"_rotary_kernel", "_reshape_and_cache_kernel", "_paged_attention_kernel", "_moe_route_kernel",
+    per_layer = {"_rotary_cache_kernel", "_paged_attention_kernel", "_moe_route_kernel",
                  "_gate_up_kernel", "_down_kernel"}
     lora = {"_lora_shrink_kernel", "_lora_expand_kernel", "_moe_lora_shrink_kernel", "_moe_lora_expand_kernel"}
     for row in report["rows"]:

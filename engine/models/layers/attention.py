@@ -45,9 +45,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        ops.reshape_and_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        q = self.rotary.rotate_and_cache(positions, q, k, v, k_cache, v_cache, attn.slot_mapping)
         o = ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
                                 self.scale, sliding_window=self.sliding_window, sinks=self.sinks)  # [T, Q, D]
         return self.o_proj(o.reshape(T, self.q_size))
