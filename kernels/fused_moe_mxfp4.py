@@ -48,6 +48,8 @@ float32.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 from dataclasses import dataclass
 
@@ -505,19 +507,39 @@ def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: 
                 PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
 
 
+def _plan(gemm: str, cfg: dict, **shape) -> tuple[dict, dict]:
+    """(constexprs, launch options) of ``gate_up`` or ``down`` for ``cfg`` at ``shape`` (``gate_up_constexprs`` /
+    ``down_constexprs``' keywords), remembered per (config, shape): every layer of a step asks again, and working
+    them out costs more host time than the launch itself. The dicts returned are shared: read them only."""
+    try:
+        return _plan_of(gemm, tuple(cfg.items()), tuple(shape.items()), _interpreting())
+    except TypeError:  # an unhashable config value: worked out afresh
+        return _make_plan(gemm, cfg, shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_of(gemm: str, cfg_items: tuple, shape_items: tuple, interpreting: bool) -> tuple[dict, dict]:
+    return _make_plan(gemm, dict(cfg_items), dict(shape_items))  # interpreting: decode_mode's answer is keyed
+
+
+def _make_plan(gemm: str, cfg: dict, shape: dict) -> tuple[dict, dict]:
+    if gemm == "gate_up":
+        return gate_up_constexprs(cfg, **shape), _launch(cfg)[4]
+    return down_constexprs(cfg, **shape), _launch(down_config(cfg))[4]
+
+
 def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
             limit: float = 7.0, lora: LoRAEpilogue | None = None) -> torch.Tensor:
     """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
     or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None. cfg GU_SPLIT_K > 1 splits K: float32
     partial sums [S, T*A, 2I], then one launch adds them and applies the activation. ``lora``: the gate_up LoRA
     delta added before the activation (split 0 adds it)."""
-    launch = _launch(cfg)[4]
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
     inter = w13.shape[1] // 2
     pdl = use_pdl(cfg, x.device)
     act = ACT_CODES[activation] if activation else ACT_NONE
-    meta = gate_up_constexprs(cfg, hidden=hidden, inter=inter, top_k=top_k, act=act, has_bias=b13 is not None,
-                              pdl=pdl)
+    meta, launch = _plan("gate_up", cfg, hidden=hidden, inter=inter, top_k=top_k, act=act, has_bias=b13 is not None,
+                         pdl=pdl)
     _check_align(align, meta["BLOCK_M"], meta["DIRECT"])
     sorted_ids, expert_ids, num_post = align
     num_m = expert_ids.shape[0]
@@ -545,11 +567,10 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
     ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them).
     ``lora``: the down LoRA delta, routing-weighted with the rest (split 0 adds it). cfg's ``DOWN_`` keys set
     down's own tile (``down_config``)."""
-    launch = _launch(down_config(cfg))[4]
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
     pdl = use_pdl(cfg, h.device)
-    meta = down_constexprs(cfg, hidden=hidden, inter=inter, has_bias=b2 is not None, pdl=pdl, split_k=split_k)
+    meta, launch = _plan("down", cfg, hidden=hidden, inter=inter, has_bias=b2 is not None, pdl=pdl, split_k=split_k)
     _check_align(align, meta["BLOCK_M"], meta["DIRECT"])
     sorted_ids, expert_ids, num_post = align
     num_m = expert_ids.shape[0]
