@@ -29,6 +29,9 @@ routing weights only after it. Shrink and the fused kernel wait first, then trig
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -280,27 +283,88 @@ def _align_for(table: LoRATable, topk_ids, token_lora_idx, bm: int, align):
     return sorted_ids, expert_ids, num_post
 
 
-def _shrink(x, table: LoRATable, topk_ids, scaling, cfg: dict, tables, pdl: bool) -> torch.Tensor:
-    """Launch the shrink: h = scaling[l] * A[l][e] @ x_row(p) per routed pair, as [parts, T*A, R] float32 (split-K
-    partial sums to add up, or parts 1)."""
-    num_tokens, top_k = topk_ids.shape
+class _Plan(NamedTuple):
+    """What a call's config and shapes decide (``_plan``): grids and keyword arguments of the kernels it launches."""
+    fused: bool
+    num_flat: int         # row blocks all slots use together (the grids' block dimension)
+    fused_grid: tuple
+    fused_kw: dict
+    buf_shape: tuple      # [parts, T*A, R] float32 split-K partial sums (or parts 1)
+    zeroed: bool          # atomics: the buffer starts at zero
+    shrink_grid: tuple
+    shrink_kw: dict
+    expand_grid: tuple
+    expand_kw: dict
+
+
+def _plan(cfg: dict, *, num_tokens: int, top_k: int, x_rows: int, num_loras: int, num_experts: int, rank: int,
+          k: int, n: int, num_blocks: int, dtype: torch.dtype, has_weights: bool, pdl_ok: bool) -> _Plan:
+    """The launches of one call, remembered per (config, shapes): every layer of a step asks again, and working
+    them out costs more host time than launching. The plan's dicts are shared: read them only."""
+    key = dict(num_tokens=num_tokens, top_k=top_k, x_rows=x_rows, num_loras=num_loras, num_experts=num_experts,
+               rank=rank, k=k, n=n, num_blocks=num_blocks, dtype=dtype, has_weights=has_weights, pdl_ok=pdl_ok)
+    try:
+        return _plan_of(tuple(cfg.items()), tuple(key.items()))
+    except TypeError:  # an unhashable config value: worked out afresh
+        return _make_plan(cfg, **key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_of(cfg_items: tuple, key_items: tuple) -> _Plan:
+    return _make_plan(dict(cfg_items), **dict(key_items))
+
+
+def _make_plan(cfg: dict, *, num_tokens, top_k, x_rows, num_loras, num_experts, rank, k, n, num_blocks, dtype,
+               has_weights, pdl_ok) -> _Plan:
     num_pairs = num_tokens * top_k
-    num_loras, rank, k = table.num_slots, table.max_rank, table.in_features
-    bm, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_K", "SPLIT_K"))
-    sorted_ids, expert_ids, num_post = tables
+    bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+    fused = bool(int(cfg.get("FUSED", 0)))
+    pdl = bool(int(cfg.get("PDL", 0))) and pdl_ok
+    launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    row_div = top_k if x_rows == num_tokens and top_k > 1 else 1  # gate_up reads token rows, down pair rows
+    w_dtype, rank_tile, block_l = tl_dtype(dtype), block_r(rank), next_power_of_2(num_loras)
+    # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
+    num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
+    num_n = cdiv(n, bn)
+    fused_kw = dict(W_DTYPE=w_dtype, ROW_DIV=row_div, HAS_WEIGHTS=has_weights, BLOCK_M=bm, BLOCK_N=bn,
+                    BLOCK_R=rank_tile, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
+                    BLOCK_L=block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
+    # split-K: one buffer per split while small, else relaxed atomics into one zeroed buffer
     partials = split_k > 1 and num_pairs * split_k <= PARTIALS_MAX_ROWS
     zeroed = split_k > 1 and not partials
-    alloc = torch.zeros if zeroed else torch.empty  # every partial row a program reads is written
-    buf = alloc(split_k if partials else 1, num_pairs, rank, dtype=torch.float32, device=x.device)
     shrink_pdl = pdl and not zeroed  # right after the zeroing memset (atomics, prefill sizes): a plain launch
-    num_flat = min(flat_blocks(num_pairs, num_loras, bm, table.num_experts), num_loras * expert_ids.shape[1])
-    _moe_lora_shrink_kernel[(num_flat, split_k)](
-        x, table.entries, buf, scaling, sorted_ids, expert_ids, num_post, num_pairs, sorted_ids.shape[1],
-        expert_ids.shape[1], k, rank, num_loras, x.stride(0), table.entries.stride(0), buf.stride(0),
-        ROW_DIV=top_k if x.shape[0] == num_tokens and top_k > 1 else 1, W_DTYPE=tl_dtype(table.dtype), BLOCK_M=bm,
-        BLOCK_R=block_r(rank), BLOCK_K=bk, SPLIT_K=split_k, EVEN_K=k % (bk * split_k) == 0,
-        BLOCK_L=next_power_of_2(num_loras), PARTIALS=partials, USE_PDL=shrink_pdl,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]), **pdl_launch(shrink_pdl))
+    shrink_kw = dict(ROW_DIV=row_div, W_DTYPE=w_dtype, BLOCK_M=bm, BLOCK_R=rank_tile, BLOCK_K=bk, SPLIT_K=split_k,
+                     EVEN_K=k % (bk * split_k) == 0, BLOCK_L=block_l, PARTIALS=partials, USE_PDL=shrink_pdl,
+                     **launch, **pdl_launch(shrink_pdl))
+    buf_shape = (split_k if partials else 1, num_pairs, rank)
+    cols = max(1, min(int(cfg.get("COLS", 1)), num_n))
+    num_g = cdiv(num_n, cols)
+    expand_kw = dict(W_DTYPE=w_dtype, HAS_WEIGHTS=has_weights, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank_tile,
+                     GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=block_l, NUM_PARTS=buf_shape[0],
+                     USE_PDL=pdl, **launch, **pdl_launch(pdl))
+    return _Plan(fused, num_flat, (num_flat * num_n,), fused_kw, buf_shape, zeroed, (num_flat, split_k), shrink_kw,
+                 (num_flat * num_g,), expand_kw)
+
+
+def _plan_for(cfg: dict, table: LoRATable, x: torch.Tensor, topk_ids: torch.Tensor, n: int, tables,
+              has_weights: bool) -> _Plan:
+    num_tokens, top_k = topk_ids.shape
+    return _plan(cfg, num_tokens=num_tokens, top_k=top_k, x_rows=x.shape[0], num_loras=table.num_slots,
+                 num_experts=table.num_experts, rank=table.max_rank, k=table.in_features, n=n,
+                 num_blocks=tables[1].shape[1], dtype=table.dtype, has_weights=has_weights,
+                 pdl_ok=pdl_enabled(x.device))
+
+
+def _shrink(x, table: LoRATable, scaling, tables, plan: _Plan) -> torch.Tensor:
+    """Launch the shrink: h = scaling[l] * A[l][e] @ x_row(p) per routed pair, as [parts, T*A, R] float32 (split-K
+    partial sums to add up, or parts 1)."""
+    sorted_ids, expert_ids, num_post = tables
+    alloc = torch.zeros if plan.zeroed else torch.empty  # every partial row a program reads is written
+    buf = alloc(plan.buf_shape, dtype=torch.float32, device=x.device)
+    _moe_lora_shrink_kernel[plan.shrink_grid](
+        x, table.entries, buf, scaling, sorted_ids, expert_ids, num_post, buf.shape[1], sorted_ids.shape[1],
+        expert_ids.shape[1], table.in_features, table.max_rank, table.num_slots, x.stride(0), table.entries.stride(0),
+        buf.stride(0), **plan.shrink_kw)
     return buf
 
 
@@ -314,7 +378,8 @@ def moe_lora_shrink(x: torch.Tensor, lora_a, topk_ids: torch.Tensor, token_lora_
     table = expert_table(lora_a, None)
     _prepare(table, out_features, x, topk_ids, scaling)
     tables = _align_for(table, topk_ids, token_lora_idx, int(config["BLOCK_M"]), align)
-    return _shrink(x, table, topk_ids, scaling, config, tables, variant(config, x.device)[1])
+    plan = _plan_for(config, table, x, topk_ids, out_features, tables, False)
+    return _shrink(x, table, scaling, tables, plan)
 
 
 def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,
@@ -327,40 +392,25 @@ def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: t
     _prepare(table, y.shape[1], x, topk_ids, scaling, y)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    num_loras, num_experts, rank, k = table.num_slots, table.num_experts, table.max_rank, table.in_features
+    num_loras, rank, k = table.num_slots, table.max_rank, table.in_features
     n = y.shape[1]
     if num_pairs == 0:
         return
     cfg = config or tuning.get_config("fused_moe_lora", shape_of(y, x, table, topk_ids), num_tokens,
                                       default_config(k))
-    bm, bn, bk = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    fused, pdl = variant(cfg, y.device)
-    launch = dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
-    sorted_ids, expert_ids, num_post = tables = _align_for(table, topk_ids, token_lora_idx, bm, align)
+    sorted_ids, expert_ids, num_post = tables = _align_for(table, topk_ids, token_lora_idx, int(cfg["BLOCK_M"]),
+                                                           align)
     capacity, num_blocks = sorted_ids.shape[1], expert_ids.shape[1]
-    per_token = x.shape[0] == num_tokens and top_k > 1
-    rank_tile = block_r(rank)
-    # blocks all slots use together: every (slot, expert) group pads at most bm - 1 rows
-    num_flat = min(flat_blocks(num_pairs, num_loras, bm, num_experts), num_loras * num_blocks)
-    block_l = next_power_of_2(num_loras)
-    num_n = cdiv(n, bn)
-    ent, w_dtype = table.entries, tl_dtype(table.dtype)
+    plan = _plan_for(cfg, table, x, topk_ids, n, tables, topk_weights is not None)
+    ent = table.entries
     # [T*A] routing weights made before any launch here (a copy must not sit between shrink and expand)
     weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else scaling
-    if fused:  # one kernel: no buffer, SPLIT_K unused
-        _moe_lora_fused_kernel[(num_flat * num_n,)](
+    if plan.fused:  # one kernel: no buffer, SPLIT_K unused
+        _moe_lora_fused_kernel[plan.fused_grid](
             y, x, ent, scaling, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity,
-            num_blocks, num_flat, k, n, num_loras, x.stride(0), y.stride(0), ent.stride(0),
-            W_DTYPE=w_dtype, ROW_DIV=top_k if per_token else 1, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_R=rank_tile, BLOCK_K=bk, EVEN_K=k % bk == 0, GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n,
-            BLOCK_L=block_l, USE_PDL=pdl, **launch, **pdl_launch(pdl))
+            num_blocks, plan.num_flat, k, n, num_loras, x.stride(0), y.stride(0), ent.stride(0), **plan.fused_kw)
         return
-    buf = _shrink(x, table, topk_ids, scaling, cfg, tables, pdl)
-    cols = max(1, min(int(cfg.get("COLS", 1)), num_n))
-    num_g = cdiv(num_n, cols)
-    _moe_lora_expand_kernel[(num_flat * num_g,)](
-        y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, num_flat, n,
-        rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0),
-        W_DTYPE=w_dtype, HAS_WEIGHTS=topk_weights is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank_tile,
-        GROUP_M=int(cfg["GROUP_M"]), NUM_G=num_g, COLS=cols, BLOCK_L=block_l, NUM_PARTS=buf.shape[0], USE_PDL=pdl,
-        **launch, **pdl_launch(pdl))
+    buf = _shrink(x, table, scaling, tables, plan)
+    _moe_lora_expand_kernel[plan.expand_grid](
+        y, buf, ent, weights, sorted_ids, expert_ids, num_post, num_pairs, capacity, num_blocks, plan.num_flat, n,
+        rank, num_loras, y.stride(0), ent.stride(0), buf.stride(0), **plan.expand_kw)
