@@ -632,11 +632,12 @@ def routing_and_rope_cases(s: ModelShapes, m: int, dtype, device, *, max_pos: in
 
 
 def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) -> list[Case]:
-    """Untuned ops: rms_norm (+residual), activation, moe_align_lora, reshape_and_cache, decode attention, and
-    ``routing_and_rope_cases``."""
+    """Untuned ops: rms_norm (+residual), activation, moe_align_lora, moe_align_pair, reshape_and_cache,
+    rotary_embedding_and_cache, decode attention, and ``routing_and_rope_cases``."""
     from loraplex.kernels import reference, reference_lora
     from loraplex.kernels.activation import swiglu_clamp_and_mul
-    from loraplex.kernels.moe_align import moe_align_lora
+    from loraplex.kernels.moe_align import moe_align_lora, moe_align_pair
+    from loraplex.kernels.rotary import rotary_embedding_and_cache
     from loraplex.kernels.paged_attention import paged_attention
     from loraplex.kernels.reshape_and_cache import reshape_and_cache
     from loraplex.kernels.rms_norm import rms_norm
@@ -674,6 +675,24 @@ def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) ->
         want = reference_lora.moe_align_lora(ids, idx, s.num_experts, 8, 16)
         return 0.0 if all(torch.equal(a, b) for a, b in zip(got, want)) else 1.0
 
+    def check_align_pair() -> float:
+        base, lora = moe_align_pair(ids, idx, s.num_experts, 8, 64, 16)
+        want = (*reference_lora.moe_align(ids, s.num_experts, 64),
+                *reference_lora.moe_align_lora(ids, idx, s.num_experts, 8, 16))
+        return 0.0 if all(torch.equal(a, b) for a, b in zip((*base, *lora), want)) else 1.0
+
+    # rope + cache write on the strided views of a fused qkv output, positions anywhere in a table of 4096
+    qkv = torch.randn(m, (qh + 2 * kvh) * d, device=device, dtype=dtype)
+    rq, rk, rv = (t.reshape(m, -1, d) for t in qkv.split(list(s.qkv_slices), dim=-1))
+    rope_pos = torch.randint(0, 4096, (m,), device=device)
+    rope_table = torch.randn(4096, d, device=device)
+
+    def check_rope_cache() -> float:
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        q1 = rotary_embedding_and_cache(rope_pos, rq, rk, rv, rope_table, k1, v1, slots)
+        q2 = reference.rotary_embedding_and_cache(rope_pos, rq, rk, rv, rope_table, k2, v2, slots)
+        return max(rel_error(q1, q2), rel_error(torch.cat([k1, v1]), torch.cat([k2, v2])))
+
     attn_kw = dict(sinks=sinks)
     return [
         Case("", "rms_norm+residual", m, {}, lambda cfg: rms_norm(x, w, 1e-5, res),
@@ -685,8 +704,13 @@ def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) ->
              nbytes=_nbytes(g) * 3 // 2),
         Case("", "moe_align_lora", m, {}, lambda cfg: moe_align_lora(ids, idx, s.num_experts, 8, 16), check_align,
              nbytes=_nbytes(ids, idx)),
+        Case("", "moe_align_pair", m, {}, lambda cfg: moe_align_pair(ids, idx, s.num_experts, 8, 64, 16),
+             check_align_pair, nbytes=_nbytes(ids, idx)),
         Case("", "reshape_and_cache", m, {}, lambda cfg: reshape_and_cache(new_k, new_v, kc, vc, slots),
              check_cache, nbytes=4 * _nbytes(new_k)),
+        Case("", "rotary_embedding_and_cache", m, {},
+             lambda cfg: rotary_embedding_and_cache(rope_pos, rq, rk, rv, rope_table, kc, vc, slots),
+             check_rope_cache, nbytes=2 * _nbytes(qkv) + m * d * 4 + _nbytes(rope_pos)),
         Case("", f"paged_attention[decode ctx={context}]", m, {},
              lambda cfg: paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw),
              lambda: rel_error(paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, **attn_kw),
