@@ -12,7 +12,7 @@ step makes one host->device copy per dtype:
     int32  [3B+1+B*W]     seq_lens [B] | query_start_loc [B+1] | token_lora_idx [B] | block_tables [B, W]
                                                                     (pad: 0 | arange, fixed | -1 | 0)
 
-A padded row is a sequence of one query token with context length 0: reshape_and_cache skips its slot (-1),
+A padded row is a sequence of one query token with context length 0: the KV-cache write skips its slot (-1),
 paged attention (Triton and the torch reference) reads no key and writes zeros, LoRA gives it no delta (-1);
 its hidden row is discarded. So a graph serves base and adapter requests alike: token -> step-slot indices, the
 step's LoRA table (where each adapter's factors are, ``lora/step_table.py``, written in place before the replay)

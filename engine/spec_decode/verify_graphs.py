@@ -5,7 +5,7 @@ start_s + j) needs keys 0 .. start_s + j: a one-token decode at that position ov
 step is a decode step of B x (k + 1) rows, and ``DecodeGraphs`` (cuda_graphs.py) serves it unchanged:
 
     seq s: [ x  d1  d2  d3 ]  at positions p .. p+3   ->   rows (s, p, x), (s, p+1, d1), (s, p+2, d2), (s, p+3, d3)
-    every row's K/V is written (reshape_and_cache, all rows) before any row's attention reads, in every layer
+    every row's K/V is written (rope + cache write, all rows) before any row's attention reads, in every layer
 
 ``VerifyGraphs`` is a second ``DecodeGraphs`` of the same runner whose buckets go past the decode graphs' largest
 (up to ``verify_graph_max_rows``): a step of at most that many rows replays the decode graph (when it fits) or
