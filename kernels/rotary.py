@@ -28,12 +28,17 @@ MAX_TILE = 1024  # elements per half-tile (BLOCK_H x BLOCK_HALF) of one program
 def _rotate_heads(
     x_ptr, out_ptr, tok, dst_row, head0, num_heads,  # x [T, N, D] (last dim unit stride); out [rows, N, D]
     stride_xt, stride_xh, stride_ot, stride_oh,
-    cos, sin,  # [BLOCK_HALF] float32 of this token
+    pos_ptr, cs_ptr, stride_cs,  # positions [T]; cos_sin_cache [max_pos, D] float32
     HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    """Heads head0 .. head0 + BLOCK_H of token ``tok``'s row of x, rotated into row ``dst_row`` of out."""
-    heads = head0 + tl.arange(0, BLOCK_H)
+    """Heads head0 .. head0 + BLOCK_H of token ``tok``'s row of x, rotated into row ``dst_row`` of out with the
+    token's cos / sin row (float32, the table's precision)."""
     cols = tl.arange(0, BLOCK_HALF)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cs_row = cs_ptr + pos * stride_cs + cols
+    cos = tl.load(cs_row, mask=cols < HALF, other=0.0)
+    sin = tl.load(cs_row + HALF, mask=cols < HALF, other=0.0)
+    heads = head0 + tl.arange(0, BLOCK_H)
     mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]
     src = x_ptr + tok * stride_xt + heads[:, None].to(tl.int64) * stride_xh + cols[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
@@ -56,20 +61,13 @@ def _rotary_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    # ---- this token's cos / sin row, in float32 (the table's precision)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    cs_row = cs_ptr + pos * stride_cs + cols
-    cos = tl.load(cs_row, mask=cols < HALF, other=0.0)
-    sin = tl.load(cs_row + HALF, mask=cols < HALF, other=0.0)
-    # ---- the first q blocks rotate q heads, the rest k heads
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
-    if blk < num_q_blocks:
+    if blk < num_q_blocks:  # the first q blocks rotate q heads, the rest k heads
         _rotate_heads(q_ptr, q_out_ptr, tok, tok, blk * BLOCK_H, num_q_heads, stride_qt, stride_qh, stride_qot,
-                      stride_qoh, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+                      stride_qoh, pos_ptr, cs_ptr, stride_cs, HALF, BLOCK_H, BLOCK_HALF)
     else:
         _rotate_heads(k_ptr, k_out_ptr, tok, tok, (blk - num_q_blocks) * BLOCK_H, num_kv_heads, stride_kt,
-                      stride_kh, stride_kot, stride_koh, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+                      stride_kh, stride_kot, stride_koh, pos_ptr, cs_ptr, stride_cs, HALF, BLOCK_H, BLOCK_HALF)
 
 
 @cached_launch
@@ -96,18 +94,12 @@ def _rotary_cache_kernel(
                 mask = offs < ROW
                 v = tl.load(v_ptr + tok * stride_vt + offs, mask=mask)
                 tl.store(vc_ptr + slot * ROW + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
-    elif (blk < num_q_blocks) | (slot >= 0):  # ---- q, or k of a token with a slot (-1: a padding row)
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
-        cols = tl.arange(0, BLOCK_HALF)
-        cs_row = cs_ptr + pos * stride_cs + cols
-        cos = tl.load(cs_row, mask=cols < HALF, other=0.0)
-        sin = tl.load(cs_row + HALF, mask=cols < HALF, other=0.0)
-        if blk < num_q_blocks:
-            _rotate_heads(q_ptr, q_out_ptr, tok, tok, blk * BLOCK_H, num_q_heads, stride_qt, stride_qh, stride_qot,
-                          stride_qoh, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
-        else:
-            _rotate_heads(k_ptr, kc_ptr, tok, slot, (blk - num_q_blocks) * BLOCK_H, num_kv_heads, stride_kt,
-                          stride_kh, ROW, HEAD_DIM, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+    elif blk < num_q_blocks:  # ---- q heads
+        _rotate_heads(q_ptr, q_out_ptr, tok, tok, blk * BLOCK_H, num_q_heads, stride_qt, stride_qh, stride_qot,
+                      stride_qoh, pos_ptr, cs_ptr, stride_cs, HALF, BLOCK_H, BLOCK_HALF)
+    elif slot >= 0:  # ---- k heads, straight into the token's cache slot (-1: a padding row, nothing written)
+        _rotate_heads(k_ptr, kc_ptr, tok, slot, (blk - num_q_blocks) * BLOCK_H, num_kv_heads, stride_kt, stride_kh,
+                      ROW, HEAD_DIM, pos_ptr, cs_ptr, stride_cs, HALF, BLOCK_H, BLOCK_HALF)
 
 
 def _check(positions, q, k, cos_sin_cache) -> None:

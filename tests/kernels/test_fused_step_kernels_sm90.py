@@ -1,14 +1,10 @@
 """The interpreter forgives what the GPU compiler does not (constexprs passed down to jit helpers, scalar branches
 on program ids, loop-carried types): the fused rope + KV-cache write and the paired MoE alignment built for sm_90
-on the CPU, in a child process without the interpreter, at GPT-OSS-20B's tiles."""
+on the CPU (and the plain rope, which shares its rotation), in a child process without the interpreter, at
+GPT-OSS-20B's tiles."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from tests.utils.scripts import ROOT
+from tests.kernels.sm90_build import build_in_child
 
 BUILD = r'''
 import json, triton
@@ -38,15 +34,13 @@ bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "kc_ptr", "
 out["rotary_cache"] = len(ptx(rotary._rotary_cache_kernel, dict(ROW=512, HEAD_DIM=64, BLOCK_H=16, BLOCK_HALF=32,
                                                                  BLOCK_ROW=512),
                               {"pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i32", **bf16}))
+out["rotary"] = len(ptx(rotary._rotary_kernel, dict(BLOCK_H=16, BLOCK_HALF=32),
+                       {"pos_ptr": "*i64", "cs_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
+                        "k_out_ptr": "*bf16"}))
 print("RESULT " + json.dumps(out))
 '''
 
 
 def test_fused_step_kernels_build_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    sizes = json.loads(lines[0][len("RESULT "):])
-    assert len(sizes) == 4 and all(n > 1000 for n in sizes.values()), sizes
+    sizes = build_in_child(BUILD, timeout=300)
+    assert len(sizes) == 5 and all(n > 1000 for n in sizes.values()), sizes

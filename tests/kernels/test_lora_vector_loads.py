@@ -4,13 +4,7 @@ they must still load the factors with 16-byte vector loads (``cp.async`` into sh
 for B), as they did from stacked buffers: the factors' alignment reaches the compiler (``tl.multiple_of`` on the
 loaded address) and B is stored rank-major. Launches specialise integer arguments divisible by 16; the build marks
 the same arguments (the model dims and strides of real shapes)."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90_build import build_in_child
 
 BUILD = r'''
 import json, re, triton
@@ -61,12 +55,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_table_kernels_load_factors_with_vector_loads():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    counts = json.loads(lines[0][len("RESULT "):])
+    counts = build_in_child(BUILD, timeout=300)
     for name, c in counts.items():
         assert c["b16"] == 0, (name, c)  # no element-by-element load of a bf16 operand
     for name in ("lora_shrink", "lora_shrink_expand", "moe_lora_shrink", "moe_lora_fused"):  # A: into shared

@@ -1,9 +1,5 @@
 """MXFP4: the torch format (round trip, nearest rounding, byte layout), the in-kernel tile decode, and the fused
 MoE GEMMs with MXFP4 weights (W_MXFP4) against the dequantise-then-float reference."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,8 +11,7 @@ from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
 from loraplex.kernels.mxfp4 import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
 from loraplex.kernels.mxfp4_dequant import load_mxfp4_tile
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.sm90_build import build_in_child
 
 
 def _on_grid(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -249,12 +244,7 @@ print("RESULT " + json.dumps(out))
 def test_mxfp4_kernels_build_for_sm90():
     """The W_MXFP4 GEMMs (tile decode with join / permute / reshape, which the interpreter runs without layouts)
     compile for sm_90, with and without the K tail mask."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    assert json.loads(lines[0][len("RESULT "):]) == ["mxfp4"] * 4
+    assert build_in_child(BUILD, timeout=600) == ["mxfp4"] * 4
 
 
 def test_tuning_case_runs_and_counts_4_25_bits_a_weight():

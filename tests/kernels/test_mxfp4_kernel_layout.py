@@ -1,10 +1,6 @@
 """MXFP4 kernel layout (``mxfp4.prepare_for_kernel``): the repack and its inverse, the documented bit positions,
 the in-kernel tile decode, and the fused MoE / expert-LoRA GEMMs that read it, against the references (fresh
 random inputs, awkward shapes: M = 1 and 33, N not a multiple of BLOCK_N, K = 64k + 32, experts without tokens)."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,9 +14,9 @@ from loraplex.kernels.mxfp4 import (dequantize_mxfp4, is_kernel_layout, kernel_k
                                     quantize_mxfp4, restore_from_kernel)
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, decode_kernel_tile, kernel_tile_ptrs, load_kernel_tile,
                                             row_groups)
+from tests.kernels.sm90_build import build_in_child
 from tests.utils.tuning_files import committed_configs, config_id
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (13, 11, 10, 14))  # (sign, e1, e0, m), docstring's table
 
 
@@ -355,12 +351,7 @@ def test_kernel_layout_gemms_build_for_sm90():
     warps and to mma.sync at 2, both times with the decoded fragment taken as it is (no lane shuffles, no trip
     through shared memory, the words in 16-byte loads, whatever the installed Triton's layout heuristics), with the
     inline-PTX bf16x2 scale multiply where DECODE is "asm" (2) and the grid-dependency wait where PDL is on."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    got = json.loads(lines[0][len("RESULT "):])
+    got = build_in_child(BUILD, timeout=900)
     with_lora, got = got[8:], got[:8]
     for b in with_lora:  # the epilogue's products leave the K loop's decoded fragment as it was
         assert b["asm"] and b["vec16"] and not b["smem_tile"] and not b["shfl"], b

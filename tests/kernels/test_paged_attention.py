@@ -157,18 +157,9 @@ print("RESULT " + json.dumps(out))
 def test_paged_attention_kernels_build_for_sm90():
     """The interpreter forgives what the GPU compiler does not (loop-carried types, constexpr branches): build both
     paths and the merge for sm_90 (bf16, GPT-OSS tiles) on the CPU, in a child process without the interpreter."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.kernels.sm90_build import build_in_child
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", BUILD_SM90], cwd=Path(__file__).resolve().parents[2], env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    sizes = json.loads(lines[0][len("RESULT "):])
+    sizes = build_in_child(BUILD_SM90, timeout=300)
     assert len(sizes) == 6 and all(n > 1000 for n in sizes.values()), sizes
 
 

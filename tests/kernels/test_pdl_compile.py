@@ -2,17 +2,11 @@
 carry none. No GPU needed: Triton's NVIDIA backend builds PTX on the CPU (in a child process, since this
 session's kernels are interpreted). On the CPU and under the interpreter the launchers never ask for PDL
 (``pdl_enabled``), so this is where its code is built before a GPU run."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
 from loraplex.kernels.slot_blocks import pdl_enabled
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90_build import build_in_child
 
 BUILD = r'''
 import json, triton
@@ -54,12 +48,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_pdl_kernels_build_for_sm90_with_grid_dependency_control():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"sm_90 build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    counts = json.loads(lines[0][len("RESULT "):])
+    counts = build_in_child(BUILD, timeout=300)
     assert set(counts) == {"moe_lora_shrink", "moe_lora_expand", "moe_lora_fused", "lora_expand"}
     for name, (waits, triggers, without) in counts.items():
         assert waits >= 1 and triggers >= 1, (name, counts[name])
