@@ -17,6 +17,10 @@ for one target, with errors that name what is wrong.
         d2t [V_d] int64 (target id = draft id + d2t[draft id]; absent: V_d == V, identity), t2d [V] bool (checked,
         not needed), embed_tokens.weight [V, H] (absent: the target's embedding)
     names may carry a ``model.`` prefix, and ``layers.0.`` for ``midlayer.``
+
+The speculators library's layout (architecture Eagle3Speculator, ``speculators_model_type`` "eagle3") is read too:
+the layer's fields from ``transformer_layer_config``, the EAGLE-3 fields from the top level, ``layers.0.`` names,
+``norm_before_residual`` true when absent (``eagle3_draft.from_speculators``).
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ V_d the draft's (a subset of V).
     h, res = post_attention_layernorm(h, res);  h = mlp(h)
     out, prenorm = norm(h, res)           logits_d = lm_head(out) [T, V_d];  target id = draft id + d2t[draft id]
 
-``Eagle3Config.from_dict`` reads the published config.json; eagle3_checkpoint.py loads the weights.
+``Eagle3Config.from_dict`` reads the published config.json (or the speculators layout's); eagle3_checkpoint.py
+loads the weights.
 """
 from __future__ import annotations
 
@@ -34,6 +35,30 @@ from loraplex.engine.models.layers.norm import RMSNorm
 from loraplex.engine.models.layers.rotary import RotaryEmbedding
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+# the EAGLE-3 fields a speculators config keeps at its top level, beside the decoder layer's own config
+SPECULATORS_FIELDS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc",
+                      "fc_norm", "norm_output")
+
+
+def from_speculators(d: dict, where: str) -> dict:
+    """A config in the ``speculators`` layout (``speculators_model_type`` "eagle3", architecture
+    Eagle3Speculator) as the published layout: the decoder layer's fields from ``transformer_layer_config``, the
+    EAGLE-3 fields from the top level, and ``norm_before_residual`` true unless it says otherwise (that layout's
+    default; the published one's is false). Its ``speculators_config`` (proposal methods, the verifier's name) is
+    not read: k is the engine's setting, and the target is checked by vocabulary and hidden size."""
+    kind = d.get("speculators_model_type")
+    if kind != "eagle3":
+        raise ConfigError(f"{where}: speculators_model_type {kind!r}; of the speculators layout only 'eagle3' drafts "
+                          "are read")
+    layer = d.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError(f"{where}: a speculators EAGLE-3 config needs transformer_layer_config (the draft layer's "
+                          f"config as an object), got {type(layer).__name__}")
+    flat = {**layer, **{key: d[key] for key in SPECULATORS_FIELDS if key in d}}
+    flat["norm_before_residual"] = d.get("norm_before_residual", True)
+    flat["architectures"] = [ARCHITECTURES[1]]
+    return flat
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
@@ -63,8 +88,12 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "Eagle3Config":
-        """The published config.json ``d`` (``where`` names it in errors); ConfigError saying what is wrong."""
+        """The published config.json ``d``, or one in the speculators layout (``from_speculators``); ``where``
+        names it in errors; ConfigError saying what is wrong."""
         arch = list(d.get("architectures") or [])
+        if SPECULATORS_ARCHITECTURE in arch or "speculators_model_type" in d:
+            d = from_speculators(d, where)
+            arch = d["architectures"]
         if not any(a in ARCHITECTURES for a in arch):
             raise ConfigError(f"{where}: architectures {arch} is not an EAGLE-3 draft; expected one of "
                               f"{', '.join(ARCHITECTURES)}")

@@ -4,6 +4,7 @@ tests and device checks: config.json (``LlamaForCausalLMEagle3``) and ``fc`` / `
 drafts").
 
     folder = write_random_eagle3(tmp / "draft", [1, 2, 3])        # aux layer ids named in config.json
+    folder = write_random_eagle3(tmp / "spec", [1, 2, 3], layout="speculators")   # the same, speculators layout
 """
 from __future__ import annotations
 
@@ -43,11 +44,13 @@ def _draft_tensors(aux: int, seed: int) -> dict[str, torch.Tensor]:
 
 def write_random_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt: str = "safetensors",
                         prefix: str = "", drop: str | None = None, reshape: str | None = None,
-                        eagle: dict | None = None, **config) -> str:
+                        eagle: dict | None = None, layout: str = "published", **config) -> str:
     """A random EAGLE-3 draft of the tiny targets in the published layout (``prefix``: a name prefix such as
     "model."; ``drop`` / ``reshape``: a tensor left out / given a wrong shape; ``config``: config.json overrides;
     ``eagle``: more ``eagle_config`` keys). With ``norm_before_fc`` or ``fc_norm`` set (either place) it also holds
-    ``input_norm.weight`` or ``fc_norm.<i>.weight``."""
+    ``input_norm.weight`` or ``fc_norm.<i>.weight``. ``layout="speculators"``: the same draft as the speculators
+    library saves it (Eagle3Speculator: the layer's config nested in ``transformer_layer_config``, the EAGLE-3 fields
+    and ``config`` overrides of them at the top level, ``layers.0.`` names)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -60,10 +63,12 @@ def write_random_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt
         cfg["eagle_config"] = {"use_aux_hidden_state": True, **(eagle or {})}
         if aux_ids is not None:
             cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    flags = {**cfg, **cfg.get("eagle_config", {})}
+    if layout == "speculators":
+        cfg = _speculators_config(cfg)
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f)
     state = _draft_tensors(3, seed)
-    flags = {**cfg, **cfg.get("eagle_config", {})}
     g = torch.Generator().manual_seed(seed + 1)  # the other tensors as without these norms
     if flags.get("norm_before_fc"):
         state["input_norm.weight"] = 1.0 + 0.3 * torch.randn(3 * HIDDEN, generator=g)
@@ -73,9 +78,27 @@ def write_random_eagle3(folder, aux_ids: list[int] | None, *, seed: int = 0, fmt
         del state[drop]
     if reshape:
         state[reshape] = state[reshape][..., :-1].contiguous()
+    if layout == "speculators":
+        state = {name.replace("midlayer.", "layers.0."): t for name, t in state.items()}
     state = {(name if name == "lm_head.weight" else prefix + name): t for name, t in state.items()}
     if fmt == "bin":
         torch.save(state, os.path.join(folder, "pytorch_model.bin"))
     else:
         save_file(state, os.path.join(folder, "model.safetensors"))
     return str(folder)
+
+
+def _speculators_config(published: dict) -> dict:
+    """``published`` (write_random_eagle3's config) in the speculators layout."""
+    from loraplex.engine.spec_decode.eagle3_draft import SPECULATORS_FIELDS
+
+    layer = {k: v for k, v in published.items() if k not in ("architectures", "eagle_config")}
+    top = {k: layer.pop(k) for k in (*SPECULATORS_FIELDS, "norm_before_residual", "speculators_model_type")
+           if k in layer}
+    top.update({k: v for k, v in published.get("eagle_config", {}).items() if k != "use_aux_hidden_state"})
+    kind = top.pop("speculators_model_type", "eagle3")
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": kind,
+            "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]}, **top,
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                   "verifier": {"name_or_path": "tiny-target", "architectures": ["LlamaForCausalLM"]}}}

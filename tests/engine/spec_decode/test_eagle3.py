@@ -318,6 +318,36 @@ def test_eagle3_checkpoint_variants_load_alike(tiny_checkpoint, tmp_path):
     assert torch.equal(a.draft_to_target, b.draft_to_target) and a.embed_tokens is None
 
 
+def test_speculators_layout_reads_as_the_published_one(tiny_checkpoint, tmp_path):
+    """A draft as the speculators library saves it (Eagle3Speculator: the layer's config in transformer_layer_config,
+    the EAGLE-3 fields at the top level, ``layers.0.`` names) is the same draft as in the published layout, with that
+    layout's default norm_before_residual (true when absent): the same config and tensors, the same proposals."""
+    from loraplex.engine.config import ModelConfig
+    from loraplex.engine.spec_decode.eagle3_checkpoint import load_eagle3_draft, read_eagle3_config
+
+    path = tiny_checkpoint("llama", num_hidden_layers=4)
+    target = ModelConfig.from_pretrained(path)
+    kw = dict(target=target, max_model_len=128, device=torch.device("cpu"), dtype=torch.float32)
+    published = write_eagle3(tmp_path / "published", [1, 2, 3], norm_before_residual=True)
+    speculators = write_eagle3(tmp_path / "speculators", [1, 2, 3], layout="speculators")
+    assert read_eagle3_config(speculators) == read_eagle3_config(published)
+    assert read_eagle3_config(speculators).norm_before_residual
+    (a, aux_a), (b, aux_b) = load_eagle3_draft(published, **kw), load_eagle3_draft(speculators, **kw)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert aux_a == aux_b == (1, 2, 3) and sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
+    said = write_eagle3(tmp_path / "said", [1, 2, 3], layout="speculators", norm_before_residual=False)
+    assert not read_eagle3_config(said).norm_before_residual  # a value the config gives is kept
+    runs = []
+    for folder in (published, speculators):
+        record: list = []
+        got, engine = _run(path, {}, dict(method="eagle3", draft_head=folder, num_speculative_tokens=K),
+                           str(tmp_path / f"cache-{len(runs)}"), record=record)
+        engine.close()
+        runs.append((got, [drafts for *_, drafts in record]))
+    want, _ = _run(path, {}, None, str(tmp_path / "plain"))
+    assert runs[0] == runs[1] and runs[0][0] == want and len(runs[0][1]) >= 10
+
+
 def test_bad_eagle3_drafts_are_refused(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama", num_hidden_layers=4)
     with pytest.raises(ValueError, match="'eagle3' needs draft_head"):
@@ -337,7 +367,14 @@ def test_bad_eagle3_drafts_are_refused(tiny_checkpoint, tmp_path):
         (dict(norm_before_fc=True, drop="input_norm.weight"), "missing tensor.*input_norm.weight"),
         (dict(fc_norm=True, reshape="fc_norm.2.weight"), r"tensor fc_norm.2.weight has shape \[71\]"),
         (dict(drop="norm.weight", fc_norm="yes"), "fc_norm must be true or false"),
+        (dict(layout="speculators", speculators_model_type="eagle"), "only 'eagle3' drafts are read"),
+        (dict(layout="speculators", drop="midlayer.self_attn.o_proj.weight"), "missing tensor.*o_proj.weight"),
     ]
+    from loraplex.engine.config import ConfigError
+    from loraplex.engine.spec_decode.eagle3_draft import Eagle3Config
+
+    with pytest.raises(ConfigError, match="needs transformer_layer_config"):
+        Eagle3Config.from_dict({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3"}, "x")
     for i, (kw, msg) in enumerate(cases):
         folder = write_eagle3(tmp_path / f"bad{i}", [1, 2, 3], **kw)
         with pytest.raises(ValueError, match=msg):
