@@ -29,7 +29,6 @@ routing weights only after it. Shrink and the fused kernel wait first, then trig
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -249,12 +248,6 @@ def shape_of(y: torch.Tensor, x: torch.Tensor, lora_a, topk_ids: torch.Tensor) -
     return {"E": num_experts, "A": topk_ids.shape[1], "R": rank, "K": k, "N": y.shape[1]}
 
 
-def variant(cfg: dict, device: torch.device) -> tuple[bool, bool]:
-    """(fused one-kernel path, PDL launches) for a config on ``device``: config keys "FUSED" and "PDL" (0/1);
-    PDL only where ``pdl_enabled``."""
-    return bool(int(cfg.get("FUSED", 0))), bool(int(cfg.get("PDL", 0))) and pdl_enabled(device)
-
-
 def _prepare(table: LoRATable, y_width: int, x: torch.Tensor, topk_ids: torch.Tensor, scaling: torch.Tensor,
              y: torch.Tensor | None = None) -> None:
     """The checks ``fused_moe_lora`` and ``moe_lora_shrink`` share (``y_width``: the output's N)."""
@@ -297,25 +290,10 @@ class _Plan(NamedTuple):
     expand_kw: dict
 
 
-def _plan(cfg: dict, *, num_tokens: int, top_k: int, x_rows: int, num_loras: int, num_experts: int, rank: int,
-          k: int, n: int, num_blocks: int, dtype: torch.dtype, has_weights: bool, pdl_ok: bool) -> _Plan:
-    """The launches of one call, remembered per (config, shapes): every layer of a step asks again, and working
-    them out costs more host time than launching. The plan's dicts are shared: read them only."""
-    key = dict(num_tokens=num_tokens, top_k=top_k, x_rows=x_rows, num_loras=num_loras, num_experts=num_experts,
-               rank=rank, k=k, n=n, num_blocks=num_blocks, dtype=dtype, has_weights=has_weights, pdl_ok=pdl_ok)
-    try:
-        return _plan_of(tuple(cfg.items()), tuple(key.items()))
-    except TypeError:  # an unhashable config value: worked out afresh
-        return _make_plan(cfg, **key)
-
-
-@functools.lru_cache(maxsize=1024)
-def _plan_of(cfg_items: tuple, key_items: tuple) -> _Plan:
-    return _make_plan(dict(cfg_items), **dict(key_items))
-
-
-def _make_plan(cfg: dict, *, num_tokens, top_k, x_rows, num_loras, num_experts, rank, k, n, num_blocks, dtype,
-               has_weights, pdl_ok) -> _Plan:
+@tuning.plan_cache
+def _plan(cfg: dict, *, num_tokens, top_k, x_rows, num_loras, num_experts, rank, k, n, num_blocks, dtype,
+          has_weights, pdl_ok) -> _Plan:
+    """The launches of one call (``tuning.plan_cache``: remembered per config and shapes; read the plan only)."""
     num_pairs = num_tokens * top_k
     bm, bn, bk, split_k = (int(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
     fused = bool(int(cfg.get("FUSED", 0)))

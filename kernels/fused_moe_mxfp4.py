@@ -48,8 +48,6 @@ float32.
 """
 from __future__ import annotations
 
-import functools
-
 import os
 from dataclasses import dataclass
 
@@ -57,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels import tuning
 from loraplex.kernels.activation import gated_act
 from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import ACT_CODES, ACT_NONE, _grouped_pid, run_moe
@@ -507,24 +506,16 @@ def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: 
                 PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
 
 
-def _plan(gemm: str, cfg: dict, **shape) -> tuple[dict, dict]:
-    """(constexprs, launch options) of ``gate_up`` or ``down`` for ``cfg`` at ``shape`` (``gate_up_constexprs`` /
-    ``down_constexprs``' keywords), remembered per (config, shape): every layer of a step asks again, and working
-    them out costs more host time than the launch itself. The dicts returned are shared: read them only."""
-    try:
-        return _plan_of(gemm, tuple(cfg.items()), tuple(shape.items()), _interpreting())
-    except TypeError:  # an unhashable config value: worked out afresh
-        return _make_plan(gemm, cfg, shape)
+@tuning.plan_cache
+def _gate_up_plan(cfg: dict, *, interpreting: bool, **shape) -> tuple[dict, dict]:
+    """(constexprs, launch options) of ``gate_up`` (``gate_up_constexprs``' keywords; ``interpreting`` keys
+    decode_mode's answer), remembered per (config, shape)."""
+    return gate_up_constexprs(cfg, **shape), _launch(cfg)[4]
 
 
-@functools.lru_cache(maxsize=1024)
-def _plan_of(gemm: str, cfg_items: tuple, shape_items: tuple, interpreting: bool) -> tuple[dict, dict]:
-    return _make_plan(gemm, dict(cfg_items), dict(shape_items))  # interpreting: decode_mode's answer is keyed
-
-
-def _make_plan(gemm: str, cfg: dict, shape: dict) -> tuple[dict, dict]:
-    if gemm == "gate_up":
-        return gate_up_constexprs(cfg, **shape), _launch(cfg)[4]
+@tuning.plan_cache
+def _down_plan(cfg: dict, *, interpreting: bool, **shape) -> tuple[dict, dict]:
+    """(constexprs, launch options) of ``down`` (as ``_gate_up_plan``)."""
     return down_constexprs(cfg, **shape), _launch(down_config(cfg))[4]
 
 
@@ -538,8 +529,8 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
     inter = w13.shape[1] // 2
     pdl = use_pdl(cfg, x.device)
     act = ACT_CODES[activation] if activation else ACT_NONE
-    meta, launch = _plan("gate_up", cfg, hidden=hidden, inter=inter, top_k=top_k, act=act, has_bias=b13 is not None,
-                         pdl=pdl)
+    meta, launch = _gate_up_plan(cfg, interpreting=_interpreting(), hidden=hidden, inter=inter, top_k=top_k, act=act,
+                                 has_bias=b13 is not None, pdl=pdl)
     _check_align(align, meta["BLOCK_M"], meta["DIRECT"])
     sorted_ids, expert_ids, num_post = align
     num_m = expert_ids.shape[0]
@@ -570,7 +561,8 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
     pdl = use_pdl(cfg, h.device)
-    meta, launch = _plan("down", cfg, hidden=hidden, inter=inter, has_bias=b2 is not None, pdl=pdl, split_k=split_k)
+    meta, launch = _down_plan(cfg, interpreting=_interpreting(), hidden=hidden, inter=inter, has_bias=b2 is not None,
+                              pdl=pdl, split_k=split_k)
     _check_align(align, meta["BLOCK_M"], meta["DIRECT"])
     sorted_ids, expert_ids, num_post = align
     num_m = expert_ids.shape[0]
@@ -608,7 +600,6 @@ def kernel_config(x, w13, topk_ids, config: dict | None = None) -> dict:
     """``config`` (missing keys from DEFAULT_CONFIG), else the tuned "fused_moe_mxfp4" config at this shape."""
     if config:
         return {**DEFAULT_CONFIG, **config}
-    from loraplex.kernels import tuning
     from loraplex.kernels.fused_moe import shape_of
 
     return tuning.get_config("fused_moe_mxfp4", shape_of(x, w13, topk_ids), x.shape[0], DEFAULT_CONFIG)

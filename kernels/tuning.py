@@ -22,7 +22,9 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,27 @@ def _tuned_entry(op: str, shape: tuple[tuple[str, Any], ...], m: int, device_nam
         _warn_once(f"{path} has no entry for shape {skey}; using default {op} configs")
         return None
     return by_m[nearest_m(by_m, m)]
+
+
+def plan_cache(make: Callable[..., T]) -> Callable[..., T]:
+    """``make(cfg, **shape)`` remembered per (config items, shape items): what a launcher works out from its config
+    and a call's static dims (grids, constexprs, launch options) is the same in every layer of a step, and working it
+    out again costs more host time than the launch. What it returns is shared: read it only. A config holding an
+    unhashable value is worked out afresh. ``.cache_clear()`` forgets."""
+
+    @functools.lru_cache(maxsize=1024)
+    def remembered(cfg_items: tuple, shape_items: tuple) -> T:
+        return make(dict(cfg_items), **dict(shape_items))
+
+    @functools.wraps(make)
+    def plan(cfg: Mapping[str, Any], **shape) -> T:
+        try:
+            return remembered(tuple(cfg.items()), tuple(shape.items()))
+        except TypeError:  # an unhashable value
+            return make(dict(cfg), **shape)
+
+    plan.cache_clear = remembered.cache_clear
+    return plan
 
 
 def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]], *,

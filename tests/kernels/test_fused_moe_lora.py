@@ -148,13 +148,26 @@ def test_fused_variant_reuses_alignment_and_gives_the_two_kernel_result():
         torch.testing.assert_close(y, two, rtol=1e-5, atol=1e-5)
 
 
-def test_variant_follows_config_and_pdl_is_off_without_a_hopper_gpu():
-    from loraplex.kernels.fused_moe_lora import DEFAULT_CONFIG, variant
+def test_plan_follows_config_and_pdl_is_off_without_a_hopper_gpu():
+    """The launch plan takes FUSED and PDL from the config (absent in older tuning files: two plain launches), PDL
+    only where the device has it; a config changed in place gets its own plan."""
+    from loraplex.kernels.fused_moe_lora import DEFAULT_CONFIG, _plan
+    from loraplex.kernels.slot_blocks import pdl_enabled
 
-    cpu = torch.device("cpu")
-    assert variant(DEFAULT_CONFIG, cpu) == (False, False)  # default: two plain launches
-    assert variant({"FUSED": 1, "PDL": 1}, cpu) == (True, False)  # PDL needs sm_90 and no interpreter
-    assert variant({"BLOCK_M": 16}, cpu) == (False, False)  # older tuning files lack the keys
+    shape = dict(num_tokens=9, top_k=A, x_rows=9, num_loras=L, num_experts=E, rank=R, k=40, n=48, num_blocks=12,
+                 dtype=torch.float32, has_weights=False, pdl_ok=pdl_enabled(torch.device("cpu")))
+
+    def flags(cfg):
+        plan = _plan(cfg, **shape)
+        return plan.fused, plan.expand_kw["USE_PDL"], plan.shrink_kw["USE_PDL"]
+
+    legacy = {k: v for k, v in DEFAULT_CONFIG.items() if k not in ("FUSED", "PDL")}
+    assert flags(DEFAULT_CONFIG) == flags(legacy) == (False, False, False)  # default: two plain launches
+    cfg = {**DEFAULT_CONFIG, "FUSED": 1, "PDL": 1}
+    assert flags(cfg) == (True, False, False)  # PDL needs sm_90 and no interpreter
+    assert _plan(cfg, **{**shape, "pdl_ok": True}).fused_kw["USE_PDL"]
+    cfg["FUSED"] = 0
+    assert flags(cfg) == (False, False, False)
 
 
 def test_tuned_file_picks_the_fused_kernel_per_m(tmp_path, monkeypatch):

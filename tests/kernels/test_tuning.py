@@ -115,3 +115,24 @@ def test_committed_configs_lists_each_config_of_a_file_once():
         assert all(cfg not in listed[:i] for i, cfg in enumerate(listed)), path.stem
         for by_m in json.loads(path.read_text(encoding="utf-8")).values():
             assert all(cfg in listed for cfg in by_m.values()), path.stem
+
+
+def test_plan_cache_remembers_per_config_and_shape():
+    """A launcher's plan is worked out once per (config items, shape items): the same object for an equal config
+    (a fresh dict each call, as get_config returns), a new one when a value or a dim changes, and a config holding
+    an unhashable value is worked out afresh each time."""
+    calls = []
+
+    @tuning.plan_cache
+    def plan(cfg, *, m):
+        calls.append((dict(cfg), m))
+        return {"grid": cfg["BLOCK"] * m}
+
+    first = plan({"BLOCK": 16}, m=4)
+    assert plan({"BLOCK": 16}, m=4) is first and len(calls) == 1
+    assert plan({"BLOCK": 32}, m=4) == {"grid": 128} and plan({"BLOCK": 16}, m=8) == {"grid": 128}
+    assert len(calls) == 3
+    odd = {"BLOCK": 16, "TILES": [1, 2]}
+    assert plan(odd, m=4) == first and plan(odd, m=4) is not plan(odd, m=4)
+    plan.cache_clear()
+    assert plan({"BLOCK": 16}, m=4) is not first
