@@ -85,14 +85,15 @@ class Mxfp4FusedExperts(QuantizedFusedExperts):
         return is_kernel_layout(self.w13_blocks)
 
     @torch.no_grad()
-    def use_kernel_layout(self) -> bool:
+    def use_kernel_layout(self, *, any_device: bool = False) -> bool:
         """Repack w13 / w2 in place into the layout the CUDA GEMMs read fastest (``mxfp4.prepare_for_kernel``:
-        int32 words, K padded to 64); CUDA only, once the module is on its device and sharded. Weights that
-        layout cannot hold (rows not a multiple of 16, scales above 2^64) keep the plain layout, which the same
-        ops read too. Returns whether the module is in the kernel layout."""
+        int32 words, K padded to 64); CUDA only (``any_device``: wherever the weights are, for host-time probes of
+        the CUDA path), once the module is on its device and sharded. Weights that layout cannot hold (rows not a
+        multiple of 16, scales above 2^64) keep the plain layout, which the same ops read too. Returns whether the
+        module is in the kernel layout."""
         if self.in_kernel_layout:
             return True
-        if self.w13_blocks.device.type != "cuda":
+        if self.w13_blocks.device.type != "cuda" and not any_device:
             return False
         try:
             w13 = prepare_for_kernel(self.w13_blocks, self.w13_scales)

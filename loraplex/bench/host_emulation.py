@@ -146,14 +146,6 @@ def use_mxfp4_kernel_layout(model) -> int:
     """Repack the model's MXFP4 experts into the CUDA GEMMs' layout wherever they are (the engine does this at
     load on CUDA only); returns how many modules are in that layout."""
     from loraplex.engine.quantization.mxfp4_experts import Mxfp4FusedExperts
-    from loraplex.kernels.mxfp4 import prepare_for_kernel
 
-    count = 0
-    for m in model.modules():
-        m = getattr(m, "base", m)  # a LoRA wrapper keeps its base module outside the module tree
-        if isinstance(m, Mxfp4FusedExperts):
-            if not m.in_kernel_layout:
-                (m.w13_blocks, m.w13_scales) = prepare_for_kernel(m.w13_blocks, m.w13_scales)
-                (m.w2_blocks, m.w2_scales) = prepare_for_kernel(m.w2_blocks, m.w2_scales)
-            count += 1
-    return count
+    bases = (getattr(m, "base", m) for m in model.modules())  # a LoRA wrapper keeps its base outside the tree
+    return sum(m.use_kernel_layout(any_device=True) for m in bases if isinstance(m, Mxfp4FusedExperts))
