@@ -117,22 +117,19 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
         for target, (pair, y, inp) in calls.items():
             if pair is not None:
                 cfgs[target] = dict(lora_config_override or lora_config(y, inp, pair, topk_ids))
-    direct = kernel_layout and int(cfg.get("DIRECT", 0))  # base row blocks straight from topk_ids: no alignment
     if cfgs:  # one alignment for both LoRA calls, made early (PDL kernels may read it before they wait)
         block_m = int(next(iter(cfgs.values()))["BLOCK_M"])
         for c in cfgs.values():
             c["BLOCK_M"] = block_m
         max_loras = (w13_lora or w2_lora).num_slots
-        if direct:
-            align = fm4.route_tables(topk_ids, num_experts, cfg)
+    if cfgs and not (kernel_layout and int(cfg.get("DIRECT", 0))):  # both alignments in one launch
+        align, lora_align = moe_align_pair(topk_ids, token_lora_idx, num_experts, max_loras, int(cfg["BLOCK_M"]),
+                                           block_m)
+    else:  # DIRECT rows read topk_ids itself: no base alignment to pair the LoRA one with
+        align = fm4.route_tables(topk_ids, num_experts, cfg) if kernel_layout else moe_align(topk_ids, num_experts,
+                                                                                               int(cfg["BLOCK_M"]))
+        if cfgs:
             lora_align = moe_align_lora(topk_ids, token_lora_idx, num_experts, max_loras, block_m)
-        else:  # the base GEMMs' and the LoRA calls' alignments in one launch
-            align, lora_align = moe_align_pair(topk_ids, token_lora_idx, num_experts, max_loras,
-                                               int(cfg["BLOCK_M"]), block_m)
-    elif kernel_layout:
-        align = fm4.route_tables(topk_ids, num_experts, cfg)
-    else:
-        align = moe_align(topk_ids, num_experts, int(cfg["BLOCK_M"]))
     if kernel_layout and cfgs and int(cfg["BLOCK_M"]) <= EPILOGUE_MAX_BLOCK_M:
         return _kernel_layout_epilogue(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_lora_idx,
                                        scaling, cfg, align, cfgs, lora_align, w13_lora, w2_lora, activation=activation,

@@ -637,10 +637,10 @@ def misc_cases(s: ModelShapes, m: int, dtype, device, *, context: int = 2048) ->
     from loraplex.kernels import reference, reference_lora
     from loraplex.kernels.activation import swiglu_clamp_and_mul
     from loraplex.kernels.moe_align import moe_align_lora, moe_align_pair
-    from loraplex.kernels.rotary import rotary_embedding_and_cache
     from loraplex.kernels.paged_attention import paged_attention
     from loraplex.kernels.reshape_and_cache import reshape_and_cache
     from loraplex.kernels.rms_norm import rms_norm
+    from loraplex.kernels.rotary import rotary_embedding_and_cache
 
     h = s.hidden
     x, res = torch.randn(m, h, device=device, dtype=dtype), torch.randn(m, h, device=device, dtype=dtype)

@@ -97,12 +97,9 @@ class RotaryEmbedding(nn.Module):
         """Compute the table on ``device`` (the model is built on the meta device first)."""
         self.cos_sin_cache = compute_cos_sin_cache(self.rope, self.head_dim, self.max_pos).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Q, D]; k [T, KV, D] -> rotated (q, k)."""
-        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-
     def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Rotated q; k rotated and v written into the paged caches at ``slot_mapping`` (-1 skips), one launch."""
+        """positions [T]; q [T, Q, D]; k, v [T, KV, D] -> rotated q; k rotated and v written into the paged caches
+        at ``slot_mapping`` (-1 skips), one launch."""
         return ops.rotary_embedding_and_cache(positions, q, k, v, self.cos_sin_cache, k_cache, v_cache,
                                               slot_mapping)
