@@ -271,14 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         launches = None
         if args.emulate_launches:
-            from loraplex.bench.host_emulation import emulated_launches, use_mxfp4_kernel_layout
+            from loraplex.bench.host_emulation import emulated_launches
+            from loraplex.engine.quantization.mxfp4_experts import use_mxfp4_kernel_layout
 
             launches = stack.enter_context(emulated_launches())
         t0 = time.monotonic()
         engine = LLMEngine.from_pretrained(run.folder, **kw)
         use_in_place_fetcher(engine)
         if args.emulate_launches:
-            use_mxfp4_kernel_layout(engine.runner.model)
+            use_mxfp4_kernel_layout(engine.runner.model, any_device=True)
         start_s = time.monotonic() - t0
         sections = Sections()
         try:

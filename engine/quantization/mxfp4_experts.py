@@ -143,10 +143,12 @@ def quantize_experts_mxfp4(model: nn.Module, lora_slots=None) -> int:
     return replace_experts(model, Mxfp4FusedExperts.from_float, lora_slots=lora_slots, what="mxfp4")
 
 
-def use_mxfp4_kernel_layout(model: nn.Module) -> int:
-    """Repack every Mxfp4FusedExperts of ``model`` for the CUDA GEMMs (``Mxfp4FusedExperts.use_kernel_layout``);
-    returns how many are in the kernel layout. A no-op off CUDA."""
-    return sum(m.use_kernel_layout() for m in model.modules() if isinstance(m, Mxfp4FusedExperts))
+def use_mxfp4_kernel_layout(model: nn.Module, *, any_device: bool = False) -> int:
+    """Repack every Mxfp4FusedExperts of ``model`` for the CUDA GEMMs (``Mxfp4FusedExperts.use_kernel_layout``),
+    also those behind a LoRA wrapper (which keeps its base outside the module tree); returns how many are in the
+    kernel layout. A no-op off CUDA unless ``any_device`` (host-time probes of the CUDA path)."""
+    bases = (getattr(m, "base", m) for m in model.modules())
+    return sum(m.use_kernel_layout(any_device=any_device) for m in bases if isinstance(m, Mxfp4FusedExperts))
 
 
 __all__ = ["Mxfp4FusedExperts", "quantize_experts_mxfp4", "use_mxfp4_kernel_layout"]

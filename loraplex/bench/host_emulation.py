@@ -10,7 +10,8 @@ launch calls; all of it but the CUDA driver call runs the same on a CPU. Inside 
   ``CachedLaunch`` keys it and every later launch goes through its cached path, up to the launcher call, which
   records the launch and does nothing; a kernel launched without ``cached_launch`` is recorded the same way;
 - tuning files are looked up under ``device_name`` (the configs the GPU would run, where the shapes match);
-- ``use_mxfp4_kernel_layout(model)`` repacks MXFP4 experts as the engine does at load on CUDA;
+- MXFP4 experts are repacked as the engine does at load on CUDA by the caller
+  (``mxfp4_experts.use_mxfp4_kernel_layout(model, any_device=True)``);
 - torch runs on one CPU thread with denormals flushed, so its small ops (which stand for launches on the GPU)
   cost what a call costs, not a thread pool's wake-up or slow arithmetic on the garbage the outputs hold.
 
@@ -140,12 +141,3 @@ def _cached_launch_kernels():
             for value in vars(module).values():
                 if isinstance(value, CachedLaunch):
                     yield value
-
-
-def use_mxfp4_kernel_layout(model) -> int:
-    """Repack the model's MXFP4 experts into the CUDA GEMMs' layout wherever they are (the engine does this at
-    load on CUDA only); returns how many modules are in that layout."""
-    from loraplex.engine.quantization.mxfp4_experts import Mxfp4FusedExperts
-
-    bases = (getattr(m, "base", m) for m in model.modules())  # a LoRA wrapper keeps its base outside the tree
-    return sum(m.use_kernel_layout(any_device=True) for m in bases if isinstance(m, Mxfp4FusedExperts))
