@@ -29,15 +29,14 @@ Graphable step: every scheduled sequence computes exactly one token, no prompt l
 and block tables of at most W blocks. Graphs are captured only on CUDA with tensor_parallel_size == 1 and
 enforce_eager off; ``capture=False`` runs the same padded path eagerly (CPU tests prove it token-identical).
 
-Capture runs at start, largest bucket first (its memory pool then serves the smaller ones), then the smallest
-upwards, within ``capture_budget_s``: a bucket left out when the budget runs out is served by the next larger
-captured one (more padded rows, same result). The log line gives the buckets, the time and the pool's size.
+Capture (graph_capture.py) runs at start, largest bucket first (its memory pool then serves the smaller ones),
+then the smallest upwards, within ``capture_budget_s``: a bucket left out when the budget runs out is served by
+the next larger captured one (more padded rows, same result). The log line gives the buckets, the time and the
+pool's size. Steps with prefill chunks have their own padded path (mixed_graphs.py).
 """
 from __future__ import annotations
 
 import itertools
-import logging
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -45,12 +44,11 @@ import torch
 from torch import nn
 
 from loraplex.engine.attention_metadata import AttentionMetadata
+from loraplex.engine.graph_capture import BucketGraphs
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.slots import LoRASlots
     from loraplex.engine.scheduler_output import SchedulerOutput
-
-logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -75,20 +73,18 @@ class DecodeRunner(Protocol):
     lora: "LoRASlots | None"
 
 
-class DecodeGraphs:
+class DecodeGraphs(BucketGraphs):
     """The padded decode path of one ``ModelRunner``: static buffers, buckets and (``capture=True``) graphs."""
+
+    label = "decode"
 
     def __init__(self, runner: DecodeRunner, max_batch_size: int, max_model_len: int, *, capture: bool,
                  aux_layer_ids: tuple[int, ...] = ()) -> None:
-        if capture and runner.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device; use capture=False for the eager padded path")
-        self.runner = runner
-        self.capture = capture
+        super().__init__(runner, batch_buckets(max_batch_size), capture=capture)
         # with aux_layer_ids the forward also gives the residual stream entering those layers (EAGLE-3 drafts,
         # CausalLM.forward); each run leaves its rows in ``last_aux`` [n, len(ids) * H]
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.last_aux: torch.Tensor | None = None
-        self.buckets = batch_buckets(max_batch_size)
         self.max_model_len = max_model_len
         B = self.max_batch_size = self.buckets[-1]
         W = self.max_blocks = -(-max_model_len // runner.block_size)
@@ -109,16 +105,7 @@ class DecodeGraphs:
         self._attn = {b: AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
                                            seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
                                            max_query_len=1, max_seq_len=max_model_len) for b in self.buckets}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, Any] = {}   # hidden [b, H] (with aux ids: (hidden, aux)) written by graph b
         self._copied: torch.cuda.Event | None = None  # host buffers are free again once this completes
-        self.capture_seconds = 0.0
-        self.graph_memory_bytes = 0
-        self.num_steps = 0                            # steps run on this path (graph replays or padded eager)
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
 
     def bucket_for(self, n: int) -> int:
         for b in self.buckets:
@@ -183,12 +170,7 @@ class DecodeGraphs:
     def _replay(self, b: int, n: int) -> torch.Tensor:
         """Run bucket ``b`` on the static buffers just written: hidden [n, H] of its first ``n`` rows (and their
         aux rows in ``last_aux`` when the path has aux layers)."""
-        self.num_steps += 1
-        if self.capture:
-            self._graphs[b].replay()
-            out = self._outputs[b]
-        else:
-            out = self._forward(b)
+        out = self._run_bucket(b)  # hidden [b, H] (with aux ids: (hidden, aux))
         if self.aux_layer_ids:
             hidden, aux = out
             self.last_aux = aux[:n]
@@ -277,62 +259,3 @@ class DecodeGraphs:
         finally:
             if lora is not None:
                 lora.set_token_slots(None)
-
-    # ---- capture --------------------------------------------------------------------------------------------
-    def capture_order(self) -> list[int]:
-        """Largest bucket first (its pool serves the rest), then the smallest upwards (the sizes low load uses)."""
-        return [self.buckets[-1]] + self.buckets[:-1]
-
-    def capture_all(self, budget_s: float | None = None) -> bool:
-        """Warm up and capture one graph per bucket (``capture_order``) in one shared memory pool, stopping once
-        ``budget_s`` seconds have passed (the largest bucket is always captured). On any failure: a warning, no
-        graphs (the runner then runs every step eagerly). Returns whether graphs are in place."""
-        if not self.capture:
-            return False
-        lora = self.runner.lora
-        if lora is not None and not lora.supports_static_token_slots():
-            logger.warning("CUDA graphs disabled: the LoRA layers do not support LoRAState.always_on (a graph would "
-                           "leave out the LoRA kernels); running decode steps eagerly")
-            return False
-        dev = self.runner.device
-        torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        skipped: list[int] = []
-        try:
-            with torch.inference_mode():
-                for b in self.capture_order():
-                    if self._graphs and budget_s is not None and time.perf_counter() - start > budget_s:
-                        skipped.append(b)
-                        continue
-                    self._write_padding(b)
-                    self._forward(b)  # warm-up: Triton compiles and tuning lookups happen outside the capture
-                    torch.cuda.synchronize(dev)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        out = self._forward(b)
-                    self._graphs[b], self._outputs[b] = graph, out
-            torch.cuda.synchronize(dev)
-        except Exception as e:  # noqa: BLE001 - any capture problem: fall back to eager, loudly
-            self._graphs.clear()
-            self._outputs.clear()
-            if lora is not None:
-                lora.set_token_slots(None)
-            logger.warning("CUDA graph capture failed (%s: %s); running decode steps eagerly", type(e).__name__, e)
-            try:
-                torch.cuda.synchronize(dev)
-            except Exception:  # noqa: BLE001
-                logger.exception("CUDA device unusable after the failed capture")
-                raise
-            return False
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(dev)[0])
-        self.buckets = sorted(self._graphs)
-        logger.info("CUDA graphs: %d decode buckets (%s) captured in %.1f s, %.0f MiB%s%s", len(self._graphs),
-                    ",".join(map(str, self.buckets)), self.capture_seconds, self.graph_memory_bytes / 2**20,
-                    " (LoRA kernels included)" if lora is not None else "",
-                    f"; capture budget of {budget_s:.0f} s spent, buckets {','.join(map(str, skipped))} left out "
-                    f"(served by the next larger one)" if skipped else "")
-        return True
-

@@ -71,6 +71,8 @@ class EngineConfig:
     enforce_eager: bool = False             # never capture graphs: every step runs eagerly
     cuda_graph_max_batch_size: int | None = None  # largest decode batch replayed from a graph (None: max_num_seqs)
     cuda_graph_capture_budget_s: float = 120.0   # start-up time allowed for capturing (buckets past it run padded)
+    # steps with prefill chunks replay graphs of token buckets up to max_num_batched_tokens (engine/mixed_graphs.py)
+    mixed_cuda_graphs: bool = True
     # start-up compile of the eager steps' kernel variants (docs/engine.md, "Eager warm-up"; engine/eager_warmup.py):
     # seconds allowed, CUDA and tensor_parallel_size 1 only; 0 = off (variants then compile on first use)
     eager_warmup_budget_s: float = 90.0

@@ -6,7 +6,9 @@ of a step.
                     ──▶ Sampler ──▶ ModelStepOutput {seq_id: tokens, logprobs, beam log-prob rows, prompt logprobs}
 
 A pure decode step (one new token per sequence) instead goes through ``DecodeGraphs`` (cuda_graphs.py) once
-``init_decode_graphs`` ran: padded to a batch-size bucket in static buffers, a CUDA graph replay on CUDA.
+``init_decode_graphs`` ran: padded to a batch-size bucket in static buffers, a CUDA graph replay on CUDA. A step
+with prefill chunks goes through ``MixedGraphs`` (mixed_graphs.py) once ``init_mixed_graphs`` ran: padded to a
+token bucket, likewise.
 ``launch_decode`` runs such a step without reading its tokens back (overlapped scheduling, step_pipeline.py); it is
 ``launch_forward`` (the forward pass, enqueued) then ``sample_launched`` (sampling, enqueued), which the engine
 calls apart when a grammar mask needs the previous step's tokens in between.
@@ -42,6 +44,7 @@ from loraplex.kernels import ops
 if TYPE_CHECKING:
     from loraplex.engine.cuda_graphs import DecodeGraphs
     from loraplex.engine.eager_warmup import WarmupReport
+    from loraplex.engine.mixed_graphs import MixedGraphs
     from loraplex.engine.lora.slots import LoRASlots
     from loraplex.engine.structured.bitmask import TokenBitmask
 
@@ -81,8 +84,8 @@ class EarlyStep:
     """An eager step's forward and logits, enqueued before the overlapped step in flight was read back
     (``ModelRunner.launch_eager``; step_pipeline's docstring); ``execute(..., launched=...)`` samples it."""
 
-    inputs: StepInputs
-    logits: torch.Tensor | None    # [N, V] of inputs.sample_rows (None: no row samples)
+    sample_seqs: list              # [N] the sequences whose rows are sampled
+    logits: torch.Tensor | None    # [N, V] of their rows (None: no row samples)
 
 
 class ModelRunner:
@@ -113,6 +116,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.decode_graphs: "DecodeGraphs | None" = None  # set by init_decode_graphs()
+        self.mixed_graphs: "MixedGraphs | None" = None    # set by init_mixed_graphs()
         self.max_num_seqs = max_num_seqs = max_num_seqs or config.max_num_seqs
         self.graph_reserved_bytes = self._graph_reserve_bytes(max_num_seqs)
         self.adapter_budget_bytes = 0  # GPU bytes for resident adapters (set by _size_kv_pool with enable_lora)
@@ -250,10 +254,16 @@ class ModelRunner:
         return max(1, min(max_num_seqs, cap))
 
     def _graph_reserve_bytes(self, max_num_seqs: int) -> int:
-        """Headroom for the graphs' private memory pool (the largest bucket's activations plus slack)."""
+        """Headroom for the graphs' private memory pools (each path's largest bucket's activations plus slack;
+        the mixed steps' graphs hold no logits)."""
         if not self.graphs_enabled():
             return 0
-        return self._graph_max_batch_size(max_num_seqs) * self._activation_bytes_per_token() + (256 << 20)
+        per_token = self._activation_bytes_per_token()
+        decode = self._graph_max_batch_size(max_num_seqs) * per_token + (256 << 20)
+        if not self.config.mixed_cuda_graphs:
+            return decode
+        logits = self.model_config.vocab_size * 4
+        return decode + self.config.max_num_batched_tokens * (per_token - logits) + (256 << 20)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
     def init_decode_graphs(self, capture: bool | None = None) -> "DecodeGraphs | None":
@@ -281,6 +291,26 @@ class ModelRunner:
         self.decode_graphs = graphs
         return graphs
 
+    def init_mixed_graphs(self, capture: bool | None = None, granule: int | None = None) -> "MixedGraphs | None":
+        """Set up the padded path of steps with prefill chunks (after ``init_lora``), buckets of up to
+        ``max_num_batched_tokens`` tokens. ``capture=None``: graphs when ``graphs_enabled()`` and
+        ``mixed_cuda_graphs``, else nothing (those steps run eagerly); ``capture=False`` runs the padded path
+        eagerly (tests; any device). ``granule``: the bucket step (default mixed_graphs.DEFAULT_GRANULE)."""
+        from loraplex.engine.mixed_graphs import DEFAULT_GRANULE, MixedGraphs
+
+        if capture is None:
+            if not (self.graphs_enabled() and self.config.mixed_cuda_graphs):
+                self.mixed_graphs = None
+                return None
+            capture = True
+        graphs = MixedGraphs(self, self.config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                             capture=capture, granule=granule or DEFAULT_GRANULE)
+        if capture and not graphs.capture_all(getattr(self.config, "cuda_graph_capture_budget_s", None)):
+            self.mixed_graphs = None
+            return None
+        self.mixed_graphs = graphs
+        return graphs
+
     def warm_up_eager_steps(self) -> "WarmupReport | None":
         """Compile the eager steps' kernel variants now (``engine/eager_warmup.py``), within
         ``eager_warmup_budget_s``: CUDA and one rank only (elsewhere nothing compiles, or each rank would need the
@@ -303,6 +333,11 @@ class ModelRunner:
     def cuda_graph_buckets(self) -> list[int]:
         g = self.decode_graphs
         return list(g.buckets) if g is not None and g.num_graphs else []
+
+    @property
+    def num_mixed_cuda_graphs(self) -> int:
+        g = self.mixed_graphs
+        return g.num_graphs if g is not None else 0
 
     # ---- one step -------------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, pending: PendingTokens | None = None) -> StepInputs:
@@ -391,6 +426,9 @@ class ModelRunner:
         if self.decode_graphs is not None:
             logger.info("LoRA attached after the decode path was set up: rebuilding it")
             self.init_decode_graphs(capture=self.decode_graphs.capture)
+        if self.mixed_graphs is not None:
+            logger.info("LoRA attached after the mixed-step path was set up: rebuilding it")
+            self.init_mixed_graphs(capture=self.mixed_graphs.capture, granule=self.mixed_graphs.granule)
 
     def _set_lora_tokens(self, out: SchedulerOutput, lora_slots: dict[int, int] | None) -> None:
         """token_lora_idx [T] (-1 = base) in the step's token order, built once per step; None when no scheduled
@@ -453,11 +491,11 @@ class ModelRunner:
             if not out.scheduled or launched.logits is None:
                 return result
             sampling_ids = {s.seq.seq_id for s in out.scheduled if s.sample}
-            rows = [j for j, seq in enumerate(launched.inputs.sample_seqs) if seq.seq_id in sampling_ids]
+            rows = [j for j, seq in enumerate(launched.sample_seqs) if seq.seq_id in sampling_ids]
             if not rows:
                 return result
-            sample_seqs = [launched.inputs.sample_seqs[j] for j in rows]
-            logits = launched.logits if len(rows) == len(launched.inputs.sample_seqs) else launched.logits[rows]
+            sample_seqs = [launched.sample_seqs[j] for j in rows]
+            logits = launched.logits if len(rows) == len(launched.sample_seqs) else launched.logits[rows]
             return self._sample_step(out, sampling, sample_seqs, logits, result, token_bitmask)
         self.move_blocks(out)
         if not out.scheduled:
@@ -472,6 +510,9 @@ class ModelRunner:
             # for the replay) and no gather; hidden is the graph's output view, untouched until the next replay
             sample_rows = None if len(rows) == len(out.scheduled) else \
                 torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
+            self._check_lora_slots(out, lora_slots)
+            hidden, sample_seqs, sample_rows = self._run_mixed(out, lora_slots, None)
         else:
             inputs = self.prepare(out)
             self._set_lora_tokens(out, lora_slots)
@@ -518,11 +559,25 @@ class ModelRunner:
         runs (``can_launch_early``): inputs whose token that step samples are gathered from ``pending`` on the
         device, nothing is read back; ``execute(..., launched=...)`` samples it once the step in flight is read."""
         self._check_lora_slots(out, lora_slots)
-        inputs = self.prepare(out, pending)
-        self._set_lora_tokens(out, lora_slots)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_seqs else None
-        return EarlyStep(inputs, logits)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
+            hidden, sample_seqs, sample_rows = self._run_mixed(out, lora_slots, pending)
+        else:
+            inputs = self.prepare(out, pending)
+            self._set_lora_tokens(out, lora_slots)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            sample_seqs, sample_rows = inputs.sample_seqs, inputs.sample_rows
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_seqs else None
+        return EarlyStep(sample_seqs, logits)
+
+    def _run_mixed(self, out: SchedulerOutput, lora_slots: dict[int, int] | None, pending: PendingTokens | None
+                   ) -> tuple[torch.Tensor, list, torch.Tensor]:
+        """A step on the mixed-step path: (hidden [T, H], the sampling sequences, their rows on the device)."""
+        hidden, qsl = self.mixed_graphs.run(out, lora_slots, pending)
+        sample = [i for i, s in enumerate(out.scheduled) if s.sample]
+        rows = torch.from_numpy(qsl[1:][sample] - 1)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory()
+        return hidden, [out.scheduled[i].seq for i in sample], rows.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def launch_decode(self, out: SchedulerOutput, sampling: dict[int, tuple[SamplingParams, object]],

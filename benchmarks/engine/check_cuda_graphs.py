@@ -2,8 +2,9 @@
 
 Stage "tiny-<family>" (float32, tf32 off): one engine with graphs (the default) and one with ``enforce_eager``, each
 ``enable_lora=True`` with two PEFT adapters (ranks 4 and 8) mixed with base requests (block_size 4, batch up to 8,
-so buckets 1/2/4/8 and block boundaries are crossed); transformers + PEFT score each request's tokens by one
-teacher-forced forward. PASS: graphs were captured and replayed, graph tokens == eager tokens == HF/PEFT greedy,
+so buckets 1/2/4/8 and block boundaries are crossed; the arrivals' steps, prompts beside decodes, replay the
+mixed-step graph); transformers + PEFT score each request's tokens by one teacher-forced forward. PASS: decode
+and mixed-step graphs were captured and replayed, graph tokens == eager tokens == HF/PEFT greedy,
 and the worst step's relative logits error (max|d| / max|ref|) against HF/PEFT <= --tol. A third engine runs with
 overlapped (async) scheduling (no logits hook: a hook keeps steps synchronous): its tokens must equal the graph
 run's and HF/PEFT greedy, with overlapped steps replayed from the graphs and arrivals' eager steps launched before
@@ -96,9 +97,10 @@ def run_tiny_engine(base: str, folders: dict, requests: list, tmp: str, *, eager
             if out.finished:
                 final[out.request_id] = out.output_token_ids
         step += 1
-    g = engine.runner.decode_graphs
+    g, mixed = engine.runner.decode_graphs, engine.runner.mixed_graphs
     info = dict(num_graphs=engine.runner.num_cuda_graphs, buckets=engine.runner.cuda_graph_buckets,
-                replays=g.num_steps if g is not None else 0,
+                replays=g.num_steps if g is not None else 0, mixed_graphs=engine.runner.num_mixed_cuda_graphs,
+                mixed_replays=mixed.num_steps if mixed is not None else 0,
                 capture_s=round(g.capture_seconds, 2) if g is not None else None,
                 graph_mib=round(g.graph_memory_bytes / 2**20, 1) if g is not None else None,
                 overlapped_steps=engine.num_overlapped_steps, early_launched_steps=engine.num_early_launched_steps)
@@ -154,15 +156,17 @@ def stage_tiny(family: str, args) -> dict:
     same_as_eager = sum(got[r] == want[r] for r in got)
     async_same = sum(overlapped.get(r) == got[r] for r in got)
     async_ok = (async_info["overlapped_steps"] > 0 and async_info["early_launched_steps"] > 0
-                and async_info["replays"] > 0 and async_same == len(requests)
+                and async_info["replays"] > 0 and async_info["mixed_replays"] > 0 and async_same == len(requests)
                 and async_hf_agree == len(requests))
-    ok = (info["num_graphs"] > 0 and info["replays"] > 0 and same_as_eager == len(requests)
+    ok = (info["num_graphs"] > 0 and info["replays"] > 0 and info["mixed_replays"] > 0
+          and same_as_eager == len(requests)
           and hf_agree == len(requests) and worst_hf <= args.tol and async_ok)
     return dict(stage=f"tiny-{family}", ok=ok, requests=len(requests), same_tokens_as_eager=same_as_eager,
                 hf_greedy_agree=hf_agree, worst_rel_err_vs_hf=worst_hf, worst_rel_err_vs_eager=worst_eager,
                 async_same_tokens_as_graphs=async_same, async_hf_greedy_agree=async_hf_agree,
                 async_overlapped_steps=async_info["overlapped_steps"],
                 async_early_launched_steps=async_info["early_launched_steps"], async_replays=async_info["replays"],
+                async_mixed_replays=async_info["mixed_replays"],
                 **info)
 
 
@@ -293,7 +297,8 @@ def print_summary(results: list[dict]) -> None:
     for r in results:
         if r["stage"].startswith("tiny-") and "error" not in r:
             print(f"{r['stage']:<16} graphs={r['num_graphs']} replays={r['replays']} capture={r['capture_s']}s "
-                  f"({r['graph_mib']} MiB)  tokens==eager {r['same_tokens_as_eager']}/{r['requests']}  "
+                  f"({r['graph_mib']} MiB) mixed-step graphs={r['mixed_graphs']} replays={r['mixed_replays']}/"
+                  f"{r['async_mixed_replays']} (async)  tokens==eager {r['same_tokens_as_eager']}/{r['requests']}  "
                   f"HF/PEFT greedy {r['hf_greedy_agree']}/{r['requests']}  rel err vs HF {r['worst_rel_err_vs_hf']:.2e}"
                   f"  vs eager {r['worst_rel_err_vs_eager']:.2e}  async: tokens==graphs "
                   f"{r['async_same_tokens_as_graphs']}/{r['requests']} HF/PEFT {r['async_hf_greedy_agree']}/"

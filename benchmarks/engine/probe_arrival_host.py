@@ -19,9 +19,11 @@ wrappers, inclusive: a section inside another counts in both) of the engine's se
 arrival's forward enqueued), ``model.forward``, ``LoRALinear.forward`` / ``LoRAFusedExperts.forward`` (the wrapped
 attention and expert modules, LoRA or not), ``cached launch`` (every launch of a ``cached_launch`` kernel:
 count and time), ``triton launch`` (``JITFunction.run``: the launches that went through Triton's dispatch), ``execute``
-(sampling and read-back), ``_resolve_inflight``, ``prepare``, ``schedule``, ``set_token_slots``, ``step_table.write``
-and the explicit device waits (``Event.synchronize``). Writes ``probe_arrival_host.json`` under ``--out`` and
-prints one line per reported arrival.
+(sampling and read-back), ``_resolve_inflight``, ``prepare``, ``schedule``, ``set_token_slots``, ``step_table.write``,
+``_run_mixed`` (an arrival's step written into the mixed-step graphs' buffers and replayed: with graphs, the
+default, it stands in for ``prepare`` and ``model.forward``; ``--no-mixed-cuda-graphs`` runs arrivals eagerly) and
+the explicit device waits (``Event.synchronize``). Writes ``probe_arrival_host.json`` under ``--out`` and prints
+one line per reported arrival.
 
 ``--emulate-launches`` (CPU; ``loraplex.bench.host_emulation``): the CUDA path's launchers run on CPU tensors
 with every kernel launch a recorded no-op, at ``--scale host`` unless given (GPT-OSS-20B's depth and experts, toy
@@ -110,7 +112,7 @@ def instrument(engine, sections: Sections, emulating: bool = False) -> None:
     runner = engine.runner
     targets = ((engine, ("_lora_slots", "_sampling", "_resolve_inflight")),
                (engine.scheduler, ("schedule", "update", "update_launched")),
-               (runner, ("launch_eager", "execute", "launch_decode", "prepare", "_set_lora_tokens")))
+               (runner, ("launch_eager", "execute", "launch_decode", "prepare", "_set_lora_tokens", "_run_mixed")))
     for obj, names in targets:
         for name in names:
             setattr(obj, name, sections.wrap(name, getattr(obj, name)))
@@ -240,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="cProfile the reported arrivals' steps after a sync; report each phase's top N functions")
     p.add_argument("--emulate-launches", action="store_true",
                    help="CPU: run the CUDA path's launchers with every kernel launch a no-op (module docstring)")
+    p.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="arrival steps replay the mixed-step CUDA graphs (the engine's default); "
+                        "--no-mixed-cuda-graphs: they run eagerly")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
@@ -264,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or tempfile.mkdtemp(prefix="loraplex-probe-")
     cfg = ServeBenchConfig(scale=args.scale, device=args.device, num_adapters=args.num_adapters, rank=args.rank,
                            concurrency=args.concurrency, input_len=args.prompt_len, output_len=64,
-                           kv_sizing="workload", adapter_files=args.adapter_files, work_dir=work)
+                           kv_sizing="workload", adapter_files=args.adapter_files, work_dir=work,
+                           mixed_cuda_graphs=args.mixed_cuda_graphs)
     run = EngineRun(cfg, work, num_adapter_files=min(args.adapter_files, args.num_adapters))
     kw = engine_kwargs(cfg, work, device=run.device.type, dtype=run.dtype, quantization=args.quantization)
     kw["eager_warmup_budget_s"] = 0  # the first --skip arrivals compile instead
@@ -292,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         else "cpu"
     report = {"args": vars(args), "device": device,
               "torch": torch.__version__, "engine_start_s": round(start_s, 2),
-              "async_scheduling": engine.async_scheduling, "rows": rows}
+              "async_scheduling": engine.async_scheduling, "mixed_cuda_graphs": engine.runner.num_mixed_cuda_graphs,
+              "rows": rows}
+    if engine.runner.num_mixed_cuda_graphs:
+        mixed = engine.runner.mixed_graphs
+        report["mixed_cuda_graph_capture_s"] = round(mixed.capture_seconds, 2)
+        report["mixed_cuda_graph_mib"] = round(mixed.graph_memory_bytes / 2**20, 1)
     if profile:
         report["profile"] = profile
     os.makedirs(args.out, exist_ok=True)

@@ -95,6 +95,7 @@ class VerifyExecutor:
         self.decode_graphs = decode_graphs
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.num_mixed_steps = 0     # steps with prefill chunks on the runner's mixed-step path (mixed_graphs.py)
         self.last_on_graphs = False  # the last step's forward ran through the padded decode path
 
     @torch.inference_mode()
@@ -183,6 +184,15 @@ class VerifyExecutor:
                 first.append(row)
                 row += len(tokens)
             return hidden, first, graphs.last_aux if aux_layer_ids else None
+        mixed = runner.mixed_graphs
+        if (mixed is not None and not aux_layer_ids and all(s.prompt_logprobs is None for s in out.scheduled)
+                and mixed.can_run_entries(entries)):
+            runner._check_lora_slots(out, lora_slots)
+            row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
+            hidden, first = mixed.run_entries(entries, row_slots)
+            self.num_mixed_steps += 1
+            self.last_on_graphs = False  # (the verify graphs' count: a mixed step is not one)
+            return hidden, first, None
         batch = paged_batch(entries, runner.block_size, runner.device)
         runner._set_lora_tokens(out, lora_slots)
         aux = None

@@ -64,6 +64,7 @@ class ServeBenchConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False           # no CUDA graphs for decode steps
     async_scheduling: bool | None = None  # overlapped decode steps; None: the engine's default (on with graphs)
+    mixed_cuda_graphs: bool = True        # steps with prefill chunks through CUDA graphs (the engine's default)
     cuda_graph_max_batch_size: int | None = None  # None: the engine's default
     kv_sizing: str | None = None          # engine: its defaults (KV from free memory); workload: sized to the
                                           # workload; None: engine at full scale, workload for tiny CPU runs

@@ -39,7 +39,8 @@ def engine_kwargs(cfg, work_dir: str, *, device: str, dtype: str, quantization: 
               max_cpu_loras=cfg.max_cpu_loras or max(16, cfg.num_adapters, loras or 0),
               adapter_cache_dir=os.path.join(work_dir, "adapter-cache"),
               tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
-              async_scheduling=cfg.async_scheduling, quantization=quantization)
+              async_scheduling=cfg.async_scheduling, quantization=quantization,
+              mixed_cuda_graphs=cfg.mixed_cuda_graphs)
     if cfg.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.kv_sizing == "workload":
@@ -73,6 +74,12 @@ def engine_info(engine) -> dict:
         info["cuda_graph_buckets"] = runner.cuda_graph_buckets
         info["cuda_graph_capture_seconds"] = graphs.capture_seconds
         info["cuda_graph_memory_bytes"] = graphs.graph_memory_bytes
+    mixed = runner.mixed_graphs
+    info["mixed_cuda_graphs"] = runner.num_mixed_cuda_graphs
+    if info["mixed_cuda_graphs"]:
+        info["mixed_cuda_graph_buckets"] = list(mixed.buckets)
+        info["mixed_cuda_graph_capture_seconds"] = mixed.capture_seconds
+        info["mixed_cuda_graph_memory_bytes"] = mixed.graph_memory_bytes
     warmup = getattr(engine, "warmup", None)
     if warmup is not None:   # the start-up compile of eager steps' kernel variants (engine/eager_warmup.py)
         info["eager_warmup"] = {"shapes": warmup.shapes, "planned": warmup.planned,

@@ -73,6 +73,8 @@ def register(subparsers) -> None:
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks (GPUs 0..N-1 on CUDA; CPU processes over gloo otherwise)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    s.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="steps with prefill chunks through CUDA graphs of token buckets (the engine's default)")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlapped decode steps (default: the engine's, on with CUDA graphs)")
     s.add_argument("--hf-baseline", action="store_true",
@@ -233,6 +235,7 @@ def config_from_args(args):
                             hf_baseline=args.hf_baseline, hf_output_len=args.hf_output_len, hf_only=args.hf_only,
                             quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
                             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                            mixed_cuda_graphs=args.mixed_cuda_graphs,
                             scenario_time_s=args.scenario_time, stagger_s=args.stagger,
                             profile_steps=args.profile_steps, total_time_s=args.total_time, seed=args.seed,
                             out_dir=args.out, work_dir=args.work_dir, scenario=args.scenario,
@@ -260,8 +263,8 @@ def command_line(args) -> str:
     """The invocation, rebuilt from the parsed flags (works when called in-process, not only from a shell)."""
     parts = ["loraplex", "bench", "serve"]
     for key, value in vars(args).items():
-        if key == "async_scheduling" and value is False:
-            parts.append("--no-async-scheduling")
+        if key in ("async_scheduling", "mixed_cuda_graphs") and value is False:
+            parts.append("--no-" + key.replace("_", "-"))
         if key in ("func", "command", "bench_command") or value is None or value is False:
             continue
         if key in _SERVE_DEFAULTS and value == _SERVE_DEFAULTS[key]:

@@ -46,6 +46,9 @@ def register(subparsers) -> None:
                         "eagerly)")
     s.add_argument("--cuda-graph-capture-budget-s", type=float, default=120.0,
                    help="start-up seconds allowed for graph capture; buckets past it are served by a larger one")
+    s.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="steps with prefill chunks replay CUDA graphs of token buckets up to max-num-batched-tokens "
+                        "(--no-mixed-cuda-graphs: they run eagerly)")
     s.add_argument("--eager-warmup-budget-s", type=float, default=90.0,
                    help="start-up seconds allowed for compiling the kernel variants of eager steps (prefill chunks, "
                         "mixed steps, LoRA slot counts) before serving; 0 = off (they compile on first use, "
@@ -199,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                       quantization=_quantization(args.quantization), async_scheduling=args.async_scheduling,
                       scheduling_policy=args.scheduling_policy, vtc_preempt_gap=args.vtc_preempt_gap,
                       cuda_graph_capture_budget_s=args.cuda_graph_capture_budget_s,
-                      eager_warmup_budget_s=args.eager_warmup_budget_s)
+                      eager_warmup_budget_s=args.eager_warmup_budget_s, mixed_cuda_graphs=args.mixed_cuda_graphs)
         if args.enable_lora:
             kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras, adapter_cache_dir=args.adapter_cache_dir,

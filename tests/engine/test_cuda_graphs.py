@@ -261,10 +261,10 @@ class _FakeCuda:
                          ids=["all", "failure", "budget"])
 def test_capture_bookkeeping_and_fallback_with_fake_cuda(fail_bucket, budget_s, tiny_checkpoint, monkeypatch,
                                                          caplog):
-    """capture_all with torch.cuda faked: warm-up then capture per bucket, largest first, then the smallest
+    """capture_all (graph_capture.py) with torch.cuda faked: warm-up then capture per bucket, largest first, then the smallest
     upwards; replays give the normal path's tokens; a capture error leaves no graphs, a warning, and the eager
     path; a spent capture budget leaves the largest bucket only, which then serves every batch (padded)."""
-    caplog.set_level("INFO", logger="loraplex.engine.cuda_graphs")
+    caplog.set_level("INFO", logger="loraplex.engine.graph_capture")
     path = tiny_checkpoint("qwen3")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (5, 3, 9, 5, 6, 2)]

@@ -52,7 +52,7 @@ def test_arrivals_launched_before_the_step_in_flight_match_the_synchronous_engin
 
         def spy(out, sampling, *a, launched=None, **kw):
             if launched is not None:
-                early.append((len(launched.inputs.sample_seqs), sum(s.sample for s in out.scheduled)))
+                early.append((len(launched.sample_seqs), sum(s.sample for s in out.scheduled)))
             return execute(out, sampling, *a, launched=launched, **kw)
 
         engine.runner.execute = spy

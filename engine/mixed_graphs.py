@@ -1,0 +1,234 @@
+"""Steps of any shape (prefill chunks beside decode and verify rows) padded to a token bucket and run from static
+device buffers; on CUDA one graph per bucket.
+
+A step that computes a prompt next to the running sequences' decodes is the one the decode graphs cannot take, and
+run eagerly its forward is host-bound (hundreds of Triton launches, the LoRA wrappers' Python: at GPT-OSS-20B
+about as long as its device time). Here such a step is written into static buffers and replayed:
+
+    step of n sequences, T tokens ──▶ bucket b = smallest token bucket >= T that holds n sequences
+        host (pinned) buffers ── 2 copies ──▶ static device buffers ──▶ graph[b].replay() ──▶ hidden[:T]
+        (logits of the sampled rows and sampling stay outside the graph, as on the eager path)
+
+Bucket b holds up to ``seqs_in(b) = min(max_seqs, b // 4)`` sequences (so its attention keeps the prefill tiling,
+at least 3 query rows per sequence in the kernel's view, and never splits keys). Its attention sees
+``seqs_in(b) + 1`` sequences: the step's n, then one padding sequence owning tokens T..b-1 with no context (its
+rows attend to nothing: zeros), then empty ones (no tokens). Padded tokens write no K/V (slot -1) and carry no
+adapter (-1); their hidden rows are discarded. Token buckets (``token_buckets``): every ``granule`` tokens up to
+16 granules, every 2 to 32, every 4 beyond, the last the step budget. A step pads to at most twice its tokens
+(plus one granule); one that would pad more, has prompt logprobs, or has more sequences or tokens than the
+largest bucket holds runs eagerly.
+
+Static buffers (T = largest bucket, S = seqs_in(T) + 1, W = ceil(max_model_len / block_size)):
+
+    int64  [4T]              input_ids [T] | positions [T] | slot_mapping [T] | pending_rows [T]
+    int32  [2S+1+T+S*W]      seq_lens [S] | query_start_loc [S+1] | token_lora_idx [T] | block_tables [S, W]
+
+Only the step's rows of the block tables are written and copied: the padding and empty sequences have no
+context, so no program reads their rows. Rows whose input token the overlapped step in flight samples take it
+from that step's tokens on the device after the copy (as on the decode path, cuda_graphs.py). The LoRA kernels
+are always in the graph (``LoRASlots.bind_static_token_slots``), with the step slots an eager step of seqs_in(b)
+adapters would have (``LoRASlots.eager_step_slots``: a power of two, so the eager steps' kernel variants serve).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from loraplex.engine.attention_metadata import AttentionMetadata
+from loraplex.engine.graph_capture import BucketGraphs
+
+if TYPE_CHECKING:
+    from loraplex.engine.scheduler_output import SchedulerOutput
+    from loraplex.engine.step_pipeline import PendingTokens
+
+DEFAULT_GRANULE = 128  # tokens; CUDA steps. Tests pass smaller ones.
+TOKENS_PER_SEQ = 4     # a bucket of b tokens holds b // TOKENS_PER_SEQ sequences
+
+
+def token_buckets(max_tokens: int, granule: int = DEFAULT_GRANULE) -> list[int]:
+    """Token counts with a graph: multiples of ``granule`` up to 16 of them, of 2 granules up to 32, of 4 beyond,
+    capped at ``max_tokens`` (always the last bucket)."""
+    if max_tokens < 1 or granule < 1:
+        raise ValueError(f"max_tokens and granule must be >= 1, got {max_tokens} and {granule}")
+    sizes, b = [], granule
+    while b < max_tokens:
+        sizes.append(b)
+        b += granule if b < 16 * granule else 2 * granule if b < 32 * granule else 4 * granule
+    return sizes + [max_tokens]
+
+
+class MixedGraphs(BucketGraphs):
+    """The padded path of steps with prefill chunks (module docstring), for one ``ModelRunner``."""
+
+    label = "mixed-step"
+
+    def __init__(self, runner, max_tokens: int, max_seqs: int, max_model_len: int, *, capture: bool,
+                 granule: int = DEFAULT_GRANULE) -> None:
+        super().__init__(runner, token_buckets(max_tokens, granule), capture=capture)
+        self.granule = granule
+        self.max_seqs = max_seqs
+        T = self.max_tokens = self.buckets[-1]
+        S = self._num_seqs(T)
+        W = self.max_blocks = -(-max_model_len // runner.block_size)
+        dev = runner.device
+        pin = dev.type == "cuda"
+        self._host64 = torch.zeros(4 * T, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(2 * S + 1 + T + S * W, dtype=torch.int32, pin_memory=pin)
+        self._h64, self._h32 = self._host64.numpy(), self._host32.numpy()
+        self._dev64 = self._host64.to(dev, copy=True)
+        self._dev32 = self._host32.to(dev, copy=True)
+        self.input_ids, self.positions, self.slot_mapping, self.pending_rows = self._dev64.view(4, T)
+        self.seq_lens = self._dev32[:S]
+        self.query_start_loc = self._dev32[S:2 * S + 1]
+        self.token_lora_idx = self._dev32[2 * S + 1:2 * S + 1 + T]
+        self.block_tables = self._dev32[2 * S + 1 + T:].view(S, W)
+        self._table_offset = 2 * S + 1 + T
+        self._copied: torch.cuda.Event | None = None  # host buffers are free again once this completes
+
+    def seqs_in(self, b: int) -> int:
+        """How many sequences a step in bucket ``b`` may have."""
+        return max(1, min(self.max_seqs, b // TOKENS_PER_SEQ))
+
+    def _num_seqs(self, b: int) -> int:
+        return self.seqs_in(b) + 1  # the step's, then the padding sequence
+
+    def _attn(self, b: int) -> AttentionMetadata:
+        s = self._num_seqs(b)
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:s],
+                                 seq_lens=self.seq_lens[:s], query_start_loc=self.query_start_loc[:s + 1],
+                                 max_query_len=b, max_seq_len=self.max_blocks * self.runner.block_size)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The bucket of a step of ``num_tokens`` tokens over ``num_seqs`` sequences; None: it runs eagerly."""
+        for b in self.buckets:
+            if b >= num_tokens and self.seqs_in(b) >= num_seqs:
+                return b if b - num_tokens <= max(num_tokens, self.granule) else None
+        return None
+
+    def _usable(self) -> bool:
+        return not self.capture or bool(self._graphs)
+
+    def can_run(self, out: "SchedulerOutput") -> bool:
+        """True when ``out`` (any step: the decode path is asked first) fits a bucket and asks for no prompt
+        logprobs."""
+        scheduled = out.scheduled
+        if not scheduled or not self._usable():
+            return False
+        if any(s.prompt_logprobs is not None or len(s.block_ids) > self.max_blocks for s in scheduled):
+            return False
+        return self.bucket_for(sum(s.num_new_tokens for s in scheduled), len(scheduled)) is not None
+
+    def can_run_entries(self, entries: list[tuple[list[int], int, list[int]]]) -> bool:
+        """``can_run`` for (token_ids, start, block_ids) entries (spec_decode/batch_inputs.py)."""
+        if not entries or not self._usable() or any(len(blocks) > self.max_blocks for _, _, blocks in entries):
+            return False
+        return self.bucket_for(sum(len(t) for t, _, _ in entries), len(entries)) is not None
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def run(self, out: "SchedulerOutput", lora_slots: dict[int, int] | None,
+            pending: "PendingTokens | None" = None) -> tuple[torch.Tensor, np.ndarray]:
+        """(hidden [T, H] of the step's tokens in ``out.scheduled`` order, query_start_loc [n + 1] on the host).
+        ``pending``: the overlapped step in flight, whose sampled tokens are the inputs still pending."""
+        scheduled = out.scheduled
+        n = len(scheduled)
+        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
+        ids: list[int] = []
+        for s, start, count in zip(scheduled, starts.tolist(), counts.tolist()):
+            ids.extend(s.seq.token_ids_slice(start, start + count))
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        src = self.runner._pending_rows(scheduled, starts, counts, qsl, pending)
+        row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in scheduled]
+        hidden = self._step(ids, starts, counts, qsl, [s.block_ids for s in scheduled], row_slots, src,
+                            pending.device_ids if src is not None else None)
+        return hidden, qsl
+
+    def run_entries(self, entries: list[tuple[list[int], int, list[int]]],
+                    row_slots: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """(hidden [T, H] of the entries' tokens in order, the row of each entry's first token). ``row_slots[i]``:
+        entry i's LoRA resident slot (-1: base)."""
+        n = len(entries)
+        starts = np.fromiter((start for _, start, _ in entries), dtype=np.int64, count=n)
+        counts = np.fromiter((len(t) for t, _, _ in entries), dtype=np.int64, count=n)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        ids = [t for tokens, _, _ in entries for t in tokens]
+        hidden = self._step(ids, starts, counts, qsl, [blocks for _, _, blocks in entries], row_slots, None, None)
+        return hidden, qsl[:-1].tolist()
+
+    def _step(self, ids: list[int], starts: np.ndarray, counts: np.ndarray, qsl: np.ndarray,
+              tables: list[list[int]], row_slots: list[int], src: np.ndarray | None,
+              pending_ids: torch.Tensor | None) -> torch.Tensor:
+        n, total = len(tables), int(qsl[-1])
+        b = self.bucket_for(total, n)
+        if b is None:
+            raise ValueError(f"a step of {total} tokens over {n} sequences fits no bucket of {self.buckets}")
+        self._write(ids, starts, counts, qsl, tables, row_slots, src, b)
+        if src is not None:
+            inp, rows = self.input_ids[:b], self.pending_rows[:b]
+            inp.copy_(torch.where(rows >= 0, pending_ids[rows.clamp(min=0)], inp))
+        return self._run_bucket(b)[:total]
+
+    def _write(self, ids: list[int], starts: np.ndarray, counts: np.ndarray, qsl: np.ndarray,
+               tables: list[list[int]], row_slots: list[int], src: np.ndarray | None, b: int) -> None:
+        """Fill the host buffers for bucket ``b`` (padding included) and copy them to the static device buffers."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the pinned buffers
+        T, S, W = self.max_tokens, self._num_seqs(self.max_tokens), self.max_blocks
+        h64, h32 = self._h64, self._h32
+        inp, pos, slots, pend = h64[:T], h64[T:2 * T], h64[2 * T:3 * T], h64[3 * T:]
+        seq_lens, q_loc, lora_idx = h32[:S], h32[S:2 * S + 1], h32[2 * S + 1:2 * S + 1 + T]
+        table = h32[self._table_offset:].reshape(S, W)
+        n, total = len(tables), int(qsl[-1])
+        width = max((len(t) for t in tables), default=0)
+        table[:n, :width] = 0
+        for i, blocks in enumerate(tables):
+            table[i, :len(blocks)] = blocks
+        bs = self.runner.block_size
+        row = np.repeat(np.arange(n), counts)
+        p = np.arange(total, dtype=np.int64) - qsl[:-1][row] + starts[row]
+        inp[:total] = ids
+        pos[:total] = p
+        slots[:total] = table[row, p // bs].astype(np.int64) * bs + p % bs
+        pend[:total] = -1 if src is None else src
+        inp[total:b], pos[total:b], slots[total:b], pend[total:b] = 0, 0, -1, -1
+        seq_lens[:n] = starts + counts
+        seq_lens[n:] = 0
+        q_loc[:n + 1] = qsl
+        q_loc[n + 1:] = b  # the padding sequence owns tokens total..b-1; the ones after it none
+        lora = self.runner.lora
+        if any(c >= 0 for c in row_slots):
+            if lora is None:
+                raise ValueError("a step has adapter slots but LoRA is not attached")
+            lora_idx[:total] = np.repeat(lora.step_indices(row_slots), counts)  # writes the step's LoRA table too
+        else:
+            lora_idx[:total] = -1
+        lora_idx[total:b] = -1
+        nb = self._dev64.is_cuda
+        self._dev64.copy_(self._host64, non_blocking=nb)
+        used = self._table_offset + n * W
+        self._dev32[:used].copy_(self._host32[:used], non_blocking=nb)
+        if nb:
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    # ---- capture (graph_capture.py) -------------------------------------------------------------------------
+    def _write_padding(self, b: int) -> None:
+        """Every token of bucket ``b`` padded (warm-up and capture: no KV cache read or written)."""
+        self._write([], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), [], [], None, b)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The model on bucket ``b``'s static buffers -> hidden [b, H] (what a graph captures)."""
+        runner = self.runner
+        lora = runner.lora
+        if lora is not None:
+            lora.bind_static_token_slots(self.token_lora_idx[:b], lora.eager_step_slots(self.seqs_in(b)))
+        try:
+            return runner.model(self.input_ids[:b], self.positions[:b], self._attn(b), runner.kv_caches)
+        finally:
+            if lora is not None:
+                lora.set_token_slots(None)
