@@ -3,9 +3,11 @@
 A padded path writes its step into static device buffers sized for its largest bucket, pads the step up to the
 smallest bucket that holds it, and runs the model on that bucket's views of the buffers. ``BucketGraphs`` is
 what such paths share: the buckets, capture (warm-up forward, then capture, largest bucket first so its pool
-serves the rest, then the smallest upwards, until ``budget_s`` is spent) and the replay. A subclass gives
-``_write_padding(b)`` (every row of bucket b padded) and ``_forward(b)`` (the model on bucket b's buffers: what
-a graph captures). Paths: decode rows (cuda_graphs.py) and steps of any shape (mixed_graphs.py).
+serves the rest, then the smallest upwards, until ``budget_s`` is spent) and the replay. Graphs are keyed by
+what they were captured for: the bucket (decode rows, cuda_graphs.py) or a (token bucket, LoRA step slots) pair
+(steps of any shape, mixed_graphs.py). A subclass gives ``capture_order()`` (the keys, largest first),
+``_write_padding(key)`` (every row of the key's bucket padded) and ``_forward(key)`` (the model on that bucket's
+buffers: what a graph captures).
 
 With ``capture=False`` the same padded path runs eagerly (any device): how the CPU tests check it.
 """
@@ -32,8 +34,8 @@ class BucketGraphs:
         self.runner = runner
         self.capture = capture
         self.buckets = list(buckets)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, Any] = {}  # what graph b's forward returned (its static output tensors)
+        self._graphs: dict[Any, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[Any, Any] = {}  # what each graph's forward returned (its static output tensors)
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
         self.num_steps = 0                  # steps run on this path (graph replays or padded eager)
@@ -42,24 +44,29 @@ class BucketGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def _write_padding(self, b: int) -> None:
+    def _write_padding(self, key) -> None:
         raise NotImplementedError
 
-    def _forward(self, b: int):
+    def _forward(self, key):
         raise NotImplementedError
 
-    def _run_bucket(self, b: int):
-        """Bucket ``b`` on the static buffers just written: its graph replayed (its output tensors returned), or
+    def _run_bucket(self, key):
+        """The graph of ``key`` on the static buffers just written: replayed (its output tensors returned), or
         without capture the forward run eagerly."""
         self.num_steps += 1
         if self.capture:
-            self._graphs[b].replay()
-            return self._outputs[b]
-        return self._forward(b)
+            self._graphs[key].replay()
+            return self._outputs[key]
+        return self._forward(key)
 
-    def capture_order(self) -> list[int]:
+    def capture_order(self) -> list:
         """Largest bucket first (its pool serves the rest), then the smallest upwards (the sizes low load uses)."""
         return [self.buckets[-1]] + self.buckets[:-1]
+
+    def _captured(self) -> str:
+        """After capture: keep what was captured (``buckets``); the keys for the log line."""
+        self.buckets = sorted(self._graphs)
+        return ",".join(map(str, self.buckets))
 
     def capture_all(self, budget_s: float | None = None) -> bool:
         """Warm up and capture one graph per bucket (``capture_order``) in one shared memory pool, stopping once
@@ -77,20 +84,20 @@ class BucketGraphs:
         free_before = torch.cuda.mem_get_info(dev)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        skipped: list[int] = []
+        skipped: list = []
         try:
             with torch.inference_mode():
-                for b in self.capture_order():
+                for key in self.capture_order():
                     if self._graphs and budget_s is not None and time.perf_counter() - start > budget_s:
-                        skipped.append(b)
+                        skipped.append(key)
                         continue
-                    self._write_padding(b)
-                    self._forward(b)  # warm-up: Triton compiles and tuning lookups happen outside the capture
+                    self._write_padding(key)
+                    self._forward(key)  # warm-up: Triton compiles and tuning lookups happen outside the capture
                     torch.cuda.synchronize(dev)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        out = self._forward(b)
-                    self._graphs[b], self._outputs[b] = graph, out
+                        out = self._forward(key)
+                    self._graphs[key], self._outputs[key] = graph, out
             torch.cuda.synchronize(dev)
         except Exception as e:  # noqa: BLE001 - any capture problem: fall back to eager, loudly
             self._graphs.clear()
@@ -107,9 +114,9 @@ class BucketGraphs:
             return False
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(dev)[0])
-        self.buckets = sorted(self._graphs)
+        keys = self._captured()
         logger.info("CUDA graphs: %d %s buckets (%s) captured in %.1f s, %.0f MiB%s%s", len(self._graphs),
-                    self.label, ",".join(map(str, self.buckets)), self.capture_seconds,
+                    self.label, keys, self.capture_seconds,
                     self.graph_memory_bytes / 2**20, " (LoRA kernels included)" if lora is not None else "",
                     f"; capture budget of {budget_s:.0f} s spent, buckets {','.join(map(str, skipped))} left out "
                     f"(served by the next larger one)" if skipped else "")

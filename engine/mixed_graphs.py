@@ -1,12 +1,13 @@
 """Steps of any shape (prefill chunks beside decode and verify rows) padded to a token bucket and run from static
-device buffers; on CUDA one graph per bucket.
+device buffers; on CUDA one graph per (token bucket, LoRA step slots).
 
 A step that computes a prompt next to the running sequences' decodes is the one the decode graphs cannot take, and
 run eagerly its forward is host-bound (hundreds of Triton launches, the LoRA wrappers' Python: at GPT-OSS-20B
 about as long as its device time). Here such a step is written into static buffers and replayed:
 
-    step of n sequences, T tokens ──▶ bucket b = smallest token bucket >= T that holds n sequences
-        host (pinned) buffers ── 2 copies ──▶ static device buffers ──▶ graph[b].replay() ──▶ hidden[:T]
+    step of n sequences, T tokens, k adapters ──▶ L = LoRA step slots of k (0 without adapters)
+        ──▶ bucket b = smallest token bucket >= T that holds n sequences
+        host (pinned) buffers ── 2 copies ──▶ static device buffers ──▶ graph[b, L].replay() ──▶ hidden[:T]
         (logits of the sampled rows and sampling stay outside the graph, as on the eager path)
 
 Bucket b holds up to ``seqs_in(b) = min(max_seqs, b // 4)`` sequences (so its attention keeps the prefill tiling,
@@ -15,8 +16,14 @@ at least 3 query rows per sequence in the kernel's view, and never splits keys).
 rows attend to nothing: zeros), then empty ones (no tokens). Padded tokens write no K/V (slot -1) and carry no
 adapter (-1); their hidden rows are discarded. Token buckets (``token_buckets``): every ``granule`` tokens up to
 16 granules, every 2 to 32, every 4 beyond, the last the step budget. A step pads to at most twice its tokens
-(plus one granule); one that would pad more, has prompt logprobs, or has more sequences or tokens than the
-largest bucket holds runs eagerly.
+(plus one granule); one that would pad more, has prompt logprobs, more than MAX_GRAPH_ADAPTERS adapters, or more
+sequences or tokens than the largest bucket holds runs eagerly.
+
+LoRA step slots: a prefill-sized step's LoRA kernels cost more the more step slots their table has (idle slots'
+programs still read the token map and pad their rows), so each bucket has a graph per slot count an eager step
+would use: 0 (no adapter in the step: LoRA off) and ``LoRASlots.eager_step_slots(k)`` for k = 1..16 adapters
+(8 and 16 by default), the LoRA kernels always on in the latter (``LoRASlots.bind_static_token_slots``). The
+same power-of-two counts as the eager steps', so their kernel variants serve both.
 
 Static buffers (T = largest bucket, S = seqs_in(T) + 1, W = ceil(max_model_len / block_size)):
 
@@ -25,9 +32,7 @@ Static buffers (T = largest bucket, S = seqs_in(T) + 1, W = ceil(max_model_len /
 
 Only the step's rows of the block tables are written and copied: the padding and empty sequences have no
 context, so no program reads their rows. Rows whose input token the overlapped step in flight samples take it
-from that step's tokens on the device after the copy (as on the decode path, cuda_graphs.py). The LoRA kernels
-are always in the graph (``LoRASlots.bind_static_token_slots``), with the step slots an eager step of seqs_in(b)
-adapters would have (``LoRASlots.eager_step_slots``: a power of two, so the eager steps' kernel variants serve).
+from that step's tokens on the device after the copy (as on the decode path, cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
 
 DEFAULT_GRANULE = 128  # tokens; CUDA steps. Tests pass smaller ones.
 TOKENS_PER_SEQ = 4     # a bucket of b tokens holds b // TOKENS_PER_SEQ sequences
+MAX_GRAPH_ADAPTERS = 16  # steps with more distinct adapters run eagerly
 
 
 def token_buckets(max_tokens: int, granule: int = DEFAULT_GRANULE) -> list[int]:
@@ -69,6 +75,13 @@ class MixedGraphs(BucketGraphs):
         super().__init__(runner, token_buckets(max_tokens, granule), capture=capture)
         self.granule = granule
         self.max_seqs = max_seqs
+        lora = runner.lora
+        # LoRA step slots a graph is captured for: 0 (no adapter in the step: LoRA off, as an eager step), then
+        # the eager steps' slot counts of 1..MAX_GRAPH_ADAPTERS adapters
+        self.slot_counts = [0] + (sorted({lora.eager_step_slots(k) for k in
+                                          range(1, min(MAX_GRAPH_ADAPTERS, lora.max_step_slots) + 1)})
+                                  if lora is not None else [])
+        self._keys = {(b, slots) for b in self.buckets for slots in self.slot_counts}
         T = self.max_tokens = self.buckets[-1]
         S = self._num_seqs(T)
         W = self.max_blocks = -(-max_model_len // runner.block_size)
@@ -100,31 +113,42 @@ class MixedGraphs(BucketGraphs):
                                  seq_lens=self.seq_lens[:s], query_start_loc=self.query_start_loc[:s + 1],
                                  max_query_len=b, max_seq_len=self.max_blocks * self.runner.block_size)
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
-        """The bucket of a step of ``num_tokens`` tokens over ``num_seqs`` sequences; None: it runs eagerly."""
+    def step_slots(self, row_slots: list[int]) -> int:
+        """The LoRA step slots of a step whose sequences have these resident slots (-1: base): 0 without adapters,
+        else the eager steps' count (``LoRASlots.eager_step_slots``); -1 when no graph is captured for it."""
+        used = len({c for c in row_slots if c >= 0})
+        if not used:
+            return 0
+        slots = self.runner.lora.eager_step_slots(used) if self.runner.lora is not None else -1
+        return slots if used <= MAX_GRAPH_ADAPTERS and slots in self.slot_counts else -1
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, slots: int = 0) -> int | None:
+        """The bucket of a step of ``num_tokens`` tokens over ``num_seqs`` sequences with ``slots`` LoRA step slots
+        (a captured one, the smallest that holds the step); None: it runs eagerly."""
         for b in self.buckets:
-            if b >= num_tokens and self.seqs_in(b) >= num_seqs:
+            if b >= num_tokens and self.seqs_in(b) >= num_seqs and (b, slots) in self._keys:
                 return b if b - num_tokens <= max(num_tokens, self.granule) else None
         return None
 
-    def _usable(self) -> bool:
-        return not self.capture or bool(self._graphs)
+    def _fits(self, num_tokens: int, widths, row_slots: list[int]) -> bool:
+        if not row_slots or (self.capture and not self._graphs) or max(widths) > self.max_blocks:
+            return False
+        slots = self.step_slots(row_slots)
+        return slots >= 0 and self.bucket_for(num_tokens, len(row_slots), slots) is not None
 
-    def can_run(self, out: "SchedulerOutput") -> bool:
-        """True when ``out`` (any step: the decode path is asked first) fits a bucket and asks for no prompt
-        logprobs."""
+    def can_run(self, out: "SchedulerOutput", lora_slots: dict[int, int] | None) -> bool:
+        """True when ``out`` (any step: the decode path is asked first) fits a captured bucket, has at most
+        MAX_GRAPH_ADAPTERS adapters and asks for no prompt logprobs."""
         scheduled = out.scheduled
-        if not scheduled or not self._usable():
+        if any(s.prompt_logprobs is not None for s in scheduled):
             return False
-        if any(s.prompt_logprobs is not None or len(s.block_ids) > self.max_blocks for s in scheduled):
-            return False
-        return self.bucket_for(sum(s.num_new_tokens for s in scheduled), len(scheduled)) is not None
+        return self._fits(sum(s.num_new_tokens for s in scheduled), [len(s.block_ids) for s in scheduled],
+                          _row_slots(scheduled, lora_slots))
 
-    def can_run_entries(self, entries: list[tuple[list[int], int, list[int]]]) -> bool:
-        """``can_run`` for (token_ids, start, block_ids) entries (spec_decode/batch_inputs.py)."""
-        if not entries or not self._usable() or any(len(blocks) > self.max_blocks for _, _, blocks in entries):
-            return False
-        return self.bucket_for(sum(len(t) for t, _, _ in entries), len(entries)) is not None
+    def can_run_entries(self, entries: list[tuple[list[int], int, list[int]]], row_slots: list[int]) -> bool:
+        """``can_run`` for (token_ids, start, block_ids) entries (spec_decode/batch_inputs.py) with their LoRA
+        resident slots."""
+        return self._fits(sum(len(t) for t, _, _ in entries), [len(blocks) for _, _, blocks in entries], row_slots)
 
     # ---- one step -------------------------------------------------------------------------------------------
     def run(self, out: "SchedulerOutput", lora_slots: dict[int, int] | None,
@@ -141,7 +165,7 @@ class MixedGraphs(BucketGraphs):
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
         src = self.runner._pending_rows(scheduled, starts, counts, qsl, pending)
-        row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in scheduled]
+        row_slots = _row_slots(scheduled, lora_slots)
         hidden = self._step(ids, starts, counts, qsl, [s.block_ids for s in scheduled], row_slots, src,
                             pending.device_ids if src is not None else None)
         return hidden, qsl
@@ -163,14 +187,18 @@ class MixedGraphs(BucketGraphs):
               tables: list[list[int]], row_slots: list[int], src: np.ndarray | None,
               pending_ids: torch.Tensor | None) -> torch.Tensor:
         n, total = len(tables), int(qsl[-1])
-        b = self.bucket_for(total, n)
+        slots = self.step_slots(row_slots)
+        if slots < 0 and any(c >= 0 for c in row_slots) and self.runner.lora is None:
+            raise ValueError("a step has adapter slots but LoRA is not attached")
+        b = self.bucket_for(total, n, slots) if slots >= 0 else None
         if b is None:
-            raise ValueError(f"a step of {total} tokens over {n} sequences fits no bucket of {self.buckets}")
+            raise ValueError(f"a step of {total} tokens over {n} sequences and {slots} LoRA step slots fits no "
+                             f"bucket of {self.buckets} x {self.slot_counts}")
         self._write(ids, starts, counts, qsl, tables, row_slots, src, b)
         if src is not None:
             inp, rows = self.input_ids[:b], self.pending_rows[:b]
             inp.copy_(torch.where(rows >= 0, pending_ids[rows.clamp(min=0)], inp))
-        return self._run_bucket(b)[:total]
+        return self._run_bucket((b, slots))[:total]
 
     def _write(self, ids: list[int], starts: np.ndarray, counts: np.ndarray, qsl: np.ndarray,
                tables: list[list[int]], row_slots: list[int], src: np.ndarray | None, b: int) -> None:
@@ -217,18 +245,39 @@ class MixedGraphs(BucketGraphs):
             self._copied.record()
 
     # ---- capture (graph_capture.py) -------------------------------------------------------------------------
-    def _write_padding(self, b: int) -> None:
-        """Every token of bucket ``b`` padded (warm-up and capture: no KV cache read or written)."""
-        self._write([], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), [], [], None, b)
+    def capture_order(self) -> list[tuple[int, int]]:
+        """(bucket, LoRA step slots): the largest bucket first, its widest slot count first; then the smallest
+        bucket upwards."""
+        wide = sorted(self.slot_counts, reverse=True)
+        return [(self.buckets[-1], c) for c in wide] + [(b, c) for b in self.buckets[:-1] for c in wide]
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The model on bucket ``b``'s static buffers -> hidden [b, H] (what a graph captures)."""
+    def _captured(self) -> str:
+        self._keys = set(self._graphs)
+        self.buckets = sorted({b for b, _ in self._keys})
+        return f"{','.join(map(str, self.buckets))} x LoRA step slots {','.join(map(str, self.slot_counts))}"
+
+    def _write_padding(self, key: tuple[int, int]) -> None:
+        """Every token of the key's bucket padded (warm-up and capture: no KV cache read or written)."""
+        self._write([], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), [], [], None, key[0])
+
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        """The model on bucket b's static buffers with ``slots`` LoRA step slots (0: LoRA off) -> hidden [b, H]
+        (what a graph captures)."""
+        b, slots = key
         runner = self.runner
         lora = runner.lora
         if lora is not None:
-            lora.bind_static_token_slots(self.token_lora_idx[:b], lora.eager_step_slots(self.seqs_in(b)))
+            if slots:
+                lora.bind_static_token_slots(self.token_lora_idx[:b], slots)
+            else:
+                lora.set_token_slots(None)
         try:
             return runner.model(self.input_ids[:b], self.positions[:b], self._attn(b), runner.kv_caches)
         finally:
             if lora is not None:
                 lora.set_token_slots(None)
+
+
+def _row_slots(scheduled: list, lora_slots: dict[int, int] | None) -> list[int]:
+    """Each scheduled sequence's LoRA resident slot (-1: base)."""
+    return [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in scheduled]

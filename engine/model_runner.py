@@ -510,7 +510,7 @@ class ModelRunner:
             # for the replay) and no gather; hidden is the graph's output view, untouched until the next replay
             sample_rows = None if len(rows) == len(out.scheduled) else \
                 torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(out, lora_slots):
             self._check_lora_slots(out, lora_slots)
             hidden, sample_seqs, sample_rows = self._run_mixed(out, lora_slots, None)
         else:
@@ -559,7 +559,7 @@ class ModelRunner:
         runs (``can_launch_early``): inputs whose token that step samples are gathered from ``pending`` on the
         device, nothing is read back; ``execute(..., launched=...)`` samples it once the step in flight is read."""
         self._check_lora_slots(out, lora_slots)
-        if self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(out, lora_slots):
             hidden, sample_seqs, sample_rows = self._run_mixed(out, lora_slots, pending)
         else:
             inputs = self.prepare(out, pending)

@@ -44,13 +44,17 @@ def run(path: str, refs: dict, tmp_path, tag: str, *, mixed: bool, spec: dict | 
     for ref in refs.values():
         assert engine.load_adapter(ref, wait=True) == "ready"
     runner = engine.runner
-    steps = []
+    steps = []  # per mixed step: (tokens, sequences, (bucket, LoRA step slots))
     if mixed:
         graphs = runner.init_mixed_graphs(capture=False, granule=GRANULE)
-        step = graphs._step
-        graphs._step = lambda ids, starts, counts, *a: (
-            steps.append((int(counts.sum()), len(counts), graphs.bucket_for(int(counts.sum()), len(counts)))),
-            step(ids, starts, counts, *a))[1]
+        step, run_bucket = graphs._step, graphs._run_bucket
+
+        def record_step(ids, starts, counts, *rest):
+            steps.append((int(counts.sum()), len(counts)))
+            return step(ids, starts, counts, *rest)
+
+        graphs._step = record_step
+        graphs._run_bucket = lambda key: (steps.append(steps.pop() + (key,)), run_bucket(key))[1]
     logits = defaultdict(list)
     if not kw.get("async_scheduling"):  # (a logits hook keeps steps from overlapping)
         runner.logits_hook = lambda seqs, lg: [logits[s.request_id].append(lg[j].clone())
@@ -71,10 +75,11 @@ def test_mixed_steps_match_the_eager_path(family, tiny_checkpoint, peft_folders,
         assert len(got_logits[rid]) == len(rows)
         err = max(rel_err(a, b) for a, b in zip(got_logits[rid], rows))
         assert err <= 1e-5, f"{family} {rid}: logits differ by {err} (relative)"
-    # prompts computed beside decodes, padded up to a bucket, one of them a chunk of the 50-token prompt
-    assert steps and all(b is not None and b >= t for t, _, b in steps), steps
-    assert any(b > t for t, _, b in steps) and any(n > 1 for _, n, _ in steps), steps
-    assert any(t == 48 for t, _, _ in steps), steps  # a full budget: the long prompt's first chunk beside decodes
+    # prompts computed beside decodes, padded up to a bucket, one of them a chunk of the 50-token prompt; the
+    # steps' adapters read through 8 step slots (the eager steps' count, here max_num_seqs)
+    assert steps and all(b >= t and slots in (0, 8) for t, _, (b, slots) in steps), steps
+    assert any(b > t for t, _, (b, _) in steps) and any(n > 1 for _, n, _ in steps), steps
+    assert any(t == 48 for t, _, _ in steps) and any(slots == 8 for _, _, (_, slots) in steps), steps
     assert engine.runner.mixed_graphs.num_steps == len(steps)
     assert engine.runner.lora.state.token_lora_idx is None and not engine.runner.lora.state.always_on
 
@@ -132,16 +137,34 @@ def test_buckets_and_which_steps_run_padded(tiny_checkpoint):
             scheduled.append(ScheduledSequence(seq, n_new, [0, 1, 2, 3], sample=True, **extra))
         return SchedulerOutput(scheduled=scheduled)
 
-    assert graphs.can_run(step((6, 0, {}), (1, 5, {})))
-    assert not graphs.can_run(step((6, 0, {"prompt_logprobs": 1}), (1, 5, {})))
-    assert not graphs.can_run(step((60, 0, {}), (8, 5, {})))
-    assert not graphs.can_run(SchedulerOutput(scheduled=[]))
-    assert graphs.can_run_entries([([5, 6, 7], 4, [0, 1]), ([8], 9, [2, 3, 4])])
-    assert not graphs.can_run_entries([([5] * 70, 0, list(range(20)))])
+    assert graphs.slot_counts == [0]  # no LoRA attached
+    assert graphs.can_run(step((6, 0, {}), (1, 5, {})), None)
+    assert not graphs.can_run(step((6, 0, {"prompt_logprobs": 1}), (1, 5, {})), None)
+    assert not graphs.can_run(step((60, 0, {}), (8, 5, {})), None)
+    assert not graphs.can_run(SchedulerOutput(scheduled=[]), None)
+    assert not graphs.can_run(step((6, 0, {}), (1, 5, {})), {0: 1})  # an adapter, and no LoRA to run it
+    assert graphs.can_run_entries([([5, 6, 7], 4, [0, 1]), ([8], 9, [2, 3, 4])], [-1, -1])
+    assert not graphs.can_run_entries([([5] * 70, 0, list(range(20)))], [-1])
     with pytest.raises(ValueError, match="fits no bucket"):
         graphs.run_entries([([5] * 70, 0, list(range(20)))], [-1])
     with pytest.raises(ValueError, match="LoRA is not attached"):
         graphs.run(step((6, 0, {}), (1, 5, {})), {0: 1})
+
+
+def test_lora_step_slots_pick_the_graph(tiny_checkpoint, tmp_path):
+    """A step's adapters pick the graph's LoRA step slots as an eager step's would (0: none; then powers of two of
+    at least 8, here capped at max_num_seqs = 16); past MAX_GRAPH_ADAPTERS adapters the step runs eagerly."""
+    from loraplex.engine.mixed_graphs import MAX_GRAPH_ADAPTERS
+
+    engine = make_engine(tiny_checkpoint("qwen3_moe"), max_num_seqs=32, max_num_batched_tokens=256,
+                         adapter_cache_dir=str(tmp_path / "cache"), **{**LORA, "max_loras": 32})
+    graphs = engine.runner.init_mixed_graphs(capture=False, granule=8)
+    assert MAX_GRAPH_ADAPTERS == 16 and graphs.slot_counts == [0, 8, 16]
+    assert [graphs.step_slots(list(range(k)) + [-1]) for k in (0, 1, 8, 9, 16, 17)] == [0, 8, 8, 16, 16, -1]
+    assert graphs.bucket_for(40, 3, 8) == 40 and graphs.bucket_for(40, 3, 32) is None
+    entries = [([5] * 6, 0, [0, 1]) for _ in range(17)]
+    assert graphs.can_run_entries(entries, list(range(16)) + [-1])
+    assert not graphs.can_run_entries(entries, list(range(17)))
 
 
 def test_the_padding_sequence_attends_to_nothing():
