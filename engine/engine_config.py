@@ -13,9 +13,8 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192   # max_model_len unset: the model's max_positi
 MAX_LORA_RANK = 4096               # as loraplex.engine.lora.format.MAX_RANK_ABSOLUTE
 CUDA_MAX_NUM_SEQS = 256   # max_num_seqs=None on CUDA: decode batches up to 256 fill an H200 at MoE sizes
 CPU_MAX_NUM_SEQS = 64     # max_num_seqs=None elsewhere
-# max_num_batched_tokens=None on CUDA: a step mixing decodes with a prefill chunk runs eagerly and is host-bound
-# (~40-50 ms of launches at GPT-OSS-20B on an H200, 32 ms of GPU work at 2048 tokens); a chunk of up to ~4k prompt
-# tokens rides along in about that time, so one mixed step admits twice the prompt tokens per stall of the decodes
+# max_num_batched_tokens=None on CUDA: up to 4096 tokens a step, the largest mixed-step graph bucket (a prompt chunk
+# beside the decodes; engine/mixed_graphs.py)
 CUDA_MAX_NUM_BATCHED_TOKENS = 4096
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
