@@ -195,3 +195,46 @@ def test_the_padding_sequence_attends_to_nothing():
             out = attend(q, kc, vc, tables, seq_lens, qsl, 0.3, **kw)
             real = reference.paged_attention(q[:6], kc, vc, tables[:2], seq_lens[:2], qsl[:3], 0.3, **kw)
             assert torch.allclose(out[:6], real, atol=1e-5) and torch.equal(out[6:], torch.zeros_like(out[6:]))
+
+
+@pytest.mark.parametrize("fail_key,budget_s", [(None, None), ((16, 8), None), (None, 1e-9)],
+                         ids=["all", "failure", "budget"])
+def test_capture_bookkeeping_with_fake_cuda(fail_key, budget_s, tiny_checkpoint, peft_folders, tmp_path,
+                                            monkeypatch, caplog):
+    """capture_all with torch.cuda faked (tests/engine/test_cuda_graphs.py): per token bucket one graph per LoRA
+    step-slot count, the largest bucket first; replays give the eager path's tokens; a failed capture leaves no
+    graphs and every step eager; a spent budget leaves the largest bucket's widest graph alone, which then serves
+    the adapter steps it holds while the rest run eagerly."""
+    from tests.engine.test_cuda_graphs import _FakeCuda
+
+    caplog.set_level("INFO", logger="loraplex.engine.graph_capture")
+    path = tiny_checkpoint("qwen3_moe")
+    refs = adapter_refs(peft_folders(path))
+    _, want, _, _ = run(path, refs, tmp_path, "eager", mixed=False)
+    engine = make_engine(path, None, adapter_cache_dir=str(tmp_path / "cache-fake"), max_num_batched_tokens=48,
+                         **LORA)
+    for ref in refs.values():
+        assert engine.load_adapter(ref, wait=True) == "ready"
+    runner = engine.runner
+    graphs = MixedGraphs(runner, 48, runner.max_num_seqs, runner.max_model_len, capture=False, granule=GRANULE)
+    graphs.capture = True
+    fake = _FakeCuda(graphs, fail_key)
+    fake.install(monkeypatch)
+    ok = graphs.capture_all(budget_s)
+    runner.mixed_graphs = graphs if ok else None
+    finals = drive(engine, workload(refs), arrivals={0: [0, 1], 3: [2, 3], 6: [4], 9: [5]})
+    assert_all_free(engine)
+    assert {rid: o.output_token_ids for rid, o in finals.items()} == want
+    if fail_key is not None:
+        assert not ok and not graphs.num_graphs
+        assert "CUDA graph capture failed" in caplog.text and "running mixed-step steps eagerly" in caplog.text
+        assert fake.captured == [(48, 8), (48, 0), (8, 8), (8, 0)]
+    elif budget_s is not None:
+        assert ok and fake.captured == [(48, 8)] and graphs.buckets == [48]
+        assert graphs.bucket_for(40, 2, 8) == 48 and graphs.bucket_for(40, 2, 0) is None
+        assert "capture budget of 0 s spent" in caplog.text and graphs.num_steps > 0
+    else:
+        assert ok and graphs.num_graphs == 12 and fake.forwards[:2] == [(48, 8), (48, 8)]
+        assert fake.captured[:4] == [(48, 8), (48, 0), (8, 8), (8, 0)] and graphs.buckets == [8, 16, 24, 32, 40, 48]
+        assert "12 mixed-step buckets (8,16,24,32,40,48 x LoRA step slots 0,8)" in caplog.text
+        assert graphs.num_steps > 0 and not runner.lora.state.always_on
