@@ -8,6 +8,7 @@ adapter manager's locked ``residency()``). The platform's metrics poller turns i
       "kv_cached_blocks": 40, "prefix_cache_queries": 9000, "prefix_cache_hits": 4500, "prefix_cache_hit_rate": 0.5,
       "kv_cache_tokens": 8192, "kv_cache_gib": 0.19,  # the pool as sized at start-up (blocks x block_size)
       "num_cuda_graphs": 11,            # decode batch-size buckets replayed from CUDA graphs (0: eager)
+      "num_mixed_cuda_graphs": 72,      # graphs of steps with prefill chunks (token bucket x LoRA step slots)
       "lora_enabled": true,
       "adapters": {"gpu": ["t/a/1"], "cpu": ["t/a/1", "t/b/2"], "disk": 7, "loading": [], "failed": 0,
                    "pinned": [], "max_loras": 4, "max_cpu_loras": 16},
@@ -107,10 +108,11 @@ def compile_stats() -> dict:
 def runner_stats(runner: Any) -> dict:
     """The KV pool size and CUDA-graph count of a ``ModelRunner`` (None: no model)."""
     if runner is None:
-        return {"kv_cache_tokens": 0, "kv_cache_gib": 0.0, "num_cuda_graphs": 0}
+        return {"kv_cache_tokens": 0, "kv_cache_gib": 0.0, "num_cuda_graphs": 0, "num_mixed_cuda_graphs": 0}
     return {"kv_cache_tokens": int(getattr(runner, "kv_cache_tokens", 0)),
             "kv_cache_gib": round(getattr(runner, "kv_cache_bytes", 0) / 2**30, 3),
-            "num_cuda_graphs": int(getattr(runner, "num_cuda_graphs", 0))}
+            "num_cuda_graphs": int(getattr(runner, "num_cuda_graphs", 0)),
+            "num_mixed_cuda_graphs": int(getattr(runner, "num_mixed_cuda_graphs", 0))}
 
 
 def tenant_stats(scheduler: Any, limit: int = TENANT_STATS_LIMIT) -> dict:

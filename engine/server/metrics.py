@@ -87,6 +87,8 @@ GAUGES = (  # (stats key, metric suffix, help)
     ("kv_cache_tokens", "kv_cache_tokens", "Tokens the KV cache pool holds"),
     ("kv_cache_gib", "kv_cache_gib", "GiB of the KV cache pool"),
     ("num_cuda_graphs", "cuda_graphs", "Decode batch sizes captured as CUDA graphs"),
+    ("num_mixed_cuda_graphs", "mixed_cuda_graphs",
+     "CUDA graphs of steps with prefill chunks (token bucket x LoRA step slots)"),
 )
 COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),

@@ -162,7 +162,7 @@ def test_buckets_config_and_cpu_defaults(tiny_checkpoint):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         DecodeGraphs(runner, 4, 64, capture=True)
     s = engine_stats(engine)
-    assert s["kv_cache_tokens"] == runner.num_blocks * 4 and s["num_cuda_graphs"] == 0
+    assert s["kv_cache_tokens"] == runner.num_blocks * 4 and s["num_cuda_graphs"] == s["num_mixed_cuda_graphs"] == 0
     assert s["kv_cache_gib"] == round(runner.num_blocks * runner.bytes_per_block / 2**30, 3)
     assert set(empty_stats()) == set(s)
 

@@ -238,3 +238,29 @@ def test_capture_bookkeeping_with_fake_cuda(fail_key, budget_s, tiny_checkpoint,
         assert fake.captured[:4] == [(48, 8), (48, 0), (8, 8), (8, 0)] and graphs.buckets == [8, 16, 24, 32, 40, 48]
         assert "12 mixed-step buckets (8,16,24,32,40,48 x LoRA step slots 0,8)" in caplog.text
         assert graphs.num_steps > 0 and not runner.lora.state.always_on
+
+
+def test_mixed_graph_flags_reach_the_engine_and_the_bench(monkeypatch, tiny_checkpoint):
+    """``--no-mixed-cuda-graphs`` (engine serve and bench serve) turns the mixed-step graphs off; the default keeps
+    them (CUDA only: on CPU ``init_mixed_graphs()`` makes none), and the bench's rebuilt command line says so."""
+    import argparse
+
+    import loraplex.engine.server.serve as serve_mod
+    from loraplex.cli import main
+    from loraplex.commands.bench import config_from_args, register
+    from loraplex.engine.engine_config import EngineConfig
+
+    seen = []
+    monkeypatch.setattr(serve_mod, "real_service", lambda model, **kw: seen.append(kw["mixed_cuda_graphs"]))
+    monkeypatch.setattr(serve_mod, "serve", lambda make, **kw: make())
+    for flags in ([], ["--no-mixed-cuda-graphs"]):
+        main(["engine", "serve", "--model", tiny_checkpoint("llama"), *flags])
+    assert seen == [True, False] and EngineConfig(model="/m").mixed_cuda_graphs is True
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    for flags, want in (([], True), (["--no-mixed-cuda-graphs"], False)):
+        cfg = config_from_args(parser.parse_args(["bench", "serve", "--scale", "tiny", *flags]))
+        assert cfg.mixed_cuda_graphs is want and ("--no-mixed-cuda-graphs" in cfg.command) is (not want)
+    from loraplex.bench.engine_setup import engine_kwargs
+
+    assert engine_kwargs(cfg, "/tmp/w", device="cpu", dtype="float32", quantization=None)["mixed_cuda_graphs"] is False
