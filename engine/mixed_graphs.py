@@ -31,7 +31,8 @@ Static buffers (T = largest bucket, S = seqs_in(T) + 1, W = ceil(max_model_len /
     int32  [2S+1+T+S*W]      seq_lens [S] | query_start_loc [S+1] | token_lora_idx [T] | block_tables [S, W]
 
 Only the step's rows of the block tables are written and copied: the padding and empty sequences have no
-context, so no program reads their rows. Rows whose input token the overlapped step in flight samples take it
+context, so no program reads their rows. Every graph copies its hidden rows into one static [T, H] output buffer,
+so the pool holds no output of its own per graph (72 of them would hold the sum of their buckets' rows). Rows whose input token the overlapped step in flight samples take it
 from that step's tokens on the device after the copy (as on the decode path, cuda_graphs.py).
 """
 from __future__ import annotations
@@ -99,6 +100,8 @@ class MixedGraphs(BucketGraphs):
         self.block_tables = self._dev32[2 * S + 1 + T:].view(S, W)
         self._table_offset = 2 * S + 1 + T
         self._copied: torch.cuda.Event | None = None  # host buffers are free again once this completes
+        # every graph leaves its hidden rows here (one [T, H] buffer, not one per graph in the pool)
+        self._hidden = torch.empty(T, runner.model_config.hidden_size, dtype=runner.dtype, device=dev)
 
     def seqs_in(self, b: int) -> int:
         """How many sequences a step in bucket ``b`` may have."""
@@ -272,7 +275,8 @@ class MixedGraphs(BucketGraphs):
             else:
                 lora.set_token_slots(None)
         try:
-            return runner.model(self.input_ids[:b], self.positions[:b], self._attn(b), runner.kv_caches)
+            hidden = runner.model(self.input_ids[:b], self.positions[:b], self._attn(b), runner.kv_caches)
+            return self._hidden[:b].copy_(hidden)
         finally:
             if lora is not None:
                 lora.set_token_slots(None)

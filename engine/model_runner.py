@@ -262,7 +262,8 @@ class ModelRunner:
         decode = self._graph_max_batch_size(max_num_seqs) * per_token + (256 << 20)
         if not self.config.mixed_cuda_graphs:
             return decode
-        # 72 graphs in one pool at GPT-OSS-20B took 1.7 GiB at 4096 tokens: about 2.4x one forward's estimate
+        # 72 graphs in one pool at GPT-OSS-20B took 1.7 GiB at 4096 tokens with an output per graph (about 2.4x one
+        # forward's estimate); with one shared output buffer less (the reserve is left with that margin)
         logits = self.model_config.vocab_size * 4
         return decode + int(2.5 * self.config.max_num_batched_tokens * (per_token - logits)) + (256 << 20)
 

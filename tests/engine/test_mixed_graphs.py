@@ -1,7 +1,8 @@
 """The padded static-buffer path of steps with prefill chunks (``MixedGraphs``, what its CUDA graphs replay), run
 eagerly on CPU: greedy tokens identical to the eager path's and logits within float32 rounding, for every family
 with two PEFT adapters (attention, and the experts on MoE families) and base requests mixed, prompts arriving while
-others decode (chunked prefill, steps padded to token buckets), overlapped scheduling (inputs pending on the
+others decode (chunked prefill, a prompt after a prefix-cache hit, steps padded to token buckets), overlapped
+scheduling (inputs pending on the
 device) and speculative decoding (the verify rows beside a prompt); KV blocks all free at the end. Which steps the
 path takes and refuses; the padding sequence's rows in the attention kernels (reference and Triton, interpreted).
 Capture itself needs CUDA: benchmarks/engine/check_cuda_graphs.py --mixed."""
@@ -16,6 +17,7 @@ from loraplex.engine import SamplingParams
 from loraplex.engine.mixed_graphs import MixedGraphs, token_buckets
 from loraplex.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.stats import engine_stats
 from loraplex.engine.testing.tiny import FAMILIES
 from loraplex.kernels import reference
 from tests.engine.spec_decode.conftest import adapter_refs, assert_all_free, drive, make_engine, prompt_list
@@ -31,7 +33,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def workload(refs: dict) -> list[tuple]:
     prompts = prompt_list((6, 37, 4, 23, 9, 50), seed=11)  # 50 > the 48-token budget below: chunked
-    prompts[4] = prompts[4] * 3  # repeats: prompt lookup finds drafts
+    prompts[4] = prompts[1][:32] + prompts[4] * 3  # r1's prefix (a prefix-cache hit), then repeats (drafts)
     adapters = ["a", None, "b", "a", None, "b"]
     lengths = [18, 9, 14, 11, 16, 7]
     return [(f"r{i}", prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True),
@@ -71,6 +73,7 @@ def test_mixed_steps_match_the_eager_path(family, tiny_checkpoint, peft_folders,
     _, want, want_logits, _ = run(path, refs, tmp_path, "eager", mixed=False)
     engine, got, got_logits, steps = run(path, refs, tmp_path, "mixed", mixed=True)
     assert got == want
+    assert engine_stats(engine)["prefix_cache_hits"] >= 32  # r4's prompt starts after r1's cached prefix
     for rid, rows in want_logits.items():
         assert len(got_logits[rid]) == len(rows)
         err = max(rel_err(a, b) for a, b in zip(got_logits[rid], rows))
