@@ -2,10 +2,10 @@
 eagerly on CPU: greedy tokens identical to the eager path's and logits within float32 rounding, for every family
 with two PEFT adapters (attention, and the experts on MoE families) and base requests mixed, prompts arriving while
 others decode (chunked prefill, a prompt after a prefix-cache hit, steps padded to token buckets), overlapped
-scheduling (inputs pending on the
-device) and speculative decoding (the verify rows beside a prompt); KV blocks all free at the end. Which steps the
-path takes and refuses; the padding sequence's rows in the attention kernels (reference and Triton, interpreted).
-Capture itself needs CUDA: benchmarks/engine/check_cuda_graphs.py --mixed."""
+scheduling (inputs pending on the device) and speculative decoding (the verify rows beside a prompt); KV blocks
+all free at the end. Which steps the path takes and refuses, with which LoRA step slots; capture bookkeeping with
+torch.cuda faked; the padding sequence's rows in the attention kernels (reference and Triton, interpreted); the
+flags. Capture itself needs CUDA: the tiny stages of benchmarks/engine/check_cuda_graphs.py."""
 from __future__ import annotations
 
 from collections import defaultdict
