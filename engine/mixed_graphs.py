@@ -72,8 +72,12 @@ class MixedGraphs(BucketGraphs):
     label = "mixed-step"
 
     def __init__(self, runner, max_tokens: int, max_seqs: int, max_model_len: int, *, capture: bool,
-                 granule: int = DEFAULT_GRANULE) -> None:
+                 granule: int = DEFAULT_GRANULE, aux_layer_ids: tuple[int, ...] = ()) -> None:
         super().__init__(runner, token_buckets(max_tokens, granule), capture=capture)
+        # with aux_layer_ids the forward also gives the residual stream entering those layers (EAGLE-3 drafts);
+        # each step leaves its rows in ``last_aux`` [T, len(ids) * H]
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.last_aux: torch.Tensor | None = None
         self.granule = granule
         self.max_seqs = max_seqs
         lora = runner.lora
@@ -101,7 +105,10 @@ class MixedGraphs(BucketGraphs):
         self._table_offset = 2 * S + 1 + T
         self._copied: torch.cuda.Event | None = None  # host buffers are free again once this completes
         # every graph leaves its hidden rows here (one [T, H] buffer, not one per graph in the pool)
-        self._hidden = torch.empty(T, runner.model_config.hidden_size, dtype=runner.dtype, device=dev)
+        hidden_size = runner.model_config.hidden_size
+        self._hidden = torch.empty(T, hidden_size, dtype=runner.dtype, device=dev)
+        self._aux = torch.empty(T, len(self.aux_layer_ids) * hidden_size, dtype=runner.dtype, device=dev) \
+            if self.aux_layer_ids else None
 
     def seqs_in(self, b: int) -> int:
         """How many sequences a step in bucket ``b`` may have."""
@@ -201,7 +208,12 @@ class MixedGraphs(BucketGraphs):
         if src is not None:
             inp, rows = self.input_ids[:b], self.pending_rows[:b]
             inp.copy_(torch.where(rows >= 0, pending_ids[rows.clamp(min=0)], inp))
-        return self._run_bucket((b, slots))[:total]
+        out = self._run_bucket((b, slots))
+        if self.aux_layer_ids:
+            hidden, aux = out
+            self.last_aux = aux[:total]
+            return hidden[:total]
+        return out[:total]
 
     def _write(self, ids: list[int], starts: np.ndarray, counts: np.ndarray, qsl: np.ndarray,
                tables: list[list[int]], row_slots: list[int], src: np.ndarray | None, b: int) -> None:
@@ -263,9 +275,9 @@ class MixedGraphs(BucketGraphs):
         """Every token of the key's bucket padded (warm-up and capture: no KV cache read or written)."""
         self._write([], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), [], [], None, key[0])
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
-        """The model on bucket b's static buffers with ``slots`` LoRA step slots (0: LoRA off) -> hidden [b, H]
-        (what a graph captures)."""
+    def _forward(self, key: tuple[int, int]):
+        """The model on bucket b's static buffers with ``slots`` LoRA step slots (0: LoRA off) -> hidden [b, H],
+        with aux layers (hidden, aux [b, n H]) (what a graph captures)."""
         b, slots = key
         runner = self.runner
         lora = runner.lora
@@ -275,8 +287,11 @@ class MixedGraphs(BucketGraphs):
             else:
                 lora.set_token_slots(None)
         try:
-            hidden = runner.model(self.input_ids[:b], self.positions[:b], self._attn(b), runner.kv_caches)
-            return self._hidden[:b].copy_(hidden)
+            args = (self.input_ids[:b], self.positions[:b], self._attn(b), runner.kv_caches)
+            if self.aux_layer_ids:
+                hidden, aux = runner.model(*args, self.aux_layer_ids)
+                return self._hidden[:b].copy_(hidden), self._aux[:b].copy_(aux)
+            return self._hidden[:b].copy_(runner.model(*args))
         finally:
             if lora is not None:
                 lora.set_token_slots(None)

@@ -117,6 +117,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.decode_graphs: "DecodeGraphs | None" = None  # set by init_decode_graphs()
         self.mixed_graphs: "MixedGraphs | None" = None    # set by init_mixed_graphs()
+        self.mixed_aux_layer_ids: tuple[int, ...] = ()    # their aux layers (a proposer reading them, EAGLE-3)
         self.max_num_seqs = max_num_seqs = max_num_seqs or config.max_num_seqs
         self.graph_reserved_bytes = self._graph_reserve_bytes(max_num_seqs)
         self.adapter_budget_bytes = 0  # GPU bytes for resident adapters (set by _size_kv_pool with enable_lora)
@@ -297,7 +298,8 @@ class ModelRunner:
         """Set up the padded path of steps with prefill chunks (after ``init_lora``), buckets of up to
         ``max_num_batched_tokens`` tokens. ``capture=None``: graphs when ``graphs_enabled()`` and
         ``mixed_cuda_graphs``, else nothing (those steps run eagerly); ``capture=False`` runs the padded path
-        eagerly (tests; any device). ``granule``: the bucket step (default mixed_graphs.DEFAULT_GRANULE)."""
+        eagerly (tests; any device). ``granule``: the bucket step (default mixed_graphs.DEFAULT_GRANULE). The graphs
+        also give the residual stream entering ``mixed_aux_layer_ids`` (set by a proposer that reads it)."""
         from loraplex.engine.mixed_graphs import DEFAULT_GRANULE, MixedGraphs
 
         if capture is None:
@@ -306,7 +308,8 @@ class ModelRunner:
                 return None
             capture = True
         graphs = MixedGraphs(self, self.config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
-                             capture=capture, granule=granule or DEFAULT_GRANULE)
+                             capture=capture, granule=granule or DEFAULT_GRANULE,
+                             aux_layer_ids=self.mixed_aux_layer_ids)
         if capture and not graphs.capture_all(getattr(self.config, "cuda_graph_capture_budget_s", None)):
             self.mixed_graphs = None
             return None

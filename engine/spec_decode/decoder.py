@@ -128,6 +128,11 @@ class SpecDecoder:
             rows = min(config.verify_graph_max_rows, max_num_seqs * (config.num_speculative_tokens + 1))
             verify_graphs, decode_graphs = make_verify_graphs(runner, rows, max_model_len,
                                                               aux_layer_ids=self.proposer.aux_layer_ids)
+        aux = tuple(self.proposer.aux_layer_ids)
+        if aux and runner.mixed_aux_layer_ids != aux:  # steps with a prompt give the proposer its aux rows too
+            runner.mixed_aux_layer_ids = aux
+            if runner.mixed_graphs is not None:
+                runner.init_mixed_graphs(capture=runner.mixed_graphs.capture, granule=runner.mixed_graphs.granule)
         self.executor = VerifyExecutor(runner, max_model_len=max_model_len, verify_graphs=verify_graphs,
                                        decode_graphs=decode_graphs, aux_layer_ids=self.proposer.aux_layer_ids)
         self.stats = SpecDecodeStats()

@@ -186,13 +186,13 @@ class VerifyExecutor:
             return hidden, first, graphs.last_aux if aux_layer_ids else None
         mixed = runner.mixed_graphs
         row_slots = [-1 if lora_slots is None else lora_slots.get(s.seq.seq_id, -1) for s in out.scheduled]
-        if (mixed is not None and not aux_layer_ids and all(s.prompt_logprobs is None for s in out.scheduled)
-                and mixed.can_run_entries(entries, row_slots)):
+        if (mixed is not None and (not aux_layer_ids or mixed.aux_layer_ids == tuple(aux_layer_ids))
+                and all(s.prompt_logprobs is None for s in out.scheduled) and mixed.can_run_entries(entries, row_slots)):
             runner._check_lora_slots(out, lora_slots)
             hidden, first = mixed.run_entries(entries, row_slots)
             self.num_mixed_steps += 1
             self.last_on_graphs = False  # (the verify graphs' count: a mixed step is not one)
-            return hidden, first, None
+            return hidden, first, mixed.last_aux if aux_layer_ids else None
         batch = paged_batch(entries, runner.block_size, runner.device)
         runner._set_lora_tokens(out, lora_slots)
         aux = None

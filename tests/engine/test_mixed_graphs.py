@@ -267,3 +267,35 @@ def test_mixed_graph_flags_reach_the_engine_and_the_bench(monkeypatch, tiny_chec
     from loraplex.bench.engine_setup import engine_kwargs
 
     assert engine_kwargs(cfg, "/tmp/w", device="cpu", dtype="float32", quantization=None)["mixed_cuda_graphs"] is False
+
+
+@pytest.mark.parametrize("family,aux_ids", [("llama", [1, 2, 4]), ("gpt_oss", [0, 1, 2])])
+def test_eagle3_steps_with_a_prompt_give_aux_rows(family, aux_ids, tiny_checkpoint, peft_folders, tmp_path):
+    """An EAGLE-3 proposer reads the target's residual stream entering its aux layers: the speculative decoder makes
+    the mixed-step graphs give those rows too, and steps with a prompt beside verify rows then take that path with
+    every proposal and every output token as on the eager multi-token forward."""
+    from loraplex.engine.testing.eagle3 import write_random_eagle3
+    from tests.engine.spec_decode.conftest import record_proposals
+
+    path = tiny_checkpoint(family, num_hidden_layers=4) if family == "llama" else tiny_checkpoint(family)
+    refs = adapter_refs(peft_folders(path))
+    spec = dict(method="eagle3", draft_head=write_random_eagle3(tmp_path / "draft", aux_ids), num_speculative_tokens=3)
+    runs = {}
+    for mixed in (False, True):
+        engine = make_engine(path, spec, adapter_cache_dir=str(tmp_path / f"cache-{mixed}"), max_num_batched_tokens=48,
+                             **LORA)
+        for ref in refs.values():
+            assert engine.load_adapter(ref, wait=True) == "ready"
+        assert engine.runner.mixed_aux_layer_ids == tuple(aux_ids)
+        if mixed:
+            graphs = engine.runner.init_mixed_graphs(capture=False, granule=GRANULE)
+            assert graphs.aux_layer_ids == tuple(aux_ids)
+        record: list = []
+        record_proposals(engine, record)
+        finals = drive(engine, workload(refs), arrivals={0: [0, 1], 3: [2, 3], 6: [4], 9: [5]})
+        assert_all_free(engine)
+        runs[mixed] = ({rid: o.output_token_ids for rid, o in finals.items()},
+                       [(t, getattr(a, "adapter_id", None), d) for t, a, d in record], engine.spec.executor)
+    (want, want_rec, eager), (got, got_rec, executor) = runs[False], runs[True]
+    assert got == want and got_rec == want_rec and len(got_rec) >= 20
+    assert eager.num_mixed_steps == 0 and executor.num_mixed_steps > 0
