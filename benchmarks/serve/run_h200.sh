@@ -15,6 +15,8 @@
 #   spec-bf16-L, spec-mxfp4-L   speculative decoding with replayed proposals at acceptance length L (e.g.
 #           spec-mxfp4-3.0): 8 adapters only, verify steps through CUDA graphs, k = 2 drafts for L <= 2, else 3;
 #           each scenario first runs its requests with speculation off and records them (bench/speculative.py)
+#   <stage>-nomixed   that stage with --no-mixed-cuda-graphs: steps with a prompt run eagerly instead of replaying
+#           the mixed-step graphs (e.g. STAGES="spec-mxfp4-3.0 spec-mxfp4-3.0-nomixed": A and B in one lease)
 # Workload (docs/performance.md, "GPT-OSS-20B multi-LoRA serving workload"): GPT-OSS-20B shape, dummy bf16
 # weights, 8 random adapters of rank 32 on attention and experts (even mix), 1600 input / 600 output tokens (EOS
 # ignored), closed loop at concurrency 16, REQUESTS requests per scenario, clients STAGGER s apart. A stage's
@@ -53,6 +55,12 @@ NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 WORKLOAD="--concurrency 16 --input-len 1600 --output-len 600 --num-adapters 8 --rank 32"
 
 stage_flags() {  # the flags that make a stage what it is
+  if [[ $1 == *-nomixed ]]; then  # any stage, its prompt steps eager (no mixed-step graphs): A/B in one lease
+    local base
+    base=$(stage_flags "${1%-nomixed}") || return 1
+    echo "$base --no-mixed-cuda-graphs"
+    return
+  fi
   case $1 in
     bf16) echo "" ;;
     sync) echo "--no-async-scheduling" ;;
@@ -60,7 +68,8 @@ stage_flags() {  # the flags that make a stage what it is
     mxfp4) echo "--quantization mxfp4" ;;
     hf) echo "--hf-only --hf-output-len 32" ;;
     spec-bf16-*|spec-mxfp4-*) spec_flags "$1" ;;
-    *) echo "unknown stage '$1' (bf16, sync, int8, mxfp4, hf, spec-bf16-L, spec-mxfp4-L)" >&2; return 1 ;;
+    *) echo "unknown stage '$1' (bf16, sync, int8, mxfp4, hf, spec-bf16-L, spec-mxfp4-L; any with -nomixed)" >&2
+       return 1 ;;
   esac
 }
 spec_flags() {  # spec-<experts>-<L>

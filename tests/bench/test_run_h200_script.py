@@ -41,3 +41,16 @@ def test_speculative_stage_name_needs_a_length(tmp_path):
     assert proc.returncode == 2
     assert "L must be a number" in proc.stderr
     assert not (tmp_path / "out" / "bench_combined.json").exists()
+
+
+def test_nomixed_suffix_runs_the_stage_with_eager_prompt_steps(tmp_path):
+    proc = _run(tmp_path, "mxfp4 mxfp4-nomixed")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    combined = json.loads((tmp_path / "out" / "bench_combined.json").read_text(encoding="utf-8"))
+    reports = combined["reports"]
+    assert {r["run"] for r in combined["rows"]} == {"mxfp4", "mxfp4-nomixed"}
+    assert "--no-mixed-cuda-graphs" in reports["mxfp4-nomixed"]["command"]
+    assert "--no-mixed-cuda-graphs" not in reports["mxfp4"]["command"]
+    assert "--quantization mxfp4" in reports["mxfp4-nomixed"]["command"]
+    bad = _run(tmp_path / "bad", "bogus-nomixed")
+    assert bad.returncode == 2 and "unknown stage 'bogus'" in bad.stderr
