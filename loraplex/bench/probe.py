@@ -7,7 +7,8 @@
                                          #  "step_ms": {"graph": {"n", "p50", "mean"}, "eager": {...}}, ...}
 
 Graph steps: decode steps served by the padded static-buffer path that replays CUDA graphs (counted only when
-graphs were captured). Adapter load latency: the adapter manager's per-load times when the engine reports them
+graphs were captured); mixed graph steps: steps with a prompt chunk that replayed the mixed-step graphs (in the
+step times they are "eager" calls: not decode replays). Adapter load latency: the adapter manager's per-load times when the engine reports them
 (``residency()["load_seconds"]``: ``cpu`` = fetch or disk -> CPU weights, ``gpu`` = CPU -> GPU copy); the loads of
 this run are the newest entries, as many as its ``loads`` / ``activations`` counters grew (``since_start``: all
 of them, warm-ups included: with a CPU tier that holds every adapter, disk -> CPU loads happen at first use).
@@ -54,6 +55,8 @@ class EngineProbe:
         self._graph_steps0 = self._graphs.num_steps if self._graphs is not None else None
         self._graph_seen, self._graph_calls = self._graph_steps0, []
         self._early0 = getattr(engine, "num_early_launched_steps", 0)
+        self._mixed = engine.runner.mixed_graphs if getattr(engine.runner, "num_mixed_cuda_graphs", 0) else None
+        self._mixed0 = self._mixed.num_steps if self._mixed is not None else 0
         first = engine_stats(engine)
         self._counters0 = dict(first.get("adapter_counters") or {})
         self.kv_usage_peak = first["kv_usage"]
@@ -92,7 +95,8 @@ class EngineProbe:
                "adapter_counters": grew,
                "graph_steps": (self._graphs.num_steps - self._graph_steps0) if self._graphs is not None else 0,
                # eager steps enqueued before the decode step in flight was read back (engine/step_pipeline.py)
-               "early_launched_steps": getattr(self.engine, "num_early_launched_steps", 0) - self._early0}
+               "early_launched_steps": getattr(self.engine, "num_early_launched_steps", 0) - self._early0,
+               "mixed_graph_steps": (self._mixed.num_steps - self._mixed0) if self._mixed is not None else 0}
         if result is not None:
             out["step_ms"] = self.step_ms(result.step_seconds, result.step_outputs)
         manager = getattr(self.engine, "adapters", None)
