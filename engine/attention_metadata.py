@@ -6,13 +6,45 @@
     block_tables:         physical blocks of each sequence, logical order  [B, max_blocks] int32 (pad: 0)
     slot_mapping:         where each new token's K/V goes (block*BS+off)   [T]   int64
 
-A decode token is just a sequence with one new token; a prefill chunk one with several.
+A decode token is just a sequence with one new token; a prefill chunk one with several. ``scheduled_tokens`` and
+``token_slots`` build these arrays on the host for the eager step (``ModelRunner.prepare``) and the mixed-step
+graphs' static buffers (mixed_graphs.py) alike.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def query_start_loc(counts: np.ndarray) -> np.ndarray:
+    """[n + 1] int64: 0, then the running sum of each sequence's new tokens."""
+    qsl = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=qsl[1:])
+    return qsl
+
+
+def scheduled_tokens(scheduled: list) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """(token ids [T], starts [n], counts [n], query_start_loc [n + 1]) of a step's scheduled sequences, each
+    computing its ``num_new_tokens`` tokens from its ``num_computed_tokens`` on."""
+    n = len(scheduled)
+    starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+    counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
+    ids: list[int] = []
+    for s, start, count in zip(scheduled, starts.tolist(), counts.tolist()):
+        ids.extend(s.seq.token_ids_slice(start, start + count))
+    return ids, starts, counts, query_start_loc(counts)
+
+
+def token_slots(starts: np.ndarray, counts: np.ndarray, qsl: np.ndarray, block_tables: np.ndarray,
+                block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [T], slot_mapping [T]) int64 of the step's tokens; ``block_tables`` [>= n, W] holds sequence
+    i's blocks in row i."""
+    row = np.repeat(np.arange(len(counts)), counts)  # sequence of each token
+    positions = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[:-1][row] + starts[row]
+    slots = block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return positions, slots
 
 
 @dataclass

@@ -165,7 +165,6 @@ class LLMEngine:
                         budget // max(1, self.adapters.pool.max_footprint), self.adapters.pool.max_footprint / 2**20,
                         config.max_lora_rank, f", at most {config.max_loras} (max_loras)" if config.max_loras else "")
         self.runner.init_decode_graphs()  # after init_lora: the graphs capture the LoRA kernels (CUDA only)
-        self.runner.init_mixed_graphs()   # steps with prefill chunks likewise
         self.warmup = self.runner.warm_up_eager_steps()  # eager steps' kernel variants compiled before serving
         self.async_scheduling = self._init_async_scheduling()
         self._inflight: InflightStep | None = None  # the overlapped step launched and not yet resolved
@@ -184,6 +183,9 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self.spec = self._init_speculative()  # after the decode graphs: verify graphs go above their buckets
+        # steps with prefill chunks: after the warm-up (its compiles serve the capture) and the speculative decoder
+        # (an EAGLE-3 proposer's aux layers are captured too)
+        self.runner.init_mixed_graphs()
 
     def _init_speculative(self):
         """The SpecDecoder of ``EngineConfig.speculative`` (None: off)."""

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from loraplex.engine.attention_metadata import AttentionMetadata
+from loraplex.engine.attention_metadata import AttentionMetadata, query_start_loc, scheduled_tokens, token_slots
 from loraplex.engine.graph_capture import BucketGraphs
 
 if TYPE_CHECKING:
@@ -166,14 +166,7 @@ class MixedGraphs(BucketGraphs):
         """(hidden [T, H] of the step's tokens in ``out.scheduled`` order, query_start_loc [n + 1] on the host).
         ``pending``: the overlapped step in flight, whose sampled tokens are the inputs still pending."""
         scheduled = out.scheduled
-        n = len(scheduled)
-        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
-        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
-        ids: list[int] = []
-        for s, start, count in zip(scheduled, starts.tolist(), counts.tolist()):
-            ids.extend(s.seq.token_ids_slice(start, start + count))
-        qsl = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
+        ids, starts, counts, qsl = scheduled_tokens(scheduled)
         src = self.runner._pending_rows(scheduled, starts, counts, qsl, pending)
         row_slots = _row_slots(scheduled, lora_slots)
         hidden = self._step(ids, starts, counts, qsl, [s.block_ids for s in scheduled], row_slots, src,
@@ -187,8 +180,7 @@ class MixedGraphs(BucketGraphs):
         n = len(entries)
         starts = np.fromiter((start for _, start, _ in entries), dtype=np.int64, count=n)
         counts = np.fromiter((len(t) for t, _, _ in entries), dtype=np.int64, count=n)
-        qsl = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
+        qsl = query_start_loc(counts)
         ids = [t for tokens, _, _ in entries for t in tokens]
         hidden = self._step(ids, starts, counts, qsl, [blocks for _, _, blocks in entries], row_slots, None, None)
         return hidden, qsl[:-1].tolist()
@@ -230,23 +222,16 @@ class MixedGraphs(BucketGraphs):
         table[:n, :width] = 0
         for i, blocks in enumerate(tables):
             table[i, :len(blocks)] = blocks
-        bs = self.runner.block_size
-        row = np.repeat(np.arange(n), counts)
-        p = np.arange(total, dtype=np.int64) - qsl[:-1][row] + starts[row]
         inp[:total] = ids
-        pos[:total] = p
-        slots[:total] = table[row, p // bs].astype(np.int64) * bs + p % bs
+        pos[:total], slots[:total] = token_slots(starts, counts, qsl, table, self.runner.block_size)
         pend[:total] = -1 if src is None else src
         inp[total:b], pos[total:b], slots[total:b], pend[total:b] = 0, 0, -1, -1
         seq_lens[:n] = starts + counts
         seq_lens[n:] = 0
         q_loc[:n + 1] = qsl
         q_loc[n + 1:] = b  # the padding sequence owns tokens total..b-1; the ones after it none
-        lora = self.runner.lora
-        if any(c >= 0 for c in row_slots):
-            if lora is None:
-                raise ValueError("a step has adapter slots but LoRA is not attached")
-            lora_idx[:total] = np.repeat(lora.step_indices(row_slots), counts)  # writes the step's LoRA table too
+        if any(c >= 0 for c in row_slots):  # (``_step`` refused adapter slots without LoRA)
+            lora_idx[:total] = np.repeat(self.runner.lora.step_indices(row_slots), counts)  # and the LoRA table
         else:
             lora_idx[:total] = -1
         lora_idx[total:b] = -1
@@ -273,7 +258,8 @@ class MixedGraphs(BucketGraphs):
 
     def _write_padding(self, key: tuple[int, int]) -> None:
         """Every token of the key's bucket padded (warm-up and capture: no KV cache read or written)."""
-        self._write([], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), [], [], None, key[0])
+        none = np.zeros(0, np.int64)
+        self._write([], none, none, query_start_loc(none), [], [], None, key[0])
 
     def _forward(self, key: tuple[int, int]):
         """The model on bucket b's static buffers with ``slots`` LoRA step slots (0: LoRA off) -> hidden [b, H],

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from loraplex.engine.attention_metadata import AttentionMetadata
+from loraplex.engine.attention_metadata import AttentionMetadata, scheduled_tokens, token_slots
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.engine_config import EngineConfig, with_device_defaults
 from loraplex.engine.logprobs import prompt_logprobs
@@ -352,22 +352,12 @@ class ModelRunner:
         On CUDA the inputs go up from pinned memory, so building them never waits for the device."""
         scheduled = out.scheduled
         n = len(scheduled)
-        bs = self.block_size
-        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
-        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
-        qsl = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
-        total = int(qsl[-1])
-        ids: list[int] = []
-        for s, start, count in zip(scheduled, starts.tolist(), counts.tolist()):
-            ids.extend(s.seq.token_ids_slice(start, start + count))
+        ids, starts, counts, qsl = scheduled_tokens(scheduled)
         width = max(len(s.block_ids) for s in scheduled)
         block_tables = np.zeros((n, width), dtype=np.int32)
         for i, s in enumerate(scheduled):
             block_tables[i, :len(s.block_ids)] = s.block_ids
-        row = np.repeat(np.arange(n), counts)                               # sequence of each token
-        positions = np.arange(total, dtype=np.int64) - qsl[:-1][row] + starts[row]
-        slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        positions, slot_mapping = token_slots(starts, counts, qsl, block_tables, self.block_size)
         seq_lens = (starts + counts).astype(np.int32)
         sample = [i for i, s in enumerate(scheduled) if s.sample]
         sample_rows = qsl[1:][sample] - 1

@@ -128,8 +128,10 @@ class SpecDecoder:
             rows = min(config.verify_graph_max_rows, max_num_seqs * (config.num_speculative_tokens + 1))
             verify_graphs, decode_graphs = make_verify_graphs(runner, rows, max_model_len,
                                                               aux_layer_ids=self.proposer.aux_layer_ids)
+        # steps with a prompt give the proposer its aux rows too (the engine captures the mixed-step graphs after
+        # this; graphs a caller set up earlier are rebuilt)
         aux = tuple(self.proposer.aux_layer_ids)
-        if aux and runner.mixed_aux_layer_ids != aux:  # steps with a prompt give the proposer its aux rows too
+        if aux and runner.mixed_aux_layer_ids != aux:
             runner.mixed_aux_layer_ids = aux
             if runner.mixed_graphs is not None:
                 runner.init_mixed_graphs(capture=runner.mixed_graphs.capture, granule=runner.mixed_graphs.granule)

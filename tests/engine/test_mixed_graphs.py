@@ -21,7 +21,6 @@ from loraplex.engine.stats import engine_stats
 from loraplex.engine.testing.tiny import FAMILIES
 from loraplex.kernels import reference
 from tests.engine.spec_decode.conftest import adapter_refs, assert_all_free, drive, make_engine, prompt_list
-from tests.engine.spec_decode.conftest import peft_folders  # noqa: F401 - the fixture, shared
 
 LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
 GRANULE = 8
