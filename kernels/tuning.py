@@ -140,31 +140,19 @@ def get_config(op: str, shape: Mapping[str, int], m: int, default: Mapping[str, 
     return {**default, **entry} if entry is not None else dict(default)
 
 
-def find_config(op: str, shape: Mapping[str, int], m: int, default: Mapping[str, Any], *,
-                device_name: str | None = None) -> dict[str, Any] | None:
-    """``get_config`` for an op whose fallback is another implementation, not a default config: the tuned entry
-    (completed from ``default``), or None without a warning where the device has no entry for ``shape``."""
-    name = device_name if device_name is not None else current_device_name()
-    root = os.environ.get(TUNING_DIR_ENV) or _REPO_TUNING_DIR_STR
-    entry = _tuned_entry(op, tuple(shape.items()), int(m), name, root, quiet=True)
-    return {**default, **entry} if entry is not None else None
-
-
 @functools.lru_cache(maxsize=4096)
 def _tuned_entry(op: str, shape: tuple[tuple[str, Any], ...], m: int, device_name: str,
-                 root: str, quiet: bool = False) -> dict[str, Any] | None:
+                 root: str) -> dict[str, Any] | None:
     """The tuned entry for one lookup (never mutated by callers: ``get_config`` copies), or None."""
     path = config_path(op, device_name, root)
     table = _load(str(path))
     if table is None:
-        if not quiet:
-            _warn_once(f"no tuning file {path}; using default {op} configs (run `loraplex tune` on this GPU)")
+        _warn_once(f"no tuning file {path}; using default {op} configs (run `loraplex tune` on this GPU)")
         return None
     skey = shape_key(dict(shape))
     by_m = table.get(skey)
     if not by_m:
-        if not quiet:
-            _warn_once(f"{path} has no entry for shape {skey}; using default {op} configs")
+        _warn_once(f"{path} has no entry for shape {skey}; using default {op} configs")
         return None
     return by_m[nearest_m(by_m, m)]
 

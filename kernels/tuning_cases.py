@@ -24,7 +24,6 @@ Byte model (``nbytes``, the least an op must move; bandwidth = nbytes / CUDA-gra
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,7 +45,6 @@ class ModelShapes:
     activation: str = "silu"
     expert_bias: bool = False
     router_scoring: str = "softmax"  # see reference.moe_route
-    attention_bias: bool = False  # q/k/v/o projections with bias (the dense GEMM cases)
 
 
     def __post_init__(self) -> None:
@@ -67,13 +65,13 @@ class ModelShapes:
                    top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    activation="swiglu_clamp" if gpt_oss else "silu", expert_bias=cfg.expert_bias,
-                   router_scoring="topk_softmax" if gpt_oss else "softmax", attention_bias=cfg.attention_bias)
+                   router_scoring="topk_softmax" if gpt_oss else "softmax")
 
 
 PRESETS = {
     "gpt-oss-20b": ModelShapes("gpt-oss-20b", hidden=2880, num_experts=32, top_k=4, moe_intermediate=2880,
                                num_heads=64, num_kv_heads=8, head_dim=64, activation="swiglu_clamp",
-                               expert_bias=True, router_scoring="topk_softmax", attention_bias=True),
+                               expert_bias=True, router_scoring="topk_softmax"),
     "qwen3-30b-a3b": ModelShapes("qwen3-30b-a3b", hidden=2048, num_experts=128, top_k=8, moe_intermediate=768,
                                  num_heads=32, num_kv_heads=4, head_dim=128),
 }
@@ -739,47 +737,8 @@ def shared_metadata_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix",
             + moe_lora_cases(s, m, max_loras, rank, dtype, device, shared_metadata=True))
 
 
-def dense_gemm_space(m: int) -> list[dict]:
-    """Search space of the dense decode GEMM (``dense_gemm.py``) at M rows: one row block (BLOCK_M the next of 16 /
-    32 / 64), narrow column tiles, K split 1-4 ways (1-2 from 32 rows on, where more rows give each program more
-    to do), 3-4 stages. The tuner's default, and so the bar every tile must beat, is cuBLAS (``"CUBLAS": 1``)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    grid = itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (3, 4)) if block_m == 16 else \
-        itertools.product((32, 64), (64, 128), (1, 2), (3, 4))
-    return [{"CUBLAS": 0, "BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-             "num_warps": 8 if block_m == 64 and bn == 64 else 4, "num_stages": stages}
-            for bn, bk, split, stages in grid]
-
-
-def dense_gemm_cases(s: ModelShapes, m: int, dtype, device) -> list[Case]:
-    """The attention's dense projections at M rows: qkv (hidden -> q + k + v) and o (heads x head_dim -> hidden),
-    with bias where the model has one; each config run through ``dense_gemm`` (``"CUBLAS": 1``: ``F.linear``;
-    None: ``dense_gemm.linear``, what the engine runs), checked against float32 ``F.linear``."""
-    import torch.nn.functional as F
-
-    from loraplex.kernels import dense_gemm as dg
-
-    cases = []
-    for target, k_in, n in (("qkv", s.hidden, sum(s.qkv_slices)), ("o", s.num_heads * s.head_dim, s.hidden)):
-        x = torch.randn(m, k_in, device=device, dtype=dtype)
-        w = (torch.randn(n, k_in, device=device) / k_in ** 0.5).to(dtype)
-        b = torch.randn(n, device=device, dtype=dtype) * 0.1 if s.attention_bias else None
-        want = F.linear(x.float(), w.float(), b.float() if b is not None else None)
-
-        def run(cfg, x=x, w=w, b=b):
-            if cfg is None:
-                return dg.linear(x, w, b)
-            return F.linear(x, w, b) if cfg.get("CUBLAS") else dg.dense_gemm(x, w, b, cfg)
-
-        cases.append(Case(dg.OP, f"{dg.OP}[{target}]", m, dg.shape_of(n, k_in), run,
-                          lambda cfg=None, run=run, want=want: rel_error(run(cfg), want),
-                          nbytes=_nbytes(x, w) + m * n * x.element_size() + (_nbytes(b) if b is not None else 0),
-                          default={**dg.DEFAULT_CONFIG, "CUBLAS": 1}, space=dense_gemm_space(m)))
-    return cases
-
-
 TUNED_OPS = ("fused_moe", "fused_moe_int8", "fused_moe_mxfp4", "lora_shrink_expand", "lora_shrink", "lora_expand",
-             "fused_moe_lora", "dense_gemm")
+             "fused_moe_lora")
 
 
 def tunable_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: int, dtype, device, *,
@@ -796,10 +755,6 @@ def tunable_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: i
             cases += dense_lora_cases(s, m, max_loras, rank, dtype, device, target=target)
     if want("fused_moe_lora"):
         cases += moe_lora_cases(s, m, max_loras, rank, dtype, device)
-    if want("dense_gemm"):
-        from loraplex.kernels.dense_gemm import MAX_M
-
-        cases += dense_gemm_cases(s, m, dtype, device) if m <= MAX_M else []
     return [c for c in cases if ops is None or c.op in ops]
 
 

@@ -6,8 +6,7 @@
     loraplex tune --model /path/to/checkpoint --out /tmp/tuning      # any MoE config.json the engine reads
 
 For every tunable op (fused_moe, fused_moe_int8, fused_moe_mxfp4, lora_shrink, lora_expand, lora_shrink_expand
-on the qkv and o projections, fused_moe_lora, and dense_gemm on qkv and o at M <= 64, where cuBLAS is the default
-a tile must beat) and M, each candidate (block sizes, warps, stages, split-K, group
+on the qkv and o projections, fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group
 size; for the LoRA ops also programmatic dependent launch, "PDL", and fused_moe_lora's one-kernel path, "FUSED")
 is timed by CUDA-graph replay with a cold L2 (``tuning_cases.bench_time_ms``) and the fastest wins. A candidate
 that fails to launch or to be captured in a graph is skipped; one that would win is first checked against the
