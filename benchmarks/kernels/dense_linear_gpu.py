@@ -17,9 +17,12 @@ import os
 import sys
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from mxfp4_gemm_gpu import copy_bandwidth_tbs  # noqa: E402
 
 SHAPES = {  # name: (in, out, bias, calls per decode step)
     "qkv": (2880, 5120, True, 24),
@@ -27,22 +30,6 @@ SHAPES = {  # name: (in, out, bias, calls per decode step)
     "router": (2880, 32, True, 24),
     "lm_head": (2880, 201088, False, 1),
 }
-
-
-def copy_tbs(nbytes: int = 1 << 30) -> float:
-    """Bytes read + written by a device-to-device copy, per second (median of 5), TB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return 2 * nbytes / sorted(times)[2] / 1e12
 
 
 def main() -> int:
@@ -54,7 +41,7 @@ def main() -> int:
     args = p.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     torch.manual_seed(0)
-    tbs = copy_tbs()
+    tbs = copy_bandwidth_tbs("cuda", 1 << 30)
     print(f"{torch.cuda.get_device_name()}: copy rate {tbs:.2f} TB/s")
     rows = []
     for name, (k, n, has_bias, per_step) in SHAPES.items():
