@@ -92,6 +92,9 @@ def test_a_pass_removes_what_interrupted_uploads_left_and_keeps_live_state(platf
     assert [u.key for u in p.store.incomplete_uploads()] == [live_key]
     assert p.sql("SELECT error, idempotency_key FROM adapter_versions WHERE id = :i", i=done_id) == [
         ("upload interrupted before it finished (the platform stopped or lost it); retry the upload", None)]
+    with p.session_factory() as s:  # the live upload heartbeats on (the checks above may take over a second)
+        assert crud.touch_upload(session=s, version_id=live_id)
+        s.commit()
     again = Janitor(p.session_factory, p.store, stale_after_s=1.0).run_once()
     assert not again.changed and not again.skipped
 
