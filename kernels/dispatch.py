@@ -28,7 +28,6 @@ TRITON_LAUNCHERS: dict[str, str] = {
     "rotary_embedding": "rotary:rotary_embedding",
     "rotary_embedding_and_cache": "rotary:rotary_embedding_and_cache",
     "moe_route": "moe_route:moe_route",
-    "moe_route_linear": "moe_route:moe_route_linear",
     "reshape_and_cache": "reshape_and_cache:reshape_and_cache",
     "copy_blocks": "copy_blocks:copy_blocks",
     "paged_attention": "paged_attention:paged_attention",

@@ -34,10 +34,6 @@ def moe_route(router_logits, top_k, *, scoring, renormalize):
     return resolve("moe_route", router_logits)(router_logits, top_k, scoring=scoring, renormalize=renormalize)
 
 
-def moe_route_linear(x, weight, bias, top_k, *, scoring, renormalize):
-    return resolve("moe_route_linear", x)(x, weight, bias, top_k, scoring=scoring, renormalize=renormalize)
-
-
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0):
     return resolve("fused_moe", x)(x, w13, w2, topk_weights, topk_ids, activation=activation, b13=b13, b2=b2,
                                    alpha=alpha, limit=limit)

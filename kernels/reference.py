@@ -100,12 +100,6 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str,
     return weights, ids
 
 
-def moe_route_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, *, scoring: str,
-                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router and its top-k routing: ``moe_route(F.linear(x, weight, bias), ...)``. x [T, H]; weight [E, H]."""
-    return moe_route(F.linear(x, weight, bias), top_k, scoring=scoring, renormalize=renormalize)
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu", b13: torch.Tensor | None = None,
               b2: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:

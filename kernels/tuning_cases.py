@@ -596,14 +596,11 @@ def distinct_logits(m: int, num_experts: int, dtype, device) -> torch.Tensor:
 
 
 def routing_and_rope_cases(s: ModelShapes, m: int, dtype, device, *, max_pos: int = 8192) -> list[Case]:
-    """The decode step's rope and routing ops, each with its torch reference for the benchmark's comparison:
-    rotary_embedding on q / k as strided views of the fused qkv output (positions anywhere in the table),
-    moe_route with the model's scoring (softmax ones renormalised), and moe_route_linear (router logits and
-    routing in one launch) against the unfused F.linear + moe_route."""
-    import torch.nn.functional as F
-
+    """The decode step's two elementwise ops, each with its torch reference for the benchmark's comparison:
+    rotary_embedding on q / k as strided views of the fused qkv output (positions anywhere in the table), and
+    moe_route with the model's scoring (softmax ones renormalised)."""
     from loraplex.kernels import reference
-    from loraplex.kernels.moe_route import moe_route, moe_route_linear
+    from loraplex.kernels.moe_route import moe_route
     from loraplex.kernels.rotary import rotary_embedding
 
     qh, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
@@ -622,19 +619,6 @@ def routing_and_rope_cases(s: ModelShapes, m: int, dtype, device, *, max_pos: in
                                         reference.moe_route(logits, s.top_k, **route_kw))
         return rel_error(w, want_w) if torch.equal(ids, want_ids) else 1.0
 
-    x = torch.randn(m, s.hidden, device=device, dtype=dtype)
-    w_router = (torch.randn(s.num_experts, s.hidden, device=device) / s.hidden ** 0.5).to(dtype)
-    b_router = torch.randn(s.num_experts, device=device, dtype=dtype) * 0.1 if s.expert_bias else None
-
-    def check_route_linear() -> float:
-        """Against float64 logits rounded once to the dtype: the same picks on at least 99% of the tokens (two
-        experts whose logits round to neighbouring values may swap with the sums' order), weights of those."""
-        got_w, got_ids = moe_route_linear(x, w_router, b_router, s.top_k, **route_kw)
-        exact = x.double() @ w_router.double().T + (b_router.double() if b_router is not None else 0)
-        want_w, want_ids = reference.moe_route(exact.to(dtype), s.top_k, **route_kw)
-        same = (got_ids == want_ids).all(dim=-1)
-        return rel_error(got_w[same], want_w[same]) if same.float().mean() >= 0.99 else 1.0
-
     return [
         Case("", "rotary_embedding", m, {}, lambda cfg: rotary_embedding(positions, q, k, cache),
              lambda: max(rel_error(a, b) for a, b in zip(rotary_embedding(positions, q, k, cache),
@@ -644,11 +628,6 @@ def routing_and_rope_cases(s: ModelShapes, m: int, dtype, device, *, max_pos: in
         Case("", f"moe_route[{s.router_scoring}]", m, {}, lambda cfg: moe_route(logits, s.top_k, **route_kw),
              check_route, nbytes=_nbytes(logits) + m * s.top_k * (4 + 8),
              reference=lambda: reference.moe_route(logits, s.top_k, **route_kw)),
-        # the reference here is the unfused path the engine ran before: F.linear (cuBLAS), then moe_route's kernel
-        Case("", f"moe_route_linear[{s.router_scoring}]", m, {},
-             lambda cfg: moe_route_linear(x, w_router, b_router, s.top_k, **route_kw), check_route_linear,
-             nbytes=_nbytes(x, w_router) + m * s.top_k * (4 + 8),
-             reference=lambda: moe_route(F.linear(x, w_router, b_router), s.top_k, **route_kw)),
     ]
 
 

@@ -10,11 +10,12 @@ overlapped (async) scheduling (no logits hook: a hook keeps steps synchronous): 
 run's and HF/PEFT greedy, with overlapped steps replayed from the graphs and arrivals' eager steps launched before
 the decode step in flight was read back (half the requests arrive 3 steps apart while the others decode).
 
-Stage "perf": a GPT-OSS-20B-shape bf16 model with dummy weights, 8 random rank-32 adapters resident; decode step time (``LLMEngine.step``, synchronised) with graphs and eager (same engine, graphs switched
-off) at batch 1 and 16, without adapters (every request on the base) and with 8 (requests spread over the slots);
-then with graphs and overlapped scheduling (``async_ms``: step n+1 launched before step n's tokens are read, so
-host work hides behind the GPU). PASS: graphs captured and no slower than eager at batch 1 (async_ms is reported,
-not gated).
+Stage "perf": a GPT-OSS-20B-shape bf16 model (``--quantization int8|mxfp4``: those experts) with dummy weights, 8
+random rank-32 adapters resident; decode step time (``LLMEngine.step``, synchronised) with graphs and eager (same
+engine, graphs switched off) at batch 1 and 16, without adapters (every request on the base) and with 8 (requests
+spread over the slots); then with graphs and overlapped scheduling (``async_ms``: step n+1 launched before step
+n's tokens are read, so host work hides behind the GPU). PASS: graphs captured and no slower than eager at batch 1
+(async_ms is reported, not gated).
 
 Every stage runs in its own subprocess under its own timeout: a crash or a hang costs that stage only.
 
@@ -242,6 +243,7 @@ def stage_perf(args) -> dict:
                                            enable_prefix_caching=False, swap_space_bytes=0, enable_lora=True,
                                            max_lora_rank=32, cuda_graph_max_batch_size=16,
                                            async_scheduling=False,  # time_decode switches it per mode
+                                           **({"quantization": args.quantization} if args.quantization else {}),
                                            adapter_cache_dir=os.path.join(tmp, "cache"))
         start_s = time.perf_counter() - t0
         runner = engine.runner
@@ -255,7 +257,8 @@ def stage_perf(args) -> dict:
         runner.launch_decode = lambda out, sampling, lora_slots=None, prev=None: launch(
             out, sampling, dict(seq_slot), prev)
         g = runner.decode_graphs
-        res = dict(stage="perf", start_s=round(start_s, 1), num_graphs=runner.num_cuda_graphs,
+        res = dict(stage="perf", quantization=args.quantization, start_s=round(start_s, 1),
+                   num_graphs=runner.num_cuda_graphs,
                    buckets=runner.cuda_graph_buckets, kv_blocks=runner.num_blocks,
                    kv_gib=round(runner.kv_cache_bytes / 2**30, 3),
                    capture_s=round(g.capture_seconds, 2) if g is not None else None,
@@ -329,6 +332,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (no graphs: FAIL lines)")
     p.add_argument("--scale", default="full", choices=("full", "tiny"), help="perf model: GPT-OSS-20B or toy")
+    p.add_argument("--quantization", default=None, choices=("int8", "mxfp4"), help="perf model's experts")
     p.add_argument("--budget-s", type=float, default=560, help="all stages together (a stage gets what is left)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # run one stage in this process
     args = p.parse_args()
@@ -355,7 +359,8 @@ def main() -> int:
         print(f"---- stage {stage} (timeout {timeout}s)", flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", stage, "--new-tokens", str(args.new_tokens),
                "--tol", str(args.tol), "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
-               "--device", args.device, "--scale", args.scale]
+               "--device", args.device, "--scale", args.scale] + (
+                   ["--quantization", args.quantization] if args.quantization else [])
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
             out = proc.stdout + proc.stderr

@@ -37,7 +37,7 @@ def compile_once_check() -> list[str]:
     from loraplex.kernels import lora_expand as ex
     from loraplex.kernels import lora_shrink as sh
     from loraplex.kernels import paged_attention as pa
-    from loraplex.kernels.moe_route import _moe_route_kernel, _moe_route_linear_kernel
+    from loraplex.kernels.moe_route import _moe_route_kernel
     from loraplex.kernels.rotary import _rotary_kernel
     from loraplex.kernels.tuning_cases import moe_lora_cases, dense_lora_cases, misc_cases as mc
     from loraplex.kernels.tuning_cases import routing_and_rope_cases
@@ -47,8 +47,7 @@ def compile_once_check() -> list[str]:
                "moe_lora_shrink": fl._moe_lora_shrink_kernel, "moe_lora_expand": fl._moe_lora_expand_kernel,
                "moe_lora_fused": fl._moe_lora_fused_kernel,
                "paged_attention": pa._paged_attention_kernel, "paged_attention_merge": pa._merge_splits_kernel,
-               "rotary_embedding": _rotary_kernel, "moe_route": _moe_route_kernel,
-               "moe_route_linear": _moe_route_linear_kernel}
+               "rotary_embedding": _rotary_kernel, "moe_route": _moe_route_kernel}
     before = {k: compiled_variants(v) for k, v in kernels.items()}
     for m in (3, 17, 45, 100):  # same tile choice for paged attention (decode), fixed configs elsewhere
         for case in dense_lora_cases(s, m, 8, 32, torch.bfloat16, "cuda") + moe_lora_cases(s, m, 8, 32,

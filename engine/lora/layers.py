@@ -9,6 +9,15 @@ slices, K in, N out, E experts, A activated experts per token, H hidden, I inter
                        d = w2[e] act(g) + b2[e] + B2[l][e] A2[l][e] act(g)
                        out[t] = sum_a topk_weights[t, a] * d                   (delta weighted by routing)
 
+On CUDA, LoRALinear runs its shrink on a side stream (``LoRAState.shrink_stream``) while the base projection runs
+on the step's stream; the expand joins both (in a captured graph: two branches and a join), so the shrink's
+launch and ramp hide behind the base GEMM:
+
+    step stream:  ──fork──> base GEMM x W ──────────────join──> expand (y += B @ buf)
+    side stream:     └────> shrink buf = A @ x ───────────┘
+
+``LORAPLEX_LORA_SHRINK_STREAM=0`` keeps everything on one stream (A/B timing).
+
 The factors of the step's adapters are read through the step's LoRA table (``step_table.py``), each at its own
 rank. Each wrapper takes the base module's parameters under the same names, so ``named_parameters`` / state dicts
 of the model do not change, and keeps the base module (outside the module tree) for the path without LoRA.
@@ -19,6 +28,8 @@ graph-capturable composition of Triton kernels, no host sync), on the int8 weigh
 ``Int8FusedExperts`` and on the MXFP4 blocks and scales when it is ``Mxfp4FusedExperts``.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -43,6 +54,17 @@ class LoRAState:
         # captured CUDA graph must contain them; base tokens (-1) cost nothing there, an adapter without weights
         # for a module has rank 0 in its table)
         self.always_on: bool = False
+        # the side stream LoRALinear's shrinks run on beside the base projection (None: one stream; CPU)
+        self.shrink_stream = _side_stream(torch.device(device))
+
+
+def _side_stream(device: torch.device):
+    if device.type != "cuda" or os.environ.get(SHRINK_STREAM_ENV, "1") == "0":
+        return None
+    return torch.cuda.Stream(device)
+
+
+SHRINK_STREAM_ENV = "LORAPLEX_LORA_SHRINK_STREAM"
 
 
 class _LoRAWrapper(nn.Module):
@@ -77,12 +99,23 @@ class LoRALinear(_LoRAWrapper):
         self._slices = tuple(self.output_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        y = self.base(x)
         if not self.lora_active():
-            return y
+            return self.base(x)
         s = self.state
         idx, table = s.token_lora_idx, self.table.at(s.num_slots)
-        buf = ops.lora_shrink(x, table, idx, s.scaling, segments=s.segments)  # [S, T, R] fp32
+        side = s.shrink_stream if x.is_cuda else None
+        if side is None:
+            y = self.base(x)
+            buf = ops.lora_shrink(x, table, idx, s.scaling, segments=s.segments)  # [S, T, R] fp32
+        else:
+            # Every side-stream op follows a wait on the step stream, so the blocks the side stream frees are
+            # reused only after the step stream's uses of them were enqueued: no record_stream needed.
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                buf = ops.lora_shrink(x, table, idx, s.scaling, segments=s.segments)
+            y = self.base(x)
+            main.wait_stream(side)
         ops.lora_expand(y, buf, table, idx, self._slices, segments=s.segments)
         return y
 
