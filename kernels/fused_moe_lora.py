@@ -360,6 +360,32 @@ def moe_lora_shrink(x: torch.Tensor, lora_a, topk_ids: torch.Tensor, token_lora_
     return _shrink(x, table, scaling, tables, plan)
 
 
+def moe_lora_expand(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, lora, topk_ids: torch.Tensor,
+                    token_lora_idx: torch.Tensor, scaling: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
+                    config: dict, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The expand half of ``fused_moe_lora`` (in place): y[p] += w(p) * B[l][e] @ buf[p] for ``buf``, the rows
+    ``moe_lora_shrink`` made from ``x`` with the same ``config`` and alignment (a shrink run on another stream,
+    beside the base GEMM that writes y). ``config`` must not be FUSED (one kernel: no buffer)."""
+    table = expert_table(lora, None)
+    _prepare(table, y.shape[1], x, topk_ids, scaling, y)
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens * top_k == 0:
+        return
+    tables = _align_for(table, topk_ids, token_lora_idx, int(config["BLOCK_M"]), align)
+    plan = _plan_for(config, table, x, topk_ids, y.shape[1], tables, topk_weights is not None)
+    if plan.fused:
+        raise ValueError("a FUSED config runs shrink and expand in one kernel: call fused_moe_lora")
+    if tuple(buf.shape) != plan.buf_shape or buf.dtype != torch.float32:
+        raise ValueError(f"buf must be the float32 {plan.buf_shape} rows moe_lora_shrink made with this config, got "
+                         f"{buf.dtype} {tuple(buf.shape)}")
+    sorted_ids, expert_ids, num_post = tables
+    weights = topk_weights.reshape(-1).contiguous() if topk_weights is not None else scaling
+    _moe_lora_expand_kernel[plan.expand_grid](
+        y, buf, table.entries, weights, sorted_ids, expert_ids, num_post, num_tokens * top_k, sorted_ids.shape[1],
+        expert_ids.shape[1], plan.num_flat, y.shape[1], table.max_rank, table.num_slots, y.stride(0),
+        table.entries.stride(0), buf.stride(0), **plan.expand_kw)
+
+
 def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,
                    token_lora_idx: torch.Tensor, scaling: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
                    config: dict | None = None,

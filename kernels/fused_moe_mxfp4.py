@@ -368,6 +368,42 @@ def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@cached_launch
+@triton.jit
+def _sum_pairs_lora_kernel(part_ptr, out_ptr, buf_ptr, entries_ptr, slot_ptr, ids_ptr, weights_ptr,
+                           # part [SPLIT_K, T*A, N] (float32 partials, or the pair outputs with SPLIT_K 1); buf the
+                           # down shrink's rows [PARTS, T*A, R]; entries the down LoRATable's; slots [T]; topk_ids /
+                           # topk_weights [T*A] -> out [T, N]
+                           N, R, stride_ps, stride_pt, stride_ot, stride_el, stride_split,
+                           TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                           BLOCK_R: tl.constexpr, W_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        for a in tl.static_range(TOP_K):
+            acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok,
+                           other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + t).to(tl.int32)
+    if slot >= 0:  # the token's adapter: each of its pairs adds w * B_l[e] @ h (B stored as B^T [E, r, N])
+        b_ptr, rank = weight_entry(entries_ptr, slot, 0, stride_el, 0, 1, W_DTYPE)
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r < rank  # rank 0 (no weights for this target): nothing read, the rows were never written
+        for a in tl.static_range(TOP_K):
+            p = t * TOP_K + a
+            expert = tl.load(ids_ptr + p).to(tl.int64)
+            h = tl.load(buf_ptr + p * R + r, mask=r_ok, other=0.0)
+            for part in tl.static_range(1, PARTS):
+                h += tl.load(buf_ptr + part * stride_split + p * R + r, mask=r_ok, other=0.0)
+            b = tl.load(b_ptr + (expert * rank + r[:, None]) * N + cols[None, :], mask=r_ok[:, None] & ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.load(weights_ptr + p).to(tl.float32) * tl.sum(h[:, None] * b, axis=0)
+    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 @dataclass(frozen=True)
 class LoRAEpilogue:
     """An expert LoRA delta that ``gate_up`` / ``down`` add in their epilogue instead of a separate expand launch:
@@ -592,6 +628,38 @@ def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
     block = min(1024, next_power_of_2(hidden))
     _sum_pairs_kernel[(num_tokens, cdiv(hidden, block))](
         out, res, hidden, out.stride(0), out.stride(1), res.stride(0), TOP_K=top_k, SPLIT_K=splits, BLOCK=block,
+        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    return res
+
+
+SUM_LORA_BLOCK = 256  # output columns per program of sum_pairs_lora: 4 pairs x r x 256 B values each
+
+
+def sum_pairs_lora(out: torch.Tensor, lora: LoRAEpilogue, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   dtype: torch.dtype, *, pdl: bool = False) -> torch.Tensor:
+    """``sum_pairs`` with the down LoRA delta added in the sum instead of the down GEMM's epilogue: ``out`` the
+    routing-weighted pair outputs [T*A, H] or float32 split partials [S, T*A, H] of a down GEMM run without LoRA,
+    ``lora.buf`` the down shrink's rows; out[t] = sum of the partials of t's pairs + sum_a w[t, a] * B_l[e_a] @ h
+    for a token t with adapter slot l (one launch, [T, H] in ``dtype``)."""
+    num_tokens, top_k = topk_ids.shape
+    parts = out if out.dim() == 3 else out.unsqueeze(0)
+    splits, num_pairs, hidden = parts.shape
+    if num_pairs != num_tokens * top_k or parts.stride(2) != 1:
+        raise ValueError(f"out must hold {num_tokens * top_k} pair rows with unit column stride, got "
+                         f"{tuple(out.shape)}")
+    if lora.token_slots.shape != (num_tokens,) or not lora.token_slots.is_contiguous():
+        raise ValueError(f"token_slots must be a contiguous [{num_tokens}] tensor, got {tuple(lora.token_slots.shape)}")
+    res = torch.empty(num_tokens, hidden, dtype=dtype, device=out.device)
+    if num_tokens == 0:
+        return res
+    block = min(SUM_LORA_BLOCK, next_power_of_2(hidden))
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    entries = lora.table.entries
+    _sum_pairs_lora_kernel[(num_tokens, cdiv(hidden, block))](
+        parts, res, lora.buf, entries, lora.token_slots, ids, weights, hidden, lora.buf.shape[2], parts.stride(0),
+        parts.stride(1), res.stride(0), entries.stride(0), lora.buf.stride(0), TOP_K=top_k, SPLIT_K=splits,
+        PARTS=lora.buf.shape[0], BLOCK=block, BLOCK_R=block_r(lora.table.max_rank), W_DTYPE=tl_dtype(lora.table.dtype),
         USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return res
 

@@ -22,8 +22,21 @@ EPILOGUE_MAX_BLOCK_M pairs) the expands move into the MXFP4 GEMMs' epilogues ins
     moe_lora_shrink(h, A2)  ─> h2  ─> down GEMM + bias + down delta, * routing weight (split-K kept) ─> sum over A
 
 two launches fewer per target, no pre-activation round trip, and the down GEMM keeps its split-K.
+
+With ``LORAPLEX_MOE_DOWN_DELTA=sum`` (``DOWN_DELTA_IN_SUM``) the down delta moves from the down GEMM's epilogue
+into the sum over each token's pairs (``fused_moe_mxfp4.sum_pairs_lora``), so the down shrink no longer gates the
+GEMM: given a ``shrink_stream`` it runs there, beside the down GEMM, and the sum joins both:
+
+    step stream:  gate_up GEMM (+ delta, act) ─> h ──fork──> down GEMM (no LoRA) ─────join──> sum_pairs_lora
+    side stream:                                   └───> moe_lora_shrink(h, A2) ─> h2 ──┘     (+ w * B2 @ h2)
+
+With ``LORAPLEX_MOE_SHRINK_STREAM=1`` (``SHRINK_STREAM_APART``) the expands-apart path likewise runs each target's
+shrink on the ``shrink_stream`` beside its base GEMM (``fused_moe_lora.moe_lora_shrink``), then the expand
+(``moe_lora_expand``) after both. Both switches are off by default.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -58,8 +71,37 @@ def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
 EPILOGUE_MAX_BLOCK_M = 8
 
 
+def _down_delta_in_sum() -> bool:
+    value = os.environ.get("LORAPLEX_MOE_DOWN_DELTA", "epilogue")
+    if value not in ("epilogue", "sum"):
+        raise ValueError(f"LORAPLEX_MOE_DOWN_DELTA must be 'epilogue' or 'sum', got {value!r}")
+    return value == "sum"
+
+
+# the epilogue path's down delta: in the down GEMM's epilogue (False) or in the pair sum, the down shrink beside the
+# down GEMM on the caller's shrink stream (True)
+DOWN_DELTA_IN_SUM = _down_delta_in_sum()
+# the expands-apart path (row blocks above EPILOGUE_MAX_BLOCK_M: verify steps, prefill): each target's shrink on the
+# caller's shrink stream beside its base GEMM, the expand after both (LORAPLEX_MOE_SHRINK_STREAM=1)
+SHRINK_STREAM_APART = os.environ.get("LORAPLEX_MOE_SHRINK_STREAM", "0") == "1"
+
+
+def _fork(side, fn):
+    """``fn()`` enqueued on ``side`` after everything the current stream has enqueued. Every side-stream op follows
+    such a wait, so blocks the side stream frees are reused only after the step stream's uses of them were enqueued
+    (no record_stream needed); the caller joins with ``_join`` before reading the result."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        return fn()
+
+
+def _join(side) -> None:
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
-                            lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit) -> torch.Tensor:
+                            lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit,
+                            shrink_stream=None) -> torch.Tensor:
     """MXFP4 kernel layout at decode sizes: each target's shrink, then its GEMM adds the expand in its epilogue
     (gate_up before the activation, down before the routing weight), so neither the expand launches nor the
     activation's nor the pre-activation's round trip through memory remain; both GEMMs keep their split-K."""
@@ -72,6 +114,10 @@ def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_l
         gu_lora = fm4.LoRAEpilogue(buf, w13_lora, slots)
     h = fm4.gate_up(x, w13, s13, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha, limit=limit,
                     lora=gu_lora)  # [T*A, I]
+    if "down" in cfgs and DOWN_DELTA_IN_SUM:
+        return _down_delta_in_sum_path(h, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align,
+                                       cfgs["down"], lora_align, w2_lora, slots, x.dtype, b2=b2,
+                                       shrink_stream=shrink_stream)
     if "down" in cfgs:
         buf = fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling, out_features=w2.shape[1],
                                   config=cfgs["down"], align=lora_align)
@@ -80,11 +126,33 @@ def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_l
     return fm4.sum_pairs(out, num_tokens, top_k, x.dtype, pdl=fm4.use_pdl(cfg, x.device))
 
 
+def _down_delta_in_sum_path(h, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, lora_cfg,
+                            lora_align, w2_lora, slots, dtype, *, b2, shrink_stream) -> torch.Tensor:
+    """The down GEMM without LoRA and the down shrink side by side (the shrink on ``shrink_stream`` when given),
+    then ``sum_pairs_lora`` adds the partials and the routing-weighted down delta per token."""
+    side = shrink_stream
+
+    def shrink():
+        return fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling, out_features=w2.shape[1],
+                                   config=lora_cfg, align=lora_align)
+
+    buf = _fork(side, shrink) if side is not None else shrink()
+    out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2)
+    if side is not None:
+        _join(side)
+    # PDL only on one stream: the sum's other input comes through the join, not from the kernel before it
+    return fm4.sum_pairs_lora(out, fm4.LoRAEpilogue(buf, w2_lora, slots), topk_ids, topk_weights, dtype,
+                              pdl=side is None and fm4.use_pdl(cfg, h.device))
+
+
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
                      activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None,
-                     config: dict | None = None, lora_config_override: dict | None = None) -> torch.Tensor:
+                     shrink_stream=None, config: dict | None = None,
+                     lora_config_override: dict | None = None) -> torch.Tensor:
     """Same contract as ``reference_lora.moe_experts_lora``. ``config`` overrides the base GEMMs' tuned config,
-    ``lora_config_override`` both LoRA calls' (tests and the tuner)."""
+    ``lora_config_override`` both LoRA calls' (tests and the tuner); ``shrink_stream``: a CUDA stream the down
+    shrinks may run on beside the base GEMMs (``DOWN_DELTA_IN_SUM``, ``SHRINK_STREAM_APART``; the tensors' device's
+    stream, None on CPUs)."""
     quantized = w13_scale is not None or w2_scale is not None
     kernel_layout = quantized and is_kernel_layout(w13)  # MXFP4 in the kernel layout (fused_moe_mxfp4's GEMMs)
     if kernel_layout:
@@ -133,20 +201,38 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     if kernel_layout and cfgs and int(cfg["BLOCK_M"]) <= EPILOGUE_MAX_BLOCK_M:
         return _kernel_layout_epilogue(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_lora_idx,
                                        scaling, cfg, align, cfgs, lora_align, w13_lora, w2_lora, activation=activation,
-                                       b13=b13, b2=b2, alpha=alpha, limit=limit)
+                                       b13=b13, b2=b2, alpha=alpha, limit=limit, shrink_stream=shrink_stream)
+    side = shrink_stream if SHRINK_STREAM_APART else None
+    # a target's shrink beside its base GEMM (its own kernel: not a FUSED config); PDL off for both halves, whose
+    # launches then follow a fork / join instead of each other
+    apart = {t: {**c, "PDL": 0} for t, c in cfgs.items() if side is not None and not int(c.get("FUSED", 0))}
+    buf13 = _fork(side, lambda: fml.moe_lora_shrink(x, w13_lora, topk_ids, token_lora_idx, scaling,
+                                                    out_features=two_i, config=apart["gate_up"],
+                                                    align=lora_align)) if "gate_up" in apart else None
     if kernel_layout:
         pre = fm4.gate_up(x, w13, w13_scale, align, cfg, top_k=top_k, activation=None, b13=b13)  # [T*A, 2I]
     else:
         pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)
-    if "gate_up" in cfgs:
+    if buf13 is not None:
+        _join(side)
+        fml.moe_lora_expand(pre, x, buf13, w13_lora, topk_ids, token_lora_idx, scaling, None,
+                            config=apart["gate_up"], align=lora_align)
+    elif "gate_up" in cfgs:
         fml.fused_moe_lora(pre, x, w13_lora, None, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
                            align=lora_align)
     h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
+    buf2 = _fork(side, lambda: fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling,
+                                                   out_features=hidden, config=apart["down"],
+                                                   align=lora_align)) if "down" in apart else None
     if kernel_layout:  # no split-K: the down LoRA adds into the pair outputs
         out = fm4.down(h, w2, w2_scale, topk_weights, align, cfg, b2=b2, split_k=1)  # [T*A, H], routing-weighted
     else:
         out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)
-    if "down" in cfgs:
+    if buf2 is not None:
+        _join(side)
+        fml.moe_lora_expand(out, h, buf2, w2_lora, topk_ids, token_lora_idx, scaling, topk_weights,
+                            config=apart["down"], align=lora_align)
+    elif "down" in cfgs:
         fml.fused_moe_lora(out, h, w2_lora, None, topk_ids, token_lora_idx, scaling, topk_weights,
                            config=cfgs["down"], align=lora_align)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

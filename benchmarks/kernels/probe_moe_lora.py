@@ -1,8 +1,11 @@
 """Where the time of the expert layer with expert LoRA goes, per expert format: per-kernel device time (torch
 profiler, plain launches) of ``moe_experts_lora`` next to the same layer without LoRA, bf16 weights and MXFP4 in
 the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
-MXFP4 + LoRA runs twice: as the engine calls it (at decode sizes the expands inside the GEMMs' epilogues) and with
-the expands as separate launches (``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0), and the two outputs are compared.
+MXFP4 + LoRA runs five times: as the engine calls it (at decode sizes the expands inside the GEMMs' epilogues), with
+the expands as separate launches (``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0), and with the down delta in the pair
+sum (``DOWN_DELTA_IN_SUM``) with its shrink in line and on a side stream, and with both side-stream switches on
+(at M above the epilogue's row blocks: the shrinks beside the base GEMMs, ``SHRINK_STREAM_APART``); each output is
+compared with the second.
 ``--mix`` picks the tokens' adapters as ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt
 chunk beside decodes).
 
@@ -41,6 +44,27 @@ def variants(inp: dict, lo: dict) -> dict:
         finally:
             mel.EPILOGUE_MAX_BLOCK_M = limit
 
+    def down_delta_in_sum(stream):  # the down delta in the pair sum, its shrink on ``stream`` (None: in line)
+        def call():
+            saved, mel.DOWN_DELTA_IN_SUM = mel.DOWN_DELTA_IN_SUM, True
+            try:
+                return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
+                                        shrink_stream=stream, **lkw)
+            finally:
+                mel.DOWN_DELTA_IN_SUM = saved
+        return call
+
+    def shrinks_on_a_side_stream(stream):  # both switches on: whichever path M takes forks its shrinks
+        def call():
+            saved = mel.DOWN_DELTA_IN_SUM, mel.SHRINK_STREAM_APART
+            mel.DOWN_DELTA_IN_SUM = mel.SHRINK_STREAM_APART = True
+            try:
+                return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
+                                        shrink_stream=stream, **lkw)
+            finally:
+                mel.DOWN_DELTA_IN_SUM, mel.SHRINK_STREAM_APART = saved
+        return call
+
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
     kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
     lkw = dict(kw, w13_lora=lo["w13_lora"], w2_lora=lo["w2_lora"])
@@ -52,7 +76,15 @@ def variants(inp: dict, lo: dict) -> dict:
         "mxfp4 + LoRA": lambda: moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13,
                                                  w2_scale=s2, **lkw),
         "mxfp4 + LoRA, expands apart": expands_apart,
+        "mxfp4 + LoRA, down delta in the sum": down_delta_in_sum(None),
+        "mxfp4 + LoRA, down delta in the sum, down shrink on a side stream": down_delta_in_sum(torch.cuda.Stream()),
+        "mxfp4 + LoRA, shrinks on a side stream (both switches)": shrinks_on_a_side_stream(torch.cuda.Stream()),
     }
+
+
+CHECKED = ("mxfp4 + LoRA", "mxfp4 + LoRA, down delta in the sum",
+           "mxfp4 + LoRA, down delta in the sum, down shrink on a side stream",
+           "mxfp4 + LoRA, shrinks on a side stream (both switches)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         lo = lora_inputs(s, m, inp["ids"], args.max_loras, args.rank, "cuda", torch.bfloat16)
         lo["idx"] = adapter_indices(m, AdapterMix(args.max_loras, args.mix), "cuda")
         calls = variants(inp, lo)
-        ref, alt = calls["mxfp4 + LoRA, expands apart"]().float(), calls["mxfp4 + LoRA"]().float()
+        ref = calls["mxfp4 + LoRA, expands apart"]().float()
         delta = (ref - calls["mxfp4"]().float()).norm().item()
-        err = (alt - ref).norm().item() / max(ref.norm().item(), 1e-30)
-        print(f"| M = {m}: MXFP4 + LoRA against the expands apart: relative error {err:.2e} (LoRA delta "
-              f"{delta / max(ref.norm().item(), 1e-30):.2e} of the output) |", flush=True)
-        rows.append(dict(layer="check: mxfp4 + LoRA vs expands apart", m=m, rel_error=err,
-                         lora_delta_rel=delta / max(ref.norm().item(), 1e-30)))
+        for label in CHECKED:
+            err = (calls[label]().float() - ref).norm().item() / max(ref.norm().item(), 1e-30)
+            print(f"| M = {m}: {label} against the expands apart: relative error {err:.2e} (LoRA delta "
+                  f"{delta / max(ref.norm().item(), 1e-30):.2e} of the output) |", flush=True)
+            rows.append(dict(layer=f"check: {label} vs expands apart", m=m, rel_error=err,
+                             lora_delta_rel=delta / max(ref.norm().item(), 1e-30)))
         for label, fn in calls.items():
             call = bench_time_ms(fn) * 1e3
             parts = kernel_times_us(fn)
