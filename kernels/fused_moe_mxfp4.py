@@ -351,6 +351,18 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & rows_ok[:, None])
 
 
+@triton.jit
+def _pair_sum(part_ptr, t, cols, ok, stride_ps, stride_pt, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """float32 [BLOCK]: token t's columns ``cols`` summed over the splits and its TOP_K pairs."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        for a in tl.static_range(TOP_K):
+            acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok,
+                           other=0.0).to(tl.float32)
+    return acc
+
+
 @cached_launch
 @triton.jit
 def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
@@ -361,10 +373,7 @@ def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        for a in tl.static_range(TOP_K):
-            acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok, other=0.0)
+    acc = _pair_sum(part_ptr, t, cols, ok, stride_ps, stride_pt, TOP_K, SPLIT_K, BLOCK)
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -382,11 +391,7 @@ def _sum_pairs_lora_kernel(part_ptr, out_ptr, buf_ptr, entries_ptr, slot_ptr, id
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        for a in tl.static_range(TOP_K):
-            acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok,
-                           other=0.0).to(tl.float32)
+    acc = _pair_sum(part_ptr, t, cols, ok, stride_ps, stride_pt, TOP_K, SPLIT_K, BLOCK)
     slot = tl.load(slot_ptr + t).to(tl.int32)
     if slot >= 0:  # the token's adapter: each of its pairs adds w * B_l[e] @ h (B stored as B^T [E, r, N])
         b_ptr, rank = weight_entry(entries_ptr, slot, 0, stride_el, 0, 1, W_DTYPE)

@@ -256,12 +256,10 @@ EPILOGUE_CASES = {  # (tokens, top_k, base config): 8-row blocks, so the deltas 
 }
 
 
-@pytest.mark.parametrize("case", list(EPILOGUE_CASES))
-def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
-    """The decode path: shrink launches, the expands inside the MXFP4 GEMMs' epilogues. Slots at ranks 8 / 16 / 4,
-    slot 3 without weights, tokens without an adapter, several slots (and one slot twice) in a row block; the
-    separate expand kernel must not run."""
-    from loraplex.kernels import fused_moe_lora as fml
+def check_epilogue_case(case: str) -> None:
+    """The decode-path expert layer of ``EPILOGUE_CASES[case]`` against the reference: slots at ranks 8 / 16 / 4,
+    slot 3 without weights, tokens without an adapter, several slots (and one slot twice) in a row block; the deltas
+    are there and tokens without weights get the base output."""
     from tests.kernels.lora_inputs import expert_table
 
     num_tokens, top_k, config = EPILOGUE_CASES[case]
@@ -272,7 +270,6 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
     scaling = torch.rand(slots) + 0.5
     tables = (expert_table(slots, E, H, 2 * INTER, empty=(3,), max_rank=R, ranks=(8, 16, 4)),
               expert_table(slots, E, INTER, H, empty=(3,), max_rank=R, ranks=(8, 16, 4)))
-    monkeypatch.setattr(fml, "_moe_lora_expand_kernel", None)  # any separate expand launch would fail
     got, want = _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, w13_lora=tables[0],
                             w2_lora=tables[1], activation="swiglu_clamp", b13=b13, b2=b2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -281,6 +278,16 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
     adapted = (idx >= 0) & (idx != 3)
     assert adapted.any() and (got[adapted] - base[adapted]).abs().max() > 0.05  # the deltas are there
     torch.testing.assert_close(got[~adapted], base[~adapted], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(EPILOGUE_CASES))
+def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
+    """The decode path: shrink launches, the expands inside the MXFP4 GEMMs' epilogues; the separate expand kernel
+    must not run."""
+    from loraplex.kernels import fused_moe_lora as fml
+
+    monkeypatch.setattr(fml, "_moe_lora_expand_kernel", None)  # any separate expand launch would fail
+    check_epilogue_case(case)
 
 
 @pytest.mark.parametrize("config", ["16x64x64", "32x32x64 split3 bits"])
