@@ -48,6 +48,7 @@ from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align, moe_align_lora, moe_align_pair
 from loraplex.kernels.mxfp4 import is_kernel_layout
+from loraplex.kernels.side_stream import fork, join
 from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
 
 
@@ -86,19 +87,6 @@ DOWN_DELTA_IN_SUM = _down_delta_in_sum()
 SHRINK_STREAM_APART = os.environ.get("LORAPLEX_MOE_SHRINK_STREAM", "0") == "1"
 
 
-def _fork(side, fn):
-    """``fn()`` enqueued on ``side`` after everything the current stream has enqueued. Every side-stream op follows
-    such a wait, so blocks the side stream frees are reused only after the step stream's uses of them were enqueued
-    (no record_stream needed); the caller joins with ``_join`` before reading the result."""
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        return fn()
-
-
-def _join(side) -> None:
-    torch.cuda.current_stream().wait_stream(side)
-
-
 def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
                             lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit,
                             shrink_stream=None) -> torch.Tensor:
@@ -130,19 +118,17 @@ def _down_delta_in_sum_path(h, w2, s2, topk_weights, topk_ids, token_lora_idx, s
                             lora_align, w2_lora, slots, dtype, *, b2, shrink_stream) -> torch.Tensor:
     """The down GEMM without LoRA and the down shrink side by side (the shrink on ``shrink_stream`` when given),
     then ``sum_pairs_lora`` adds the partials and the routing-weighted down delta per token."""
-    side = shrink_stream
-
     def shrink():
         return fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling, out_features=w2.shape[1],
                                    config=lora_cfg, align=lora_align)
 
-    buf = _fork(side, shrink) if side is not None else shrink()
+    buf = fork(shrink_stream, shrink) if shrink_stream is not None else shrink()
     out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2)
-    if side is not None:
-        _join(side)
+    if shrink_stream is not None:
+        join(shrink_stream)
     # PDL only on one stream: the sum's other input comes through the join, not from the kernel before it
     return fm4.sum_pairs_lora(out, fm4.LoRAEpilogue(buf, w2_lora, slots), topk_ids, topk_weights, dtype,
-                              pdl=side is None and fm4.use_pdl(cfg, h.device))
+                              pdl=shrink_stream is None and fm4.use_pdl(cfg, h.device))
 
 
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
@@ -150,9 +136,9 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
                      shrink_stream=None, config: dict | None = None,
                      lora_config_override: dict | None = None) -> torch.Tensor:
     """Same contract as ``reference_lora.moe_experts_lora``. ``config`` overrides the base GEMMs' tuned config,
-    ``lora_config_override`` both LoRA calls' (tests and the tuner); ``shrink_stream``: a CUDA stream the down
-    shrinks may run on beside the base GEMMs (``DOWN_DELTA_IN_SUM``, ``SHRINK_STREAM_APART``; the tensors' device's
-    stream, None on CPUs)."""
+    ``lora_config_override`` both LoRA calls' (tests and the tuner); ``shrink_stream``: a CUDA stream of the
+    tensors' device that LoRA shrinks may run on beside the base GEMMs (``DOWN_DELTA_IN_SUM``,
+    ``SHRINK_STREAM_APART``; None on CPUs)."""
     quantized = w13_scale is not None or w2_scale is not None
     kernel_layout = quantized and is_kernel_layout(w13)  # MXFP4 in the kernel layout (fused_moe_mxfp4's GEMMs)
     if kernel_layout:
@@ -206,7 +192,7 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     # a target's shrink beside its base GEMM (its own kernel: not a FUSED config); PDL off for both halves, whose
     # launches then follow a fork / join instead of each other
     apart = {t: {**c, "PDL": 0} for t, c in cfgs.items() if side is not None and not int(c.get("FUSED", 0))}
-    buf13 = _fork(side, lambda: fml.moe_lora_shrink(x, w13_lora, topk_ids, token_lora_idx, scaling,
+    buf13 = fork(side, lambda: fml.moe_lora_shrink(x, w13_lora, topk_ids, token_lora_idx, scaling,
                                                     out_features=two_i, config=apart["gate_up"],
                                                     align=lora_align)) if "gate_up" in apart else None
     if kernel_layout:
@@ -214,14 +200,14 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     else:
         pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)
     if buf13 is not None:
-        _join(side)
+        join(side)
         fml.moe_lora_expand(pre, x, buf13, w13_lora, topk_ids, token_lora_idx, scaling, None,
                             config=apart["gate_up"], align=lora_align)
     elif "gate_up" in cfgs:
         fml.fused_moe_lora(pre, x, w13_lora, None, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
                            align=lora_align)
     h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
-    buf2 = _fork(side, lambda: fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling,
+    buf2 = fork(side, lambda: fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling,
                                                    out_features=hidden, config=apart["down"],
                                                    align=lora_align)) if "down" in apart else None
     if kernel_layout:  # no split-K: the down LoRA adds into the pair outputs
@@ -229,7 +215,7 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     else:
         out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)
     if buf2 is not None:
-        _join(side)
+        join(side)
         fml.moe_lora_expand(out, h, buf2, w2_lora, topk_ids, token_lora_idx, scaling, topk_weights,
                             config=apart["down"], align=lora_align)
     elif "down" in cfgs:

@@ -36,33 +36,17 @@ def variants(inp: dict, lo: dict) -> dict:
     from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
-    def expands_apart():  # the MXFP4 path with separate expand launches at every M (the prefill path)
-        limit, mel.EPILOGUE_MAX_BLOCK_M = mel.EPILOGUE_MAX_BLOCK_M, 0
-        try:
-            return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
-                                    **lkw)
-        finally:
-            mel.EPILOGUE_MAX_BLOCK_M = limit
-
-    def down_delta_in_sum(stream):  # the down delta in the pair sum, its shrink on ``stream`` (None: in line)
+    def switched(stream=None, **switches):  # the MXFP4 layer with moe_experts_lora's switches set for the call
         def call():
-            saved, mel.DOWN_DELTA_IN_SUM = mel.DOWN_DELTA_IN_SUM, True
+            saved = {name: getattr(mel, name) for name in switches}
+            for name, value in switches.items():
+                setattr(mel, name, value)
             try:
                 return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
                                         shrink_stream=stream, **lkw)
             finally:
-                mel.DOWN_DELTA_IN_SUM = saved
-        return call
-
-    def shrinks_on_a_side_stream(stream):  # both switches on: whichever path M takes forks its shrinks
-        def call():
-            saved = mel.DOWN_DELTA_IN_SUM, mel.SHRINK_STREAM_APART
-            mel.DOWN_DELTA_IN_SUM = mel.SHRINK_STREAM_APART = True
-            try:
-                return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
-                                        shrink_stream=stream, **lkw)
-            finally:
-                mel.DOWN_DELTA_IN_SUM, mel.SHRINK_STREAM_APART = saved
+                for name, value in saved.items():
+                    setattr(mel, name, value)
         return call
 
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
@@ -73,12 +57,15 @@ def variants(inp: dict, lo: dict) -> dict:
         "bf16": lambda: fused_moe(x, inp["w13"], inp["w2"], wts, ids, **kw),
         "bf16 + LoRA": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"], **lkw),
         "mxfp4": lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, **kw),
-        "mxfp4 + LoRA": lambda: moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13,
-                                                 w2_scale=s2, **lkw),
-        "mxfp4 + LoRA, expands apart": expands_apart,
-        "mxfp4 + LoRA, down delta in the sum": down_delta_in_sum(None),
-        "mxfp4 + LoRA, down delta in the sum, down shrink on a side stream": down_delta_in_sum(torch.cuda.Stream()),
-        "mxfp4 + LoRA, shrinks on a side stream (both switches)": shrinks_on_a_side_stream(torch.cuda.Stream()),
+        "mxfp4 + LoRA": switched(),
+        # separate expand launches at every M (the prefill path)
+        "mxfp4 + LoRA, expands apart": switched(EPILOGUE_MAX_BLOCK_M=0),
+        "mxfp4 + LoRA, down delta in the sum": switched(DOWN_DELTA_IN_SUM=True),
+        "mxfp4 + LoRA, down delta in the sum, down shrink on a side stream": switched(torch.cuda.Stream(),
+                                                                                      DOWN_DELTA_IN_SUM=True),
+        # both switches: whichever path M takes forks its shrinks
+        "mxfp4 + LoRA, shrinks on a side stream (both switches)": switched(torch.cuda.Stream(), DOWN_DELTA_IN_SUM=True,
+                                                                          SHRINK_STREAM_APART=True),
     }
 
 

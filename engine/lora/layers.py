@@ -11,7 +11,7 @@ slices, K in, N out, E experts, A activated experts per token, H hidden, I inter
 
 On CUDA, LoRALinear runs its shrink on a side stream (``LoRAState.shrink_stream``) while the base projection runs
 on the step's stream; the expand joins both (in a captured graph: two branches and a join), so the shrink's
-launch and ramp hide behind the base GEMM:
+launch and ramp hide behind the base GEMM (``kernels/side_stream.py``):
 
     step stream:  ──fork──> base GEMM x W ──────────────join──> expand (y += B @ buf)
     side stream:     └────> shrink buf = A @ x ───────────┘
@@ -36,6 +36,7 @@ from torch import nn
 
 from loraplex.engine.lora.step_table import TargetTable
 from loraplex.kernels import ops
+from loraplex.kernels.side_stream import fork, join
 
 
 class LoRAState:
@@ -103,19 +104,14 @@ class LoRALinear(_LoRAWrapper):
             return self.base(x)
         s = self.state
         idx, table = s.token_lora_idx, self.table.at(s.num_slots)
-        side = s.shrink_stream if x.is_cuda else None
+        side = s.shrink_stream
         if side is None:
             y = self.base(x)
             buf = ops.lora_shrink(x, table, idx, s.scaling, segments=s.segments)  # [S, T, R] fp32
-        else:
-            # Every side-stream op follows a wait on the step stream, so the blocks the side stream frees are
-            # reused only after the step stream's uses of them were enqueued: no record_stream needed.
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                buf = ops.lora_shrink(x, table, idx, s.scaling, segments=s.segments)
+        else:  # the shrink beside the base GEMM
+            buf = fork(side, lambda: ops.lora_shrink(x, table, idx, s.scaling, segments=s.segments))
             y = self.base(x)
-            main.wait_stream(side)
+            join(side)
         ops.lora_expand(y, buf, table, idx, self._slices, segments=s.segments)
         return y
 
@@ -156,7 +152,7 @@ class LoRAFusedExperts(_LoRAWrapper):
                                     activation=self.activation,
                                     b13=base.b13, b2=base.b2, alpha=self.alpha, limit=self.limit,
                                     w13_scale=w13_scale, w2_scale=w2_scale,
-                                    shrink_stream=s.shrink_stream if x.is_cuda else None)
+                                    shrink_stream=s.shrink_stream)
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, E={self.num_experts}"

@@ -126,12 +126,12 @@ def test_sum_pairs_lora_builds_for_sm90():
 
 
 class _InlineSide:
-    """Stands for the CUDA side stream on a CPU: ``_fork`` runs the shrink in line and both record the order."""
+    """Stands for the CUDA side stream on a CPU: ``fork`` runs the shrink in line and both record the order."""
 
     def __init__(self, monkeypatch):
         self.events = []
-        monkeypatch.setattr(mel, "_fork", lambda side, fn: (self.events.append("fork"), fn())[1])
-        monkeypatch.setattr(mel, "_join", lambda side: self.events.append("join"))
+        monkeypatch.setattr(mel, "fork", lambda side, fn: (self.events.append("fork"), fn())[1])
+        monkeypatch.setattr(mel, "join", lambda side: self.events.append("join"))
 
 
 @pytest.mark.parametrize("case", ["both GEMMs split", "down on its own tile"])
