@@ -364,8 +364,8 @@ def moe_lora_expand(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, lora, t
                     token_lora_idx: torch.Tensor, scaling: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
                     config: dict, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """The expand half of ``fused_moe_lora`` (in place): y[p] += w(p) * B[l][e] @ buf[p] for ``buf``, the rows
-    ``moe_lora_shrink`` made from ``x`` with the same ``config`` and alignment (a shrink run on another stream,
-    beside the base GEMM that writes y). ``config`` must not be FUSED (one kernel: no buffer)."""
+    ``moe_lora_shrink`` made from ``x`` with the same ``config`` and alignment (the shrink launched before the base
+    GEMM that writes y, so that the two overlap). ``config`` must not be FUSED (one kernel: no buffer)."""
     table = expert_table(lora, None)
     _prepare(table, y.shape[1], x, topk_ids, scaling, y)
     num_tokens, top_k = topk_ids.shape

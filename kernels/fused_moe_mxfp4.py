@@ -219,13 +219,16 @@ def _gate_up_kernel(
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
     FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
-    LORA_DTYPE: tl.constexpr = tl.bfloat16,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
+    if not LATE_WAIT:
+        pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
     dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
     if dead:
+        if LATE_WAIT:  # so that this grid never ends before the kernel it depends on
+            pdl_wait(USE_PDL)
         return
     tok = (pairs // TOP_K).to(tl.int64)
     atoms = (K + 63) // 64
@@ -249,6 +252,8 @@ def _gate_up_kernel(
         acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
                                x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
                                k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    if LATE_WAIT:  # the kernel before (a LoRA shrink) may have run beside the K loop until here
+        pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)  # the next kernel may launch (it waits for this grid to finish before reading)
     # ---- epilogue: the bf16 decode's 2^63, bias (split 0), activation; out[pair, n] = acc[n, pair]
     if x_ptr.dtype.element_ty == tl.bfloat16:
@@ -315,13 +320,16 @@ def _down_kernel(
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
     DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
-    LORA_DTYPE: tl.constexpr = tl.bfloat16,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
+    if not LATE_WAIT:
+        pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
     dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
     if dead:
+        if LATE_WAIT:  # so that this grid never ends before the kernel it depends on
+            pdl_wait(USE_PDL)
         return
     pairs64 = pairs.to(tl.int64)
     atoms = (K + 63) // 64
@@ -332,6 +340,8 @@ def _down_kernel(
     h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # h^T [BLOCK_K, BLOCK_M]
     acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, h_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok, k_begin,
                      k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    if LATE_WAIT:
+        pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)
     # ---- epilogue: the bf16 decode's 2^63, bias (split 0), routing weight; out[pair, n] = acc[n, pair]
     if h_ptr.dtype.element_ty == tl.bfloat16:
@@ -377,38 +387,6 @@ def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@cached_launch
-@triton.jit
-def _sum_pairs_lora_kernel(part_ptr, out_ptr, buf_ptr, entries_ptr, slot_ptr, ids_ptr, weights_ptr,
-                           # part [SPLIT_K, T*A, N] (float32 partials, or the pair outputs with SPLIT_K 1); buf the
-                           # down shrink's rows [PARTS, T*A, R]; entries the down LoRATable's; slots [T]; topk_ids /
-                           # topk_weights [T*A] -> out [T, N]
-                           N, R, stride_ps, stride_pt, stride_ot, stride_el, stride_split,
-                           TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
-                           BLOCK_R: tl.constexpr, W_DTYPE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    acc = _pair_sum(part_ptr, t, cols, ok, stride_ps, stride_pt, TOP_K, SPLIT_K, BLOCK)
-    slot = tl.load(slot_ptr + t).to(tl.int32)
-    if slot >= 0:  # the token's adapter: each of its pairs adds w * B_l[e] @ h (B stored as B^T [E, r, N])
-        b_ptr, rank = weight_entry(entries_ptr, slot, 0, stride_el, 0, 1, W_DTYPE)
-        r = tl.arange(0, BLOCK_R)
-        r_ok = r < rank  # rank 0 (no weights for this target): nothing read, the rows were never written
-        for a in tl.static_range(TOP_K):
-            p = t * TOP_K + a
-            expert = tl.load(ids_ptr + p).to(tl.int64)
-            h = tl.load(buf_ptr + p * R + r, mask=r_ok, other=0.0)
-            for part in tl.static_range(1, PARTS):
-                h += tl.load(buf_ptr + part * stride_split + p * R + r, mask=r_ok, other=0.0)
-            b = tl.load(b_ptr + (expert * rank + r[:, None]) * N + cols[None, :], mask=r_ok[:, None] & ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.load(weights_ptr + p).to(tl.float32) * tl.sum(h[:, None] * b, axis=0)
-    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 @dataclass(frozen=True)
 class LoRAEpilogue:
     """An expert LoRA delta that ``gate_up`` / ``down`` add in their epilogue instead of a separate expand launch:
@@ -418,6 +396,12 @@ class LoRAEpilogue:
     buf: torch.Tensor
     table: LoRATable
     token_slots: torch.Tensor
+
+
+# ``late_wait``: a PDL-launched GEMM runs its K loop before it waits for the kernel launched just before it (a LoRA
+# shrink, whose rows only the epilogue or a later kernel reads), so the shrink overlaps the GEMM's weight stream
+# (LORAPLEX_MOE_LORA_LATE_WAIT=0: the GEMM waits first, as everywhere else)
+LORA_LATE_WAIT = os.environ.get("LORAPLEX_MOE_LORA_LATE_WAIT", "1") != "0"
 
 
 def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor):
@@ -561,11 +545,12 @@ def _down_plan(cfg: dict, *, interpreting: bool, **shape) -> tuple[dict, dict]:
 
 
 def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
-            limit: float = 7.0, lora: LoRAEpilogue | None = None) -> torch.Tensor:
+            limit: float = 7.0, lora: LoRAEpilogue | None = None, late_wait: bool = False) -> torch.Tensor:
     """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
     or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None. cfg GU_SPLIT_K > 1 splits K: float32
     partial sums [S, T*A, 2I], then one launch adds them and applies the activation. ``lora``: the gate_up LoRA
-    delta added before the activation (split 0 adds it)."""
+    delta added before the activation (split 0 adds it). ``late_wait``: the kernel launched just before is a LoRA
+    shrink (``LORA_LATE_WAIT``); x, the tables and the weights must come from earlier kernels."""
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
     inter = w13.shape[1] // 2
     pdl = use_pdl(cfg, x.device)
@@ -584,7 +569,8 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
         x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post, *lora_ptrs,
         num_pairs, num_m, inter, hidden, float(alpha), float(limit), lora_r,
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, dest.stride(-2),
-        dest.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta, **launch, **pdl_launch(pdl))
+        dest.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta,
+        LATE_WAIT=pdl and late_wait and LORA_LATE_WAIT, **launch, **pdl_launch(pdl))
     if splits > 1:
         block = min(1024, next_power_of_2(inter))
         _gate_up_finish_kernel[(num_pairs, cdiv(inter, block))](
@@ -594,11 +580,11 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
 
 
 def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | None = None,
-         lora: LoRAEpilogue | None = None) -> torch.Tensor:
+         lora: LoRAEpilogue | None = None, late_wait: bool = False) -> torch.Tensor:
     """Kernel-layout down GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; with
     ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them).
-    ``lora``: the down LoRA delta, routing-weighted with the rest (split 0 adds it). cfg's ``DOWN_`` keys set
-    down's own tile (``down_config``)."""
+    ``lora``: the down LoRA delta, routing-weighted with the rest (split 0 adds it); ``late_wait`` as in ``gate_up``
+    (h, too, from earlier kernels). cfg's ``DOWN_`` keys set down's own tile (``down_config``)."""
     num_pairs, inter = h.shape
     hidden = w2.shape[1]
     pdl = use_pdl(cfg, h.device)
@@ -618,7 +604,8 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         h, w2, s2, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids, expert_ids,
         num_post, *lora_ptrs, num_pairs, num_m, hidden, inter, lora_r, top_k,
         h.stride(0), w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(-2),
-        out.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta, **launch, **pdl_launch(pdl))
+        out.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta,
+        LATE_WAIT=pdl and late_wait and LORA_LATE_WAIT, **launch, **pdl_launch(pdl))
     return out
 
 
@@ -633,38 +620,6 @@ def sum_pairs(out: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
     block = min(1024, next_power_of_2(hidden))
     _sum_pairs_kernel[(num_tokens, cdiv(hidden, block))](
         out, res, hidden, out.stride(0), out.stride(1), res.stride(0), TOP_K=top_k, SPLIT_K=splits, BLOCK=block,
-        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    return res
-
-
-SUM_LORA_BLOCK = 256  # output columns per program of sum_pairs_lora: 4 pairs x r x 256 B values each
-
-
-def sum_pairs_lora(out: torch.Tensor, lora: LoRAEpilogue, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   dtype: torch.dtype, *, pdl: bool = False) -> torch.Tensor:
-    """``sum_pairs`` with the down LoRA delta added in the sum instead of the down GEMM's epilogue: ``out`` the
-    routing-weighted pair outputs [T*A, H] or float32 split partials [S, T*A, H] of a down GEMM run without LoRA,
-    ``lora.buf`` the down shrink's rows; out[t] = sum of the partials of t's pairs + sum_a w[t, a] * B_l[e_a] @ h
-    for a token t with adapter slot l (one launch, [T, H] in ``dtype``)."""
-    num_tokens, top_k = topk_ids.shape
-    parts = out if out.dim() == 3 else out.unsqueeze(0)
-    splits, num_pairs, hidden = parts.shape
-    if num_pairs != num_tokens * top_k or parts.stride(2) != 1:
-        raise ValueError(f"out must hold {num_tokens * top_k} pair rows with unit column stride, got "
-                         f"{tuple(out.shape)}")
-    if lora.token_slots.shape != (num_tokens,) or not lora.token_slots.is_contiguous():
-        raise ValueError(f"token_slots must be a contiguous [{num_tokens}] tensor, got {tuple(lora.token_slots.shape)}")
-    res = torch.empty(num_tokens, hidden, dtype=dtype, device=out.device)
-    if num_tokens == 0:
-        return res
-    block = min(SUM_LORA_BLOCK, next_power_of_2(hidden))
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
-    entries = lora.table.entries
-    _sum_pairs_lora_kernel[(num_tokens, cdiv(hidden, block))](
-        parts, res, lora.buf, entries, lora.token_slots, ids, weights, hidden, lora.buf.shape[2], parts.stride(0),
-        parts.stride(1), res.stride(0), entries.stride(0), lora.buf.stride(0), TOP_K=top_k, SPLIT_K=splits,
-        PARTS=lora.buf.shape[0], BLOCK=block, BLOCK_R=block_r(lora.table.max_rank), W_DTYPE=tl_dtype(lora.table.dtype),
         USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return res
 

@@ -23,20 +23,14 @@ EPILOGUE_MAX_BLOCK_M pairs) the expands move into the MXFP4 GEMMs' epilogues ins
 
 two launches fewer per target, no pre-activation round trip, and the down GEMM keeps its split-K.
 
-With ``LORAPLEX_MOE_DOWN_DELTA=sum`` (``DOWN_DELTA_IN_SUM``) the down delta moves from the down GEMM's epilogue
-into the sum over each token's pairs (``fused_moe_mxfp4.sum_pairs_lora``), so the down shrink no longer gates the
-GEMM: given a ``shrink_stream`` it runs there, beside the down GEMM, and the sum joins both:
+Launched with PDL (the MXFP4 config's "PDL" on sm_90+), each MXFP4 GEMM streams its weights through its K loop
+while the shrink launched before it runs, and waits for it only before its epilogue (``late_wait``,
+``fused_moe_mxfp4.LORA_LATE_WAIT``). Above the epilogue's row blocks the shrinks then move before their GEMMs too:
 
-    step stream:  gate_up GEMM (+ delta, act) ─> h ──fork──> down GEMM (no LoRA) ─────join──> sum_pairs_lora
-    side stream:                                   └───> moe_lora_shrink(h, A2) ─> h2 ──┘     (+ w * B2 @ h2)
-
-With ``LORAPLEX_MOE_SHRINK_STREAM=1`` (``SHRINK_STREAM_APART``) the expands-apart path likewise runs each target's
-shrink on the ``shrink_stream`` beside its base GEMM (``fused_moe_lora.moe_lora_shrink``), then the expand
-(``moe_lora_expand``) after both. Both switches are off by default.
+    moe_lora_shrink(x, A13) ─> gate_up GEMM ─> moe_lora_expand(pre) ─> act ─> moe_lora_shrink(h, A2) ─> down GEMM
+    ─> moe_lora_expand(out) ─> sum over A          (a FUSED LoRA config: its one kernel after the GEMM, as above)
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -48,7 +42,6 @@ from loraplex.kernels.fused_moe import check_moe, down, gate_up, moe_config
 from loraplex.kernels.lora_table import LoRATable
 from loraplex.kernels.moe_align import moe_align, moe_align_lora, moe_align_pair
 from loraplex.kernels.mxfp4 import is_kernel_layout
-from loraplex.kernels.side_stream import fork, join
 from loraplex.kernels.reference_lora import as_expert_table, check_int8_weights, check_mxfp4_weights
 
 
@@ -72,24 +65,8 @@ def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
 EPILOGUE_MAX_BLOCK_M = 8
 
 
-def _down_delta_in_sum() -> bool:
-    value = os.environ.get("LORAPLEX_MOE_DOWN_DELTA", "epilogue")
-    if value not in ("epilogue", "sum"):
-        raise ValueError(f"LORAPLEX_MOE_DOWN_DELTA must be 'epilogue' or 'sum', got {value!r}")
-    return value == "sum"
-
-
-# the epilogue path's down delta: in the down GEMM's epilogue (False) or in the pair sum, the down shrink beside the
-# down GEMM on the caller's shrink stream (True)
-DOWN_DELTA_IN_SUM = _down_delta_in_sum()
-# the expands-apart path (row blocks above EPILOGUE_MAX_BLOCK_M: verify steps, prefill): each target's shrink on the
-# caller's shrink stream beside its base GEMM, the expand after both (LORAPLEX_MOE_SHRINK_STREAM=1)
-SHRINK_STREAM_APART = os.environ.get("LORAPLEX_MOE_SHRINK_STREAM", "0") == "1"
-
-
 def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
-                            lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit,
-                            shrink_stream=None) -> torch.Tensor:
+                            lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit) -> torch.Tensor:
     """MXFP4 kernel layout at decode sizes: each target's shrink, then its GEMM adds the expand in its epilogue
     (gate_up before the activation, down before the routing weight), so neither the expand launches nor the
     activation's nor the pre-activation's round trip through memory remain; both GEMMs keep their split-K."""
@@ -101,44 +78,60 @@ def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_l
                                   config=cfgs["gate_up"], align=lora_align)
         gu_lora = fm4.LoRAEpilogue(buf, w13_lora, slots)
     h = fm4.gate_up(x, w13, s13, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha, limit=limit,
-                    lora=gu_lora)  # [T*A, I]
-    if "down" in cfgs and DOWN_DELTA_IN_SUM:
-        return _down_delta_in_sum_path(h, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align,
-                                       cfgs["down"], lora_align, w2_lora, slots, x.dtype, b2=b2,
-                                       shrink_stream=shrink_stream)
+                    lora=gu_lora, late_wait=gu_lora is not None)  # [T*A, I]
     if "down" in cfgs:
         buf = fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling, out_features=w2.shape[1],
                                   config=cfgs["down"], align=lora_align)
         dn_lora = fm4.LoRAEpilogue(buf, w2_lora, slots)
-    out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2, lora=dn_lora)
+    out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2, lora=dn_lora, late_wait=dn_lora is not None)
     return fm4.sum_pairs(out, num_tokens, top_k, x.dtype, pdl=fm4.use_pdl(cfg, x.device))
 
 
-def _down_delta_in_sum_path(h, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, lora_cfg,
-                            lora_align, w2_lora, slots, dtype, *, b2, shrink_stream) -> torch.Tensor:
-    """The down GEMM without LoRA and the down shrink side by side (the shrink on ``shrink_stream`` when given),
-    then ``sum_pairs_lora`` adds the partials and the routing-weighted down delta per token."""
-    def shrink():
-        return fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling, out_features=w2.shape[1],
-                                   config=lora_cfg, align=lora_align)
+def _shrink_first(cfg: dict, device: torch.device) -> bool:
+    """Whether the expands-apart path launches each shrink before its base GEMM: where that GEMM is a PDL launch
+    (its K loop then runs beside the shrink), unless ``LORA_LATE_WAIT`` is off."""
+    return fm4.LORA_LATE_WAIT and fm4.use_pdl(cfg, device)
 
-    buf = fork(shrink_stream, shrink) if shrink_stream is not None else shrink()
-    out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2)
-    if shrink_stream is not None:
-        join(shrink_stream)
-    # PDL only on one stream: the sum's other input comes through the join, not from the kernel before it
-    return fm4.sum_pairs_lora(out, fm4.LoRAEpilogue(buf, w2_lora, slots), topk_ids, topk_weights, dtype,
-                              pdl=shrink_stream is None and fm4.use_pdl(cfg, h.device))
+
+def _kernel_layout_apart(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
+                         lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit) -> torch.Tensor:
+    """MXFP4 kernel layout above the epilogue's row blocks (verify steps, prefill): the base GEMMs, each target's
+    delta added by the LoRA kernels. With PDL each target's shrink is launched before its GEMM, which runs its K loop
+    beside it (``late_wait``), and the expand follows the GEMM; a FUSED LoRA config (one kernel) runs after it."""
+    num_tokens, top_k = topk_ids.shape
+    early = {t: _shrink_first(cfg, x.device) and not int(c.get("FUSED", 0)) for t, c in cfgs.items()}
+
+    def shrink(target, inp, lora, width):
+        if not early.get(target):
+            return None
+        return fml.moe_lora_shrink(inp, lora, topk_ids, token_lora_idx, scaling, out_features=width,
+                                   config=cfgs[target], align=lora_align)
+
+    def delta(target, y, inp, lora, buf, weights):
+        if buf is not None:
+            fml.moe_lora_expand(y, inp, buf, lora, topk_ids, token_lora_idx, scaling, weights, config=cfgs[target],
+                                align=lora_align)
+        elif target in cfgs:
+            fml.fused_moe_lora(y, inp, lora, None, topk_ids, token_lora_idx, scaling, weights, config=cfgs[target],
+                               align=lora_align)
+
+    buf = shrink("gate_up", x, w13_lora, w13.shape[1])
+    pre = fm4.gate_up(x, w13, s13, align, cfg, top_k=top_k, activation=None, b13=b13,
+                      late_wait=buf is not None)  # [T*A, 2I]
+    delta("gate_up", pre, x, w13_lora, buf, None)
+    h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
+    buf = shrink("down", h, w2_lora, w2.shape[1])
+    # no split-K: the down LoRA adds into the pair outputs
+    out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2, split_k=1, late_wait=buf is not None)  # [T*A, H]
+    delta("down", out, h, w2_lora, buf, topk_weights)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
                      activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None,
-                     shrink_stream=None, config: dict | None = None,
-                     lora_config_override: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, lora_config_override: dict | None = None) -> torch.Tensor:
     """Same contract as ``reference_lora.moe_experts_lora``. ``config`` overrides the base GEMMs' tuned config,
-    ``lora_config_override`` both LoRA calls' (tests and the tuner); ``shrink_stream``: a CUDA stream of the
-    tensors' device that LoRA shrinks may run on beside the base GEMMs (``DOWN_DELTA_IN_SUM``,
-    ``SHRINK_STREAM_APART``; None on CPUs)."""
+    ``lora_config_override`` both LoRA calls' (tests and the tuner)."""
     quantized = w13_scale is not None or w2_scale is not None
     kernel_layout = quantized and is_kernel_layout(w13)  # MXFP4 in the kernel layout (fused_moe_mxfp4's GEMMs)
     if kernel_layout:
@@ -171,6 +164,7 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
         for target, (pair, y, inp) in calls.items():
             if pair is not None:
                 cfgs[target] = dict(lora_config_override or lora_config(y, inp, pair, topk_ids))
+    lora_align = None
     if cfgs:  # one alignment for both LoRA calls, made early (PDL kernels may read it before they wait)
         block_m = int(next(iter(cfgs.values()))["BLOCK_M"])
         for c in cfgs.values():
@@ -187,39 +181,18 @@ def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling
     if kernel_layout and cfgs and int(cfg["BLOCK_M"]) <= EPILOGUE_MAX_BLOCK_M:
         return _kernel_layout_epilogue(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_lora_idx,
                                        scaling, cfg, align, cfgs, lora_align, w13_lora, w2_lora, activation=activation,
-                                       b13=b13, b2=b2, alpha=alpha, limit=limit, shrink_stream=shrink_stream)
-    side = shrink_stream if SHRINK_STREAM_APART else None
-    # a target's shrink beside its base GEMM (its own kernel: not a FUSED config); PDL off for both halves, whose
-    # launches then follow a fork / join instead of each other
-    apart = {t: {**c, "PDL": 0} for t, c in cfgs.items() if side is not None and not int(c.get("FUSED", 0))}
-    buf13 = fork(side, lambda: fml.moe_lora_shrink(x, w13_lora, topk_ids, token_lora_idx, scaling,
-                                                    out_features=two_i, config=apart["gate_up"],
-                                                    align=lora_align)) if "gate_up" in apart else None
+                                       b13=b13, b2=b2, alpha=alpha, limit=limit)
     if kernel_layout:
-        pre = fm4.gate_up(x, w13, w13_scale, align, cfg, top_k=top_k, activation=None, b13=b13)  # [T*A, 2I]
-    else:
-        pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)
-    if buf13 is not None:
-        join(side)
-        fml.moe_lora_expand(pre, x, buf13, w13_lora, topk_ids, token_lora_idx, scaling, None,
-                            config=apart["gate_up"], align=lora_align)
-    elif "gate_up" in cfgs:
+        return _kernel_layout_apart(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_lora_idx, scaling,
+                                    cfg, align, cfgs, lora_align, w13_lora, w2_lora, activation=activation, b13=b13,
+                                    b2=b2, alpha=alpha, limit=limit)
+    pre = gate_up(x, w13, align, cfg, top_k=top_k, activation=None, b13=b13, w13_scale=w13_scale)
+    if "gate_up" in cfgs:
         fml.fused_moe_lora(pre, x, w13_lora, None, topk_ids, token_lora_idx, scaling, None, config=cfgs["gate_up"],
                            align=lora_align)
     h = silu_and_mul(pre) if activation == "silu" else swiglu_clamp_and_mul(pre, alpha, limit)  # [T*A, I]
-    buf2 = fork(side, lambda: fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling,
-                                                   out_features=hidden, config=apart["down"],
-                                                   align=lora_align)) if "down" in apart else None
-    if kernel_layout:  # no split-K: the down LoRA adds into the pair outputs
-        out = fm4.down(h, w2, w2_scale, topk_weights, align, cfg, b2=b2, split_k=1)  # [T*A, H], routing-weighted
-    else:
-        out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)
-    if buf2 is not None:
-        join(side)
-        fml.moe_lora_expand(out, h, buf2, w2_lora, topk_ids, token_lora_idx, scaling, topk_weights,
-                            config=apart["down"], align=lora_align)
-    elif "down" in cfgs:
+    out = down(h, w2, topk_weights, align, cfg, b2=b2, w2_scale=w2_scale)
+    if "down" in cfgs:
         fml.fused_moe_lora(out, h, w2_lora, None, topk_ids, token_lora_idx, scaling, topk_weights,
                            config=cfgs["down"], align=lora_align)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
-

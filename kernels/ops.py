@@ -119,13 +119,10 @@ def fused_moe_lora(y, x, lora_a, lora_b, topk_ids, token_lora_idx, scaling, topk
 
 
 def moe_experts_lora(x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, *, w13_lora=None, w2_lora=None,
-                     activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None,
-                     shrink_stream=None):
+                     activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0, w13_scale=None, w2_scale=None):
     """fused_moe with expert LoRA (either target may be None) and optionally quantised weights (``w*_scale``
     given: w13 / w2 int8 with per-channel scales, or uint8 MXFP4 blocks with E8M0 scales). On CUDA one
-    graph-capturable composition of Triton kernels (``moe_experts_lora.py``), which may run a LoRA shrink on
-    ``shrink_stream`` (a CUDA stream) beside a base GEMM."""
+    graph-capturable composition of Triton kernels (``moe_experts_lora.py``)."""
     return _resolve_ext("moe_experts_lora", x)(
         x, w13, w2, topk_weights, topk_ids, token_lora_idx, scaling, w13_lora=w13_lora, w2_lora=w2_lora,
-        activation=activation, b13=b13, b2=b2, alpha=alpha, limit=limit, w13_scale=w13_scale, w2_scale=w2_scale,
-        shrink_stream=shrink_stream)
+        activation=activation, b13=b13, b2=b2, alpha=alpha, limit=limit, w13_scale=w13_scale, w2_scale=w2_scale)

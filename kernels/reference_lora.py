@@ -217,9 +217,8 @@ def moe_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      w2_lora: tuple[torch.Tensor, torch.Tensor] | None = None, activation: str = "silu",
                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, alpha: float = 1.702,
                      limit: float = 7.0, w13_scale: torch.Tensor | None = None,
-                     w2_scale: torch.Tensor | None = None, shrink_stream=None) -> torch.Tensor:
-    """fused_moe with expert LoRA on each token's routed experts (``shrink_stream`` is the Triton path's; the
-    reference runs on one stream). Per routed pair (t, a) of expert e, with
+                     w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe with expert LoRA on each token's routed experts. Per routed pair (t, a) of expert e, with
     l = token_lora_idx[t] (-1 or a None map: no delta) and w = topk_weights[t, a]:
 
         g = w13[e] x_t + b13[e] + scaling[l] B13[l, e] A13[l, e] x_t          (delta before the activation)

@@ -1,11 +1,11 @@
 """Where the time of the expert layer with expert LoRA goes, per expert format: per-kernel device time (torch
 profiler, plain launches) of ``moe_experts_lora`` next to the same layer without LoRA, bf16 weights and MXFP4 in
 the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
-MXFP4 + LoRA runs five times: as the engine calls it (at decode sizes the expands inside the GEMMs' epilogues), with
-the expands as separate launches (``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0), and with the down delta in the pair
-sum (``DOWN_DELTA_IN_SUM``) with its shrink in line and on a side stream, and with both side-stream switches on
-(at M above the epilogue's row blocks: the shrinks beside the base GEMMs, ``SHRINK_STREAM_APART``); each output is
-compared with the second.
+MXFP4 + LoRA runs three times: as the engine calls it (at decode sizes the expands inside the GEMMs' epilogues, each
+GEMM waiting for its shrink only before the epilogue), with the GEMMs waiting for the shrink before their K loop
+(``fused_moe_mxfp4.LORA_LATE_WAIT`` off), and with the expands as separate launches
+(``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. The "call" column is the
+CUDA-graph replay time of the whole call (``bench_time_ms``), where PDL launches overlap as in the engine's graphs.
 ``--mix`` picks the tokens' adapters as ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt
 chunk beside decodes).
 
@@ -31,22 +31,23 @@ from probe_lora import kernel_times_us  # noqa: E402
 
 def variants(inp: dict, lo: dict) -> dict:
     """label -> a call of the expert layer (bf16 / MXFP4 kernel layout, without and with LoRA)."""
+    from loraplex.kernels import fused_moe_mxfp4 as fm4
     from loraplex.kernels import moe_experts_lora as mel
     from loraplex.kernels.fused_moe import fused_moe
     from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
-    def switched(stream=None, **switches):  # the MXFP4 layer with moe_experts_lora's switches set for the call
+    def switched(module=mel, **switches):  # the MXFP4 layer with a module's switches set for the call
         def call():
-            saved = {name: getattr(mel, name) for name in switches}
+            saved = {name: getattr(module, name) for name in switches}
             for name, value in switches.items():
-                setattr(mel, name, value)
+                setattr(module, name, value)
             try:
                 return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
-                                        shrink_stream=stream, **lkw)
+                                        **lkw)
             finally:
                 for name, value in saved.items():
-                    setattr(mel, name, value)
+                    setattr(module, name, value)
         return call
 
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
@@ -58,20 +59,14 @@ def variants(inp: dict, lo: dict) -> dict:
         "bf16 + LoRA": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"], **lkw),
         "mxfp4": lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, **kw),
         "mxfp4 + LoRA": switched(),
+        # the GEMMs wait for the shrink before their K loop instead of before their epilogue
+        "mxfp4 + LoRA, GEMMs wait first": switched(module=fm4, LORA_LATE_WAIT=False),
         # separate expand launches at every M (the prefill path)
         "mxfp4 + LoRA, expands apart": switched(EPILOGUE_MAX_BLOCK_M=0),
-        "mxfp4 + LoRA, down delta in the sum": switched(DOWN_DELTA_IN_SUM=True),
-        "mxfp4 + LoRA, down delta in the sum, down shrink on a side stream": switched(torch.cuda.Stream(),
-                                                                                      DOWN_DELTA_IN_SUM=True),
-        # both switches: whichever path M takes forks its shrinks
-        "mxfp4 + LoRA, shrinks on a side stream (both switches)": switched(torch.cuda.Stream(), DOWN_DELTA_IN_SUM=True,
-                                                                          SHRINK_STREAM_APART=True),
     }
 
 
-CHECKED = ("mxfp4 + LoRA", "mxfp4 + LoRA, down delta in the sum",
-           "mxfp4 + LoRA, down delta in the sum, down shrink on a side stream",
-           "mxfp4 + LoRA, shrinks on a side stream (both switches)")
+CHECKED = ("mxfp4 + LoRA", "mxfp4 + LoRA, GEMMs wait first")
 
 
 def main(argv: list[str] | None = None) -> int:

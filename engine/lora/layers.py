@@ -151,8 +151,7 @@ class LoRAFusedExperts(_LoRAWrapper):
                                     w13_lora=_at(self.w13_lora, s.num_slots), w2_lora=_at(self.w2_lora, s.num_slots),
                                     activation=self.activation,
                                     b13=base.b13, b2=base.b2, alpha=self.alpha, limit=self.limit,
-                                    w13_scale=w13_scale, w2_scale=w2_scale,
-                                    shrink_stream=s.shrink_stream)
+                                    w13_scale=w13_scale, w2_scale=w2_scale)
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, E={self.num_experts}"

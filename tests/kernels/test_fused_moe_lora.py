@@ -4,6 +4,7 @@ without tokens; the stacked padded layout as input."""
 import pytest
 import torch
 
+from loraplex.kernels import fused_moe_lora as fml
 from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.fused_moe_lora import fused_moe_lora
 from loraplex.kernels.lora_table import LoRATable
@@ -228,3 +229,29 @@ def test_committed_tuned_configs_match_the_reference(cfg):
         fused_moe_lora(y, x, lora_a, lora_b, ids, idx, scaling, topk_weights, config=dict(cfg))
         ref.fused_moe_lora(want, x, lora_a, lora_b, ids, idx, scaling, topk_weights)
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_lora_expand_after_shrink_equals_fused_moe_lora():
+    """shrink then expand, called apart with the same config and alignment, add what fused_moe_lora adds (gate_up
+    rows from tokens, down rows from pairs with routing weights); a wrong buffer or a FUSED config is refused."""
+    torch.manual_seed(5)
+    num_tokens, top_k, num_experts, k, n = 11, 2, 5, 48, 72
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    weights = torch.rand(num_tokens, top_k)
+    idx = torch.arange(num_tokens, dtype=torch.int32) % 4 - 1
+    scaling = torch.rand(3) + 0.5
+    table = expert_table(3, num_experts, k, n, empty=(1,), max_rank=16, ranks=(8, 16))
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2, "GROUP_M": 1, "num_warps": 4, "num_stages": 1}
+    for x, w in ((torch.randn(num_tokens, k), None), (torch.randn(num_tokens * top_k, k), weights)):
+        y0 = torch.randn(num_tokens * top_k, n)
+        want = y0.clone()
+        fml.fused_moe_lora(want, x, table, None, ids, idx, scaling, w, config=cfg)
+        buf = fml.moe_lora_shrink(x, table, ids, idx, scaling, out_features=n, config=cfg)
+        got = y0.clone()
+        fml.moe_lora_expand(got, x, buf, table, ids, idx, scaling, w, config=cfg)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (got - y0).abs().max() > 0.01
+    with pytest.raises(ValueError, match="float32"):
+        fml.moe_lora_expand(got, x, buf[:, :3], table, ids, idx, scaling, w, config=cfg)
+    with pytest.raises(ValueError, match="FUSED"):
+        fml.moe_lora_expand(got, x, buf, table, ids, idx, scaling, w, config={**cfg, "FUSED": 1})

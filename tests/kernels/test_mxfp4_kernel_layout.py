@@ -309,6 +309,47 @@ def test_lora_epilogue_only_for_small_row_blocks(config, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("config,num_tokens", [("16x64x64", 7), ("32x32x64 split3 bits", 12)])
+def test_expands_apart_with_the_shrinks_first(config, num_tokens, monkeypatch):
+    """Row blocks above 8 pairs where the base GEMMs are PDL launches: each target's shrink before its GEMM, the
+    expand (``moe_lora_expand``) after it, and the layer equal to the reference; a FUSED LoRA config keeps its one
+    kernel after the GEMM."""
+    from loraplex.kernels import fused_moe_lora as fml
+    from loraplex.kernels import moe_experts_lora as mel
+
+    x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, 4, True)
+    idx = torch.arange(num_tokens, dtype=torch.int32) % 4 - 1
+    scaling = torch.rand(3) + 0.5
+    lora = [(torch.randn(3, E, 32, k) / k ** 0.5, torch.randn(3, E, n, 32) / 32 ** 0.5)
+            for k, n in ((H, 2 * INTER), (INTER, H))]
+    kw = dict(w13_lora=lora[0], w2_lora=lora[1], activation="swiglu_clamp", b13=b13, b2=b2)
+    order = []
+    for name in ("moe_lora_shrink", "moe_lora_expand", "fused_moe_lora"):
+        real = getattr(fml, name)
+        monkeypatch.setattr(fml, name, lambda *a, _n=name, _r=real, **k: (order.append(_n), _r(*a, **k))[1])
+    for name in ("gate_up", "down"):
+        real = getattr(mel.fm4, name)
+        monkeypatch.setattr(mel.fm4, name, lambda *a, _n=name, _r=real, **k: (
+            order.append(f"{_n} late" if k.get("late_wait") else _n), _r(*a, **k))[1])
+    monkeypatch.setattr(mel, "_shrink_first", lambda cfg, device: True)
+    got, want = _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, **kw)
+    assert order == ["moe_lora_shrink", "gate_up late", "moe_lora_expand", "moe_lora_shrink", "down late",
+                     "moe_lora_expand"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    order.clear()
+    monkeypatch.setattr(mel, "_shrink_first", lambda cfg, device: False)  # no PDL: the deltas after the GEMMs
+    _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, **kw)
+    assert order == ["gate_up", "fused_moe_lora", "down", "fused_moe_lora"]
+    order.clear()
+    monkeypatch.setattr(mel, "_shrink_first", lambda cfg, device: True)
+    monkeypatch.setattr("tests.kernels.test_mxfp4_kernel_layout.LORA_CFG",
+                        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4,
+                         "num_stages": 1, "FUSED": 1})
+    fused, _ = _lora_layer(x, plain, kernel, weights, ids, idx, scaling, config, **kw)
+    assert order == ["gate_up", "fused_moe_lora", "down", "fused_moe_lora"]
+    torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-4)
+
+
 BUILD = r'''
 import json, re, sys
 sys.path.insert(0, "benchmarks/kernels")
@@ -330,7 +371,9 @@ def build(kernel, consts, warps, stages):
     tile = re.search(r"local_alloc %\S+ : \(" + shape, asm["ttgir"])
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "shfl": "shfl.sync" in ptx,
             "asm": "fma.rn.bf16x2" in ptx, "pdl": "griddepcontrol.wait" in ptx, "smem_tile": tile is not None,
-            "vec16": re.search(VEC16, ptx) is not None}
+            "vec16": re.search(VEC16, ptx) is not None,
+            "wait_after_mma": ptx.find("griddepcontrol.wait") > min(ptx.find(op) for op in ("mma.sync", "wgmma.")
+                                                                   if op in ptx)}
 
 out = []
 # (BLOCK_M, DECODE, EVEN_K, SPLIT_K, DIRECT, FUSED, PREFETCH, warps, stages)
@@ -348,6 +391,11 @@ lora = dict(HAS_BIAS=True, BLOCK_M=8, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, NUM_N=
             LORA_BLOCK_R=32, LORA_DTYPE=tl.bfloat16)
 out.append(build(fm._gate_up_kernel, {**lora, "TOP_K": 4, "ACT": 1}, 4, 1))
 out.append(build(fm._down_kernel, lora, 4, 1))
+# launched with PDL: the wait before the K loop, or with LATE_WAIT after it (before the epilogue reads the shrink)
+for late in (False, True):
+    pdl = dict(lora, USE_PDL=True, LATE_WAIT=late)
+    out.append(build(fm._gate_up_kernel, {**pdl, "TOP_K": 4, "ACT": 1}, 4, 1))
+    out.append(build(fm._down_kernel, pdl, 4, 1))
 print("RESULT " + json.dumps(out))
 '''
 
@@ -357,11 +405,15 @@ def test_kernel_layout_gemms_build_for_sm90():
     without the alignment tables, gate/up in one product, register prefetch, PDL): to register-operand wgmma at 4
     warps and to mma.sync at 2, both times with the decoded fragment taken as it is (no lane shuffles, no trip
     through shared memory, the words in 16-byte loads, whatever the installed Triton's layout heuristics), with the
-    inline-PTX bf16x2 scale multiply where DECODE is "asm" (2) and the grid-dependency wait where PDL is on."""
+    inline-PTX bf16x2 scale multiply where DECODE is "asm" (2) and the grid-dependency wait where PDL is on (with a
+    LoRA epilogue and LATE_WAIT: after the K loop)."""
     got = build_in_child(BUILD, timeout=900)
     with_lora, got = got[8:], got[:8]
     for b in with_lora:  # the epilogue's products leave the K loop's decoded fragment as it was
         assert b["asm"] and b["vec16"] and not b["smem_tile"] and not b["shfl"], b
+    # with PDL and LATE_WAIT the K loop's MMAs come before the grid-dependency wait, else after it
+    assert [b["pdl"] for b in with_lora] == [False] * 2 + [True] * 4
+    assert [b["wait_after_mma"] for b in with_lora[2:]] == [False, False, True, True]
     assert [b["wgmma"] for b in got] == [True] * 4 + [False] * 2 + [True] * 2
     assert [b["mma_sync"] for b in got] == [False] * 4 + [True] * 2 + [False] * 2
     assert [b["asm"] for b in got] == [True, True, False, False, True, True, True, True]
