@@ -79,20 +79,28 @@ def _arrive(engine, req, adapter_refs, rids, params, rid, cuda) -> tuple[int, fl
 def _profile_arrival(engine, plan, adapter_refs, rids, params, prefix, cuda, sort, row_limit) -> str:
     """Arrivals: the oldest request replaced by a fresh one with the same prompt length, stepped until the new
     one's first token (its prefill mixed with the others' decodes). Two arrivals timed without the profiler, then
-    one profiled."""
+    one profiled (with speculation: the draft tokens its steps verified), then one under cProfile."""
     req = plan[0]
     walls = [_arrive(engine, req, adapter_refs, rids, params, f"{prefix}arrival{i}", cuda) for i in range(2)]
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    drafts = _drafts_verified(engine)
     with torch.profiler.profile(activities=activities) as prof:
         n, wall_ms = _arrive(engine, req, adapter_refs, rids, params, f"{prefix}arrival", cuda)
     plain = ", ".join(f"{k} steps {ms:.1f} ms" for k, ms in walls)
+    spec = f"; drafts verified during it: {_drafts_verified(engine) - drafts}" if drafts is not None else ""
     python = _python_profile(lambda: _arrive(engine, req, adapter_refs, rids, params, f"{prefix}arrival-py", cuda))
     head = (f"\n# arrival profile {prefix}: a {len(req.prompt)}-token prompt joins {len(rids) - 1} decoding "
             f"sequences; without the profiler: {plain}; profiled: {n} steps until its first token, {wall_ms:.1f} ms "
-            f"in all\n")
+            f"in all{spec}\n")
     return (head + "\n## by device time\n" + prof.key_averages().table(sort_by=sort, row_limit=row_limit)
             + "\n## by CPU time\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
             + "\n## Python functions (cProfile, one more arrival; times inflated by the profiler)\n" + python)
+
+
+def _drafts_verified(engine) -> int | None:
+    """Draft tokens the engine has verified since it started (None: it does not speculate)."""
+    spec = getattr(engine, "spec", None)
+    return spec.stats.total.proposed if spec is not None else None
 
 
 def _python_profile(fn, limit: int = 30) -> str:
