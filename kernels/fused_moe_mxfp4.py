@@ -361,18 +361,6 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & rows_ok[:, None])
 
 
-@triton.jit
-def _pair_sum(part_ptr, t, cols, ok, stride_ps, stride_pt, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
-              BLOCK: tl.constexpr):
-    """float32 [BLOCK]: token t's columns ``cols`` summed over the splits and its TOP_K pairs."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        for a in tl.static_range(TOP_K):
-            acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok,
-                           other=0.0).to(tl.float32)
-    return acc
-
-
 @cached_launch
 @triton.jit
 def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
@@ -383,7 +371,10 @@ def _sum_pairs_kernel(part_ptr, out_ptr, N, stride_ps, stride_pt, stride_ot,
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    acc = _pair_sum(part_ptr, t, cols, ok, stride_ps, stride_pt, TOP_K, SPLIT_K, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        for a in tl.static_range(TOP_K):
+            acc += tl.load(part_ptr + s * stride_ps + (t * TOP_K + a) * stride_pt + cols, mask=ok, other=0.0)
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

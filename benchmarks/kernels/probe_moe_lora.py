@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from unittest import mock
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,15 +40,9 @@ def variants(inp: dict, lo: dict) -> dict:
 
     def switched(module=mel, **switches):  # the MXFP4 layer with a module's switches set for the call
         def call():
-            saved = {name: getattr(module, name) for name in switches}
-            for name, value in switches.items():
-                setattr(module, name, value)
-            try:
+            with mock.patch.multiple(module, **switches):
                 return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
                                         **lkw)
-            finally:
-                for name, value in saved.items():
-                    setattr(module, name, value)
         return call
 
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
