@@ -31,7 +31,8 @@ Expert LoRA in the epilogue (``LoRAEpilogue``, what ``moe_experts_lora`` passes 
 each program adds B_l[e] @ h for the block's pairs, one product per adapter slot present in the block (h: the
 shrink's scaled rows, its split-K partials summed; B^T [E, r, N] read through the ``LoRATable``), split 0 only;
 gate_up then applies its activation, down its routing weight, so the delta is where the separate expand would have
-put it.
+put it. The rows' slots and B addresses are read before the K loop (made before the step), the first slot's B tiles
+before the wait for the shrink, each next slot's tiles before this slot's product.
 
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
 block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
@@ -64,7 +65,7 @@ from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP, check_kernel_layout, is_ke
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, DECODE_EMULATE, decode_kernel_tile,
                                             kernel_tile_ptrs, load_kernel_tile, row_groups)
 from loraplex.kernels.reference_lora import check_mxfp4_weights
-from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, tl_dtype, weight_entry
+from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, tl_dtype
 from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.launch import cached_launch
 from loraplex.kernels.lora_shrink import block_r
@@ -114,28 +115,68 @@ def _lora_h(buf_ptr, pairs64, row_ok, R, stride_split, PARTS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _lora_epilogue(acc, acc2, h, slots, expert, rows, rows_ok, entries_ptr, stride_el, NOUT, OFF2, first_split,
-                   TWO: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, DECODE: tl.constexpr):
+def _lora_rows(entries_ptr, slots, stride_el):
+    """(address of B^T [BLOCK_M] int64, rank [BLOCK_M]) of each row's adapter slot (``slots``, -1: none; rank 0
+    for those) from the ``LoRATable`` entries: read before the K loop, so the epilogue starts at the B tiles."""
+    has = slots >= 0
+    base = entries_ptr + tl.where(has, slots, 0).to(tl.int64) * stride_el
+    return tl.load(base + 1, mask=has, other=0), tl.load(base + 2, mask=has, other=0).to(tl.int32)
+
+
+@triton.jit
+def _lora_leads(slots, b_rank, first_split):
+    """(the rows that bring a slot with weights first [BLOCK_M], how many): each slot's B tile is read once, at its
+    first row; only the first split-K split (``first_split``) adds it. Row by row (BLOCK_M is small), which keeps
+    the vectors in the layout they were loaded in (no shuffles)."""
+    BLOCK_M: tl.constexpr = slots.shape[0]
+    idx = tl.arange(0, BLOCK_M)
+    dup = tl.zeros([BLOCK_M], tl.int32)
+    for j in tl.static_range(BLOCK_M):
+        dup += ((slots == tl.sum(tl.where(idx == j, slots, 0), 0)) & (idx > j)).to(tl.int32)
+    lead = (b_rank > 0) & (dup == 0) & first_split
+    return lead, tl.sum(lead.to(tl.int32), 0)
+
+
+@triton.jit
+def _lora_tile(after, lead, slots, b_addr, b_rank, expert, rows, rows_ok, NOUT, OFF2, TWO: tl.constexpr,
+               W_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(row, slot, rank, B tile [BLOCK_R, ROWS], and with TWO the tile OFF2 columns further) of the first lead row
+    past row ``after``; row BLOCK_M and tiles masked to zeros (no memory read) where there is none."""
+    BLOCK_M: tl.constexpr = slots.shape[0]
+    idx = tl.arange(0, BLOCK_M)
+    row = tl.min(tl.where(lead & (idx > after), idx, BLOCK_M), 0)
+    pick = idx == row
+    slot = tl.sum(tl.where(pick, slots, 0), 0)
+    rank = tl.sum(tl.where(pick, b_rank, 0), 0)
+    r = tl.arange(0, BLOCK_R)
+    b_ptrs = (tl.multiple_of(tl.sum(tl.where(pick, b_addr, 0), 0).to(tl.pointer_type(W_DTYPE)), 16)
+              + (expert * rank + r[:, None]) * NOUT + rows[None, :])
+    b_ok = (r < rank)[:, None] & rows_ok[None, :]
+    b = tl.load(b_ptrs, mask=b_ok, other=0.0)
+    b2 = b
+    if TWO:
+        b2 = tl.load(b_ptrs + OFF2, mask=b_ok, other=0.0)
+    return row, slot, rank, b, b2
+
+
+@triton.jit
+def _lora_epilogue(acc, acc2, h, slots, lead, count, row, slot, rank, b, b2, b_addr, b_rank, expert, rows, rows_ok,
+                   NOUT, OFF2, TWO: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, DECODE: tl.constexpr):
     """The expert LoRA expand in the GEMM's epilogue: for each adapter slot l among the block's pairs (``slots``
     [BLOCK_M], -1 for padding and pairs without an adapter), acc [ROWS, BLOCK_M] += B_l[e][rows, :] @ h^T masked
     to l's pairs (B stored as B^T [E, r, NOUT]); with TWO, acc2 the same for output columns OFF2 + rows (gate_up's
-    up half). Each slot's B tile is read once per program; a block holds the pairs of one expert, so each (slot,
-    expert, column tile) is read by one program. Only the first split-K split (``first_split``) adds it."""
-    BLOCK_M: tl.constexpr = slots.shape[0]
-    idx = tl.arange(0, BLOCK_M)
+    up half). ``row``, ``slot``, ``rank``, ``b``, ``b2``: the first lead's, from ``_lora_tile``, loaded by the
+    caller before it waits for the shrink; each next slot's tiles are loaded before this slot's product. A block holds the pairs of
+    one expert, so each (slot, expert, column tile) is read by one program."""
     r = tl.arange(0, BLOCK_R)
-    for i in range(tl.max(tl.where(slots >= 0, idx + 1, 0))):  # up to the block's last pair with an adapter
-        slot = tl.sum(tl.where(idx == i, slots, 0))
-        seen = tl.sum(((slots == slot) & (idx < i)).to(tl.int32))
-        if (slot >= 0) & (seen == 0) & first_split:
-            b_ptr, rank = weight_entry(entries_ptr, slot, 0, stride_el, 0, 1, W_DTYPE)
-            b_ptrs = b_ptr + (expert * rank + r[:, None]) * NOUT + rows[None, :]
-            b_ok = (r < rank)[:, None] & rows_ok[None, :]
-            # l's pairs and ranks only: rows of a slot without weights (rank 0) were never written
-            ht = tl.trans(tl.where((slots == slot)[:, None] & (r < rank)[None, :], h, 0.0)).to(W_DTYPE)
-            acc = _mma(tl.trans(tl.load(b_ptrs, mask=b_ok, other=0.0)), ht, acc, DECODE)
-            if TWO:
-                acc2 = _mma(tl.trans(tl.load(b_ptrs + OFF2, mask=b_ok, other=0.0)), ht, acc2, DECODE)
+    for t in range(count):
+        nxt = _lora_tile(row, lead, slots, b_addr, b_rank, expert, rows, rows_ok, NOUT, OFF2, TWO, W_DTYPE, BLOCK_R)
+        # l's pairs and ranks only: rows of a slot without weights (rank 0) were never written
+        ht = tl.trans(tl.where((slots == slot)[:, None] & (r < rank)[None, :], h, 0.0)).to(W_DTYPE)
+        acc = _mma(tl.trans(b), ht, acc, DECODE)
+        if TWO:
+            acc2 = _mma(tl.trans(b2), ht, acc2, DECODE)
+        row, slot, rank, b, b2 = nxt
     return acc, acc2
 
 
@@ -231,6 +272,9 @@ def _gate_up_kernel(
             pdl_wait(USE_PDL)
         return
     tok = (pairs // TOP_K).to(tl.int64)
+    if LORA:  # the rows' slots and B addresses (made before the step) read before the K loop
+        slots = tl.load(lora_slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+        b_addr, b_rank = _lora_rows(lora_entries_ptr, slots, stride_lora_el)
     atoms = (K + 63) // 64
     groups = N // 16
     k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
@@ -252,6 +296,12 @@ def _gate_up_kernel(
         acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
                                x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
                                k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    rows = pid_n * ROWS + tl.arange(0, ROWS)
+    rows_ok = rows < N
+    if LORA:  # the first slot's B tiles (gate columns, then up) in flight while the shrink's rows are awaited
+        lead, count = _lora_leads(slots, b_rank, split == 0)
+        row0, slot0, rank0, b0, b20 = _lora_tile(-1, lead, slots, b_addr, b_rank, expert, rows, rows_ok, 2 * N, N,
+                                                 True, LORA_DTYPE, LORA_BLOCK_R)
     if LATE_WAIT:  # the kernel before (a LoRA shrink) may have run beside the K loop until here
         pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)  # the next kernel may launch (it waits for this grid to finish before reading)
@@ -259,8 +309,6 @@ def _gate_up_kernel(
     if x_ptr.dtype.element_ty == tl.bfloat16:
         acc_g *= BF16_FOLD
         acc_u *= BF16_FOLD
-    rows = pid_n * ROWS + tl.arange(0, ROWS)
-    rows_ok = rows < N
     if HAS_BIAS:
         first = (split == 0).to(tl.float32)
         acc_g += (tl.load(bias_ptr + expert * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
@@ -270,9 +318,8 @@ def _gate_up_kernel(
     if LORA:  # the gate_up LoRA delta (B^T [E, r, 2N]: gate columns, then up), before the activation
         pairs64 = pairs.to(tl.int64)
         h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
-        slots = tl.load(lora_slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
-        acc_g, acc_u = _lora_epilogue(acc_g, acc_u, h, slots, expert, rows, rows_ok, lora_entries_ptr,
-                                      stride_lora_el, 2 * N, N, split == 0, True, LORA_DTYPE, LORA_BLOCK_R, DECODE)
+        acc_g, acc_u = _lora_epilogue(acc_g, acc_u, h, slots, lead, count, row0, slot0, rank0, b0, b20, b_addr,
+                                      b_rank, expert, rows, rows_ok, 2 * N, N, True, LORA_DTYPE, LORA_BLOCK_R, DECODE)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs.to(tl.int64)[None, :] * stride_ot + rows[:, None]
     mask = row_ok[None, :] & rows_ok[:, None]
     if ACT == 2 or SPLIT_K > 1:  # pre-activation (or its partial sum): gate to columns [0, N), up to [N, 2N)
@@ -332,6 +379,9 @@ def _down_kernel(
             pdl_wait(USE_PDL)
         return
     pairs64 = pairs.to(tl.int64)
+    if LORA:  # as in _gate_up_kernel
+        slots = tl.load(lora_slot_ptr + pairs64 // lora_top_k, mask=row_ok, other=-1).to(tl.int32)
+        b_addr, b_rank = _lora_rows(lora_entries_ptr, slots, stride_lora_el)
     atoms = (K + 63) // 64
     k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
     w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we + k_begin * 2,
@@ -340,22 +390,25 @@ def _down_kernel(
     h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # h^T [BLOCK_K, BLOCK_M]
     acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, h_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok, k_begin,
                      k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < N
+    if LORA:
+        lead, count = _lora_leads(slots, b_rank, split == 0)
+        row0, slot0, rank0, b0, b20 = _lora_tile(-1, lead, slots, b_addr, b_rank, expert, rows, rows_ok, N, 0,
+                                                 False, LORA_DTYPE, LORA_BLOCK_R)
     if LATE_WAIT:
         pdl_wait(USE_PDL)
     pdl_trigger(USE_PDL)
     # ---- epilogue: the bf16 decode's 2^63, bias (split 0), routing weight; out[pair, n] = acc[n, pair]
     if h_ptr.dtype.element_ty == tl.bfloat16:
         acc *= BF16_FOLD
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_ok = rows < N
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
         acc += (bias * (split == 0).to(tl.float32))[:, None]
     if LORA:  # the down LoRA delta, routing-weighted with the rest below
         h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
-        slots = tl.load(lora_slot_ptr + pairs64 // lora_top_k, mask=row_ok, other=-1).to(tl.int32)
-        acc, _ = _lora_epilogue(acc, 0, h, slots, expert, rows, rows_ok, lora_entries_ptr, stride_lora_el, N, 0,
-                                split == 0, False, LORA_DTYPE, LORA_BLOCK_R, DECODE)
+        acc, _ = _lora_epilogue(acc, 0, h, slots, lead, count, row0, slot0, rank0, b0, b20, b_addr, b_rank, expert,
+                                rows, rows_ok, N, 0, False, LORA_DTYPE, LORA_BLOCK_R, DECODE)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs64[None, :] * stride_ot + rows[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & rows_ok[:, None])

@@ -4,7 +4,9 @@ the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``-
 MXFP4 + LoRA runs three times: as the engine calls it (at decode sizes the expands inside the GEMMs' epilogues, each
 GEMM waiting for its shrink only before the epilogue), with the GEMMs waiting for the shrink before their K loop
 (``fused_moe_mxfp4.LORA_LATE_WAIT`` off), and with the expands as separate launches
-(``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. The "call" column is the
+(``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. Two timing-only rows (their
+outputs are not the layer's) split the decode path's LoRA time: "shrinks only" launches the shrinks and leaves the
+GEMMs' LoRA epilogues out, "epilogues only" feeds the epilogues rows shrunk once beforehand and launches no shrink. The "call" column is the
 CUDA-graph replay time of the whole call (``bench_time_ms``), where PDL launches overlap as in the engine's graphs.
 ``--mix`` picks the tokens' adapters as ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt
 chunk beside decodes).
@@ -15,6 +17,7 @@ chunk beside decodes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -32,6 +35,7 @@ from probe_lora import kernel_times_us  # noqa: E402
 
 def variants(inp: dict, lo: dict) -> dict:
     """label -> a call of the expert layer (bf16 / MXFP4 kernel layout, without and with LoRA)."""
+    from loraplex.kernels import fused_moe_lora as fml
     from loraplex.kernels import fused_moe_mxfp4 as fm4
     from loraplex.kernels import moe_experts_lora as mel
     from loraplex.kernels.fused_moe import fused_moe
@@ -40,10 +44,22 @@ def variants(inp: dict, lo: dict) -> dict:
 
     def switched(module=mel, **switches):  # the MXFP4 layer with a module's switches set for the call
         def call():
-            with mock.patch.multiple(module, **switches):
+            with mock.patch.multiple(module, **switches) if switches else contextlib.nullcontext():
                 return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
                                         **lkw)
         return call
+
+    def without_epilogue(gemm):  # the GEMM as launched after its shrink, its LoRA epilogue left out
+        def run(*args, lora=None, **kwargs):
+            return gemm(*args, lora=None, **kwargs)
+        return run
+
+    shrunk, shrink = {}, fml.moe_lora_shrink
+
+    def without_shrink(*args, out_features, **kwargs):  # the shrink's rows made once, outside the timed call
+        if out_features not in shrunk:
+            shrunk[out_features] = shrink(*args, out_features=out_features, **kwargs).clone()
+        return shrunk[out_features]
 
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
     kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
@@ -58,6 +74,11 @@ def variants(inp: dict, lo: dict) -> dict:
         "mxfp4 + LoRA, GEMMs wait first": switched(module=fm4, LORA_LATE_WAIT=False),
         # separate expand launches at every M (the prefill path)
         "mxfp4 + LoRA, expands apart": switched(EPILOGUE_MAX_BLOCK_M=0),
+        # where the LoRA time goes at decode sizes (wrong outputs, timing only): the shrinks launched, the GEMMs
+        # without their LoRA epilogue; the GEMMs' epilogues fed by rows shrunk beforehand, no shrink launched
+        "mxfp4 + LoRA, shrinks only": switched(module=fm4, gate_up=without_epilogue(fm4.gate_up),
+                                               down=without_epilogue(fm4.down)),
+        "mxfp4 + LoRA, epilogues only": switched(module=fml, moe_lora_shrink=without_shrink),
     }
 
 

@@ -97,7 +97,7 @@ def loop_stats(compiled) -> dict:
     ops = collections.Counter(_opcode(t).split(".")[0] for t in body)
     regs = re.search(r"REG:(\d+)", usage)
     return {"loop": len(body) if looped else None, "mma": ops["HMMA"] + ops["HGMMA"], "sts": ops["STS"],
-            "ldsm": ops["LDSM"], "bar": ops["BAR"], "ldg128": sum(_opcode(t).startswith("LDG.E.128") for t in body),
+            "ldsm": ops["LDSM"], "bar": ops["BAR"], "shfl": ops["SHFL"], "ldg128": sum(_opcode(t).startswith("LDG.E.128") for t in body),
             "regs": int(regs.group(1)) if regs else None, "smem": int(compiled.metadata.shared),
             "instructions": len(code)}
 
