@@ -15,8 +15,8 @@ made once, before the gate_up GEMM, with the gate_up LoRA config's BLOCK_M (the 
 LoRA); the down LoRA call runs at that BLOCK_M too (its other tuned parameters kept). MXFP4 weights in the kernel
 layout (int32 words, ``mxfp4.prepare_for_kernel``) run ``fused_moe_mxfp4``'s GEMMs (its tuned config; the down
 GEMM without split-K, since the down delta is added to the pair outputs; a gate_up split-K sums its partials into
-the pre-activation before the gate_up delta). At decode sizes (the MXFP4 config's row blocks of at most
-EPILOGUE_MAX_BLOCK_M pairs) the expands move into the MXFP4 GEMMs' epilogues instead:
+the pre-activation before the gate_up delta). At decode and verify-step sizes (the MXFP4 config's row blocks of at
+most EPILOGUE_MAX_BLOCK_M pairs) the expands move into the MXFP4 GEMMs' epilogues instead:
 
     moe_lora_shrink(x, A13) ─> h13 ─> gate_up GEMM + bias + gate_up delta + activation ─> h [T*A, I]
     moe_lora_shrink(h, A2)  ─> h2  ─> down GEMM + bias + down delta, * routing weight (split-K kept) ─> sum over A
@@ -60,9 +60,10 @@ def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
                              fml.default_config(k))
 
 
-# MXFP4 kernel-layout GEMMs at row blocks up to this size (decode up to ~16 tokens) add the LoRA deltas in their
-# epilogues; with larger blocks (more slots per block) the epilogue costs more than the expand launches it replaces
-EPILOGUE_MAX_BLOCK_M = 8
+# MXFP4 kernel-layout GEMMs at row blocks up to this size (the tuned decode and verify-step tiles, M up to ~160) add
+# the LoRA deltas in their epilogues; with larger blocks (prefill tiles of 64+ pairs, many slots each) the epilogue's
+# slot-by-slot products cost more than the expand launches they replace
+EPILOGUE_MAX_BLOCK_M = 16
 
 
 def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
@@ -95,7 +96,7 @@ def _shrink_first(cfg: dict, device: torch.device) -> bool:
 
 def _kernel_layout_apart(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
                          lora_align, w13_lora, w2_lora, *, activation, b13, b2, alpha, limit) -> torch.Tensor:
-    """MXFP4 kernel layout above the epilogue's row blocks (verify steps, prefill): the base GEMMs, each target's
+    """MXFP4 kernel layout above the epilogue's row blocks (prefill): the base GEMMs, each target's
     delta added by the LoRA kernels. With PDL each target's shrink is launched before its GEMM, which runs its K loop
     beside it (``late_wait``), and the expand follows the GEMM; a FUSED LoRA config (one kernel) runs after it."""
     num_tokens, top_k = topk_ids.shape

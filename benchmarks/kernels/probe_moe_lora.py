@@ -33,8 +33,9 @@ from mxfp4_gemm_gpu import GPT_OSS_20B, lora_inputs, moe_inputs  # noqa: E402
 from probe_lora import kernel_times_us  # noqa: E402
 
 
-def variants(inp: dict, lo: dict) -> dict:
-    """label -> a call of the expert layer (bf16 / MXFP4 kernel layout, without and with LoRA)."""
+def variants(inp: dict, lo: dict, epilogue_max: int | None = None) -> dict:
+    """label -> a call of the expert layer (bf16 / MXFP4 kernel layout, without and with LoRA); with
+    ``epilogue_max``, also the layer with the expands in the GEMMs' epilogues up to row blocks of that size."""
     from loraplex.kernels import fused_moe_lora as fml
     from loraplex.kernels import fused_moe_mxfp4 as fm4
     from loraplex.kernels import moe_experts_lora as mel
@@ -65,7 +66,7 @@ def variants(inp: dict, lo: dict) -> dict:
     kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
     lkw = dict(kw, w13_lora=lo["w13_lora"], w2_lora=lo["w2_lora"])
     w13, s13, w2, s2 = inp["kernel"]
-    return {
+    out = {
         "bf16": lambda: fused_moe(x, inp["w13"], inp["w2"], wts, ids, **kw),
         "bf16 + LoRA": lambda: moe_experts_lora(x, inp["w13"], inp["w2"], wts, ids, lo["idx"], lo["scaling"], **lkw),
         "mxfp4": lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, wts, ids, **kw),
@@ -80,6 +81,13 @@ def variants(inp: dict, lo: dict) -> dict:
                                                down=without_epilogue(fm4.down)),
         "mxfp4 + LoRA, epilogues only": switched(module=fml, moe_lora_shrink=without_shrink),
     }
+    if epilogue_max is not None:
+        out[epilogue_label(epilogue_max)] = switched(EPILOGUE_MAX_BLOCK_M=epilogue_max)
+    return out
+
+
+def epilogue_label(n: int) -> str:
+    return f"mxfp4 + LoRA, epilogues up to {n}-row blocks"
 
 
 CHECKED = ("mxfp4 + LoRA", "mxfp4 + LoRA, GEMMs wait first")
@@ -91,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--mix", default="even", choices=("even", "zipf", "prefill"))
+    p.add_argument("--epilogue-max-block-m", type=int, default=None,
+                   help="also time (and check) the layer with the expands in the MXFP4 GEMMs' epilogues up to row "
+                        "blocks of this size (the engine's: moe_experts_lora.EPILOGUE_MAX_BLOCK_M)")
+    p.add_argument("--only", default="", help="time only the rows whose label starts with this (e.g. mxfp4)")
     p.add_argument("--out", help="write the rows here as JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -105,16 +117,19 @@ def main(argv: list[str] | None = None) -> int:
         inp = moe_inputs(s, m, "cuda", 3000 + m)
         lo = lora_inputs(s, m, inp["ids"], args.max_loras, args.rank, "cuda", torch.bfloat16)
         lo["idx"] = adapter_indices(m, AdapterMix(args.max_loras, args.mix), "cuda")
-        calls = variants(inp, lo)
+        calls = variants(inp, lo, args.epilogue_max_block_m)
         ref = calls["mxfp4 + LoRA, expands apart"]().float()
         delta = (ref - calls["mxfp4"]().float()).norm().item()
-        for label in CHECKED:
+        extra = () if args.epilogue_max_block_m is None else (epilogue_label(args.epilogue_max_block_m),)
+        for label in CHECKED + extra:
             err = (calls[label]().float() - ref).norm().item() / max(ref.norm().item(), 1e-30)
             print(f"| M = {m}: {label} against the expands apart: relative error {err:.2e} (LoRA delta "
                   f"{delta / max(ref.norm().item(), 1e-30):.2e} of the output) |", flush=True)
             rows.append(dict(layer=f"check: {label} vs expands apart", m=m, rel_error=err,
                              lora_delta_rel=delta / max(ref.norm().item(), 1e-30)))
         for label, fn in calls.items():
+            if not label.startswith(args.only):
+                continue
             call = bench_time_ms(fn) * 1e3
             parts = kernel_times_us(fn)
             detail = ", ".join(f"{name} {us:.1f}" for name, us in sorted(parts.items(), key=lambda kv: -kv[1]))

@@ -144,6 +144,7 @@ CONFIGS = {
                                        "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "DOWN_PREFETCH": 1,
                                        "DOWN_num_stages": 1, "DOWN_DECODE": "bits", "num_warps": 4,
                                        "num_stages": 2},  # down's own tile (DOWN_ keys)
+    "64x64x64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 1},
     "direct prefetch 8x128x64 split3": {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "DIRECT": 1,
                                         "PREFETCH": 1, "GU_SPLIT_K": 3, "SPLIT_K": 3, "num_warps": 1,
                                         "num_stages": 1},
@@ -247,12 +248,13 @@ def test_moe_experts_lora_on_kernel_layout_matches_reference(num_tokens, config)
                                                     w2_scale=s2, **kw), want, rtol=0, atol=0)
 
 
-EPILOGUE_CASES = {  # (tokens, top_k, base config): 8-row blocks, so the deltas ride in the GEMMs' epilogues
+EPILOGUE_CASES = {  # (tokens, top_k, base config): 8- and 16-row blocks, so the deltas ride in the GEMMs' epilogues
     "both GEMMs split": (29, 4, "8x64x64 gate_up split3"),
     "gate/up in one product, bits decode, down split": (17, 2, "fused 8x32x128 split2 bits"),
     "one pair a block, register prefetch": (3, 4, "direct prefetch 8x128x64 split3"),
     "many pairs a block": (33, 4, "fused 8x32x128 split2 bits"),
     "down on its own tile": (21, 4, "8x64x64, down 128x128 prefetch"),
+    "16-row blocks, the verify-step tile": (23, 4, "fused 16x128x128"),
 }
 
 
@@ -290,9 +292,9 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
     check_epilogue_case(case)
 
 
-@pytest.mark.parametrize("config", ["16x64x64", "32x32x64 split3 bits"])
+@pytest.mark.parametrize("config", ["32x32x64 split3 bits", "64x64x64"])
 def test_lora_epilogue_only_for_small_row_blocks(config, monkeypatch):
-    """Row blocks above 8 pairs (M = 64 decode, prefill tiles) keep the separate expand launches."""
+    """Row blocks above 16 pairs (prefill tiles) keep the separate expand launches."""
     from loraplex.kernels import fused_moe_lora as fml
 
     calls = []
@@ -309,9 +311,9 @@ def test_lora_epilogue_only_for_small_row_blocks(config, monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("config,num_tokens", [("16x64x64", 7), ("32x32x64 split3 bits", 12)])
+@pytest.mark.parametrize("config,num_tokens", [("64x64x64", 7), ("32x32x64 split3 bits", 12)])
 def test_expands_apart_with_the_shrinks_first(config, num_tokens, monkeypatch):
-    """Row blocks above 8 pairs where the base GEMMs are PDL launches: each target's shrink before its GEMM, the
+    """Row blocks above 16 pairs where the base GEMMs are PDL launches: each target's shrink before its GEMM, the
     expand (``moe_lora_expand``) after it, and the layer equal to the reference; a FUSED LoRA config keeps its one
     kernel after the GEMM."""
     from loraplex.kernels import fused_moe_lora as fml
