@@ -13,6 +13,7 @@ chunk beside decodes).
 
     python3 benchmarks/kernels/probe_moe_lora.py --m 1,16,64     # H200: about 30 s
     python3 benchmarks/kernels/probe_moe_lora.py --m 512,2048 --mix prefill --max-loras 32 --out probe.json
+    python3 benchmarks/kernels/probe_moe_lora.py --m 16,64 --only "mxfp4 + LoRA" --shrink-split-k 1,2,4,8,16
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ from mxfp4_gemm_gpu import GPT_OSS_20B, lora_inputs, moe_inputs  # noqa: E402
 from probe_lora import kernel_times_us  # noqa: E402
 
 
-def variants(inp: dict, lo: dict, epilogue_max: int | None = None) -> dict:
+def variants(inp: dict, lo: dict, epilogue_max: int | None = None, shrink_splits: tuple[int, ...] = ()) -> dict:
     """label -> a call of the expert layer (bf16 / MXFP4 kernel layout, without and with LoRA); with
-    ``epilogue_max``, also the layer with the expands in the GEMMs' epilogues up to row blocks of that size."""
+    ``epilogue_max``, also the layer with the expands in the GEMMs' epilogues up to row blocks of that size; for
+    each of ``shrink_splits``, the MXFP4 layer with both LoRA calls at that split-K (``split_k_config``)."""
     from loraplex.kernels import fused_moe_lora as fml
     from loraplex.kernels import fused_moe_mxfp4 as fm4
     from loraplex.kernels import moe_experts_lora as mel
@@ -83,7 +85,22 @@ def variants(inp: dict, lo: dict, epilogue_max: int | None = None) -> dict:
     }
     if epilogue_max is not None:
         out[epilogue_label(epilogue_max)] = switched(EPILOGUE_MAX_BLOCK_M=epilogue_max)
+    for split in shrink_splits:
+        cfg = split_k_config(split)
+        out[split_label(split)] = (lambda c: lambda: moe_experts_lora(
+            x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2, lora_config_override=c,
+            **lkw))(cfg)
     return out
+
+
+def split_k_config(split: int) -> dict:
+    """A LoRA config at the tuned decode configs' tile (16-pair blocks, BLOCK_K 128, PDL) with ``split`` K splits."""
+    return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split, "GROUP_M": 1, "num_warps": 4,
+            "num_stages": 3, "FUSED": 0, "PDL": 1}
+
+
+def split_label(split: int) -> str:
+    return f"mxfp4 + LoRA, LoRA calls at split-K {split}"
 
 
 def epilogue_label(n: int) -> str:
@@ -102,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epilogue-max-block-m", type=int, default=None,
                    help="also time (and check) the layer with the expands in the MXFP4 GEMMs' epilogues up to row "
                         "blocks of this size (the engine's: moe_experts_lora.EPILOGUE_MAX_BLOCK_M)")
+    p.add_argument("--shrink-split-k", default="", help="also time (and check) the MXFP4 layer with both LoRA calls at "
+                   "each of these split-K counts, comma-separated (``split_k_config``)")
     p.add_argument("--only", default="", help="time only the rows whose label starts with this (e.g. mxfp4)")
     p.add_argument("--out", help="write the rows here as JSON")
     args = p.parse_args(argv)
@@ -117,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         inp = moe_inputs(s, m, "cuda", 3000 + m)
         lo = lora_inputs(s, m, inp["ids"], args.max_loras, args.rank, "cuda", torch.bfloat16)
         lo["idx"] = adapter_indices(m, AdapterMix(args.max_loras, args.mix), "cuda")
-        calls = variants(inp, lo, args.epilogue_max_block_m)
+        splits = tuple(int(v) for v in args.shrink_split_k.split(",") if v)
+        calls = variants(inp, lo, args.epilogue_max_block_m, splits)
         ref = calls["mxfp4 + LoRA, expands apart"]().float()
         delta = (ref - calls["mxfp4"]().float()).norm().item()
-        extra = () if args.epilogue_max_block_m is None else (epilogue_label(args.epilogue_max_block_m),)
+        extra = (() if args.epilogue_max_block_m is None else (epilogue_label(args.epilogue_max_block_m),)) + tuple(
+            split_label(v) for v in splits)
         for label in CHECKED + extra:
             err = (calls[label]().float() - ref).norm().item() / max(ref.norm().item(), 1e-30)
             print(f"| M = {m}: {label} against the expands apart: relative error {err:.2e} (LoRA delta "

@@ -19,17 +19,18 @@ def test_every_variant_runs_and_computes_what_its_label_says(monkeypatch):
     inp = gemm.moe_inputs(gemm.TINY, m, "cpu", 3, torch.float32)
     lo = gemm.lora_inputs(gemm.TINY, m, inp["ids"], 3, 4, "cpu", torch.float32)
     lo["idx"] = adapter_indices(m, AdapterMix(3, "even"), "cpu")
-    calls = probe.variants(inp, lo)
+    calls = probe.variants(inp, lo, 16, (1, 3))
     epilogue_calls = []
     real = mel._kernel_layout_epilogue
     monkeypatch.setattr(mel, "_kernel_layout_epilogue", lambda *a, **k: (epilogue_calls.append(1), real(*a, **k))[1])
     got = {label: fn() for label, fn in calls.items()}
-    assert len(epilogue_calls) == 4  # LoRA, waits first, shrinks only, epilogues only (not the expands apart)
+    # LoRA, waits first, shrinks only, epilogues only, the two split-K rows, up to 16-row blocks (not the expands apart)
+    assert len(epilogue_calls) == 7
     for label, out in got.items():
         assert out.shape == (m, gemm.TINY.hidden) and torch.isfinite(out).all(), label
     want = got["mxfp4 + LoRA, expands apart"]
     assert (want - got["mxfp4"]).abs().max() > 1e-2  # the adapters change the output
-    for label in probe.CHECKED:
+    for label in probe.CHECKED + (probe.epilogue_label(16), probe.split_label(1), probe.split_label(3)):
         torch.testing.assert_close(got[label], want, rtol=1e-4, atol=1e-4)
     # timing-only rows: the shrinks without any expand give the base layer; the epilogues fed by rows shrunk once
     # (on the first call) give the layer with LoRA
