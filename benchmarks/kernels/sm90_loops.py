@@ -13,6 +13,7 @@ What it shows, per case (GPT-OSS-20B shapes, the H200's tuned configs at M token
               kernel without a loop, whose other columns then count the whole kernel)
     mma       MMA instructions in it (HMMA: mma.sync; HGMMA: wgmma)
     sts ldsm bar   shared-memory stores, matrix loads, barriers in it: an operand that goes through shared memory
+    shfl      lane shuffles in it: a register operand exchanged across lanes (e.g. a decoded tile in another order)
     ldg128    16-byte global loads in it
     regs smem registers per thread and static shared memory (occupancy)
     per word  MXFP4 GEMMs only: loop instructions per 32-bit word of 8 codes, per warp (the decode's issue cost)
@@ -97,7 +98,8 @@ def loop_stats(compiled) -> dict:
     ops = collections.Counter(_opcode(t).split(".")[0] for t in body)
     regs = re.search(r"REG:(\d+)", usage)
     return {"loop": len(body) if looped else None, "mma": ops["HMMA"] + ops["HGMMA"], "sts": ops["STS"],
-            "ldsm": ops["LDSM"], "bar": ops["BAR"], "shfl": ops["SHFL"], "ldg128": sum(_opcode(t).startswith("LDG.E.128") for t in body),
+            "ldsm": ops["LDSM"], "bar": ops["BAR"], "shfl": ops["SHFL"],
+            "ldg128": sum(_opcode(t).startswith("LDG.E.128") for t in body),
             "regs": int(regs.group(1)) if regs else None, "smem": int(compiled.metadata.shared),
             "instructions": len(code)}
 
@@ -219,7 +221,7 @@ def run(groups: list[str], ms: list[int]) -> list[dict]:
     return rows
 
 
-_COLUMNS = ("loop", "mma", "sts", "ldsm", "bar", "ldg128", "regs", "smem", "per_word")
+_COLUMNS = ("loop", "mma", "sts", "ldsm", "bar", "shfl", "ldg128", "regs", "smem", "per_word")
 
 
 def _line(row: dict) -> str:
