@@ -166,8 +166,8 @@ def _lora_epilogue(acc, acc2, h, slots, lead, count, row, slot, rank, b, b2, b_a
     [BLOCK_M], -1 for padding and pairs without an adapter), acc [ROWS, BLOCK_M] += B_l[e][rows, :] @ h^T masked
     to l's pairs (B stored as B^T [E, r, NOUT]); with TWO, acc2 the same for output columns OFF2 + rows (gate_up's
     up half). ``row``, ``slot``, ``rank``, ``b``, ``b2``: the first lead's, from ``_lora_tile``, loaded by the
-    caller before it waits for the shrink; each next slot's tiles are loaded before this slot's product. A block holds the pairs of
-    one expert, so each (slot, expert, column tile) is read by one program."""
+    caller before it waits for the shrink; each next slot's tiles are loaded before this slot's product. A block
+    holds the pairs of one expert, so each (slot, expert, column tile) is read by one program."""
     r = tl.arange(0, BLOCK_R)
     for t in range(count):
         nxt = _lora_tile(row, lead, slots, b_addr, b_rank, expert, rows, rows_ok, NOUT, OFF2, TWO, W_DTYPE, BLOCK_R)

@@ -1,15 +1,16 @@
 """Where the time of the expert layer with expert LoRA goes, per expert format: per-kernel device time (torch
 profiler, plain launches) of ``moe_experts_lora`` next to the same layer without LoRA, bf16 weights and MXFP4 in
 the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
-MXFP4 + LoRA runs three times: as the engine calls it (at decode sizes the expands inside the GEMMs' epilogues, each
-GEMM waiting for its shrink only before the epilogue), with the GEMMs waiting for the shrink before their K loop
-(``fused_moe_mxfp4.LORA_LATE_WAIT`` off), and with the expands as separate launches
-(``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. Two timing-only rows (their
-outputs are not the layer's) split the decode path's LoRA time: "shrinks only" launches the shrinks and leaves the
-GEMMs' LoRA epilogues out, "epilogues only" feeds the epilogues rows shrunk once beforehand and launches no shrink. The "call" column is the
-CUDA-graph replay time of the whole call (``bench_time_ms``), where PDL launches overlap as in the engine's graphs.
-``--mix`` picks the tokens' adapters as ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt
-chunk beside decodes).
+MXFP4 + LoRA runs three times: as the engine calls it (at decode and verify-step sizes the expands inside the GEMMs'
+epilogues, each GEMM waiting for its shrink only before the epilogue), with the GEMMs waiting for the shrink before
+their K loop (``fused_moe_mxfp4.LORA_LATE_WAIT`` off), and with the expands as separate launches
+(``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. Two timing-only rows
+(their outputs are not the layer's) split the epilogue path's LoRA time: "shrinks only" launches the shrinks and
+leaves the GEMMs' LoRA epilogues out, "epilogues only" feeds the epilogues rows shrunk once beforehand and launches
+no shrink. ``--epilogue-max-block-m`` and ``--shrink-split-k`` add (checked) rows with the epilogue bound or the
+LoRA calls' split-K changed. The "call" column is the CUDA-graph replay time of the whole call (``bench_time_ms``),
+where PDL launches overlap as in the engine's graphs. ``--mix`` picks the tokens' adapters as
+``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt chunk beside decodes).
 
     python3 benchmarks/kernels/probe_moe_lora.py --m 1,16,64     # H200: about 30 s
     python3 benchmarks/kernels/probe_moe_lora.py --m 512,2048 --mix prefill --max-loras 32 --out probe.json
