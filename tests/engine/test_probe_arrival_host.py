@@ -68,12 +68,19 @@ def _run_emulated(tmp_path, *extra: str) -> dict:
 def test_emulated_launches_count_the_cuda_paths_launches(tmp_path):
     """On a CPU, --emulate-launches runs the CUDA path's launchers at GPT-OSS-20B's depth (24 layers, 32 experts)
     with MXFP4 experts in the kernel layout: every layer launches the same kernels, the expert layers with LoRA
-    make both alignments in one launch, and the dense and expert LoRA kernels run only where adapters do."""
+    make both alignments in one launch, and the dense and expert LoRA kernels run only where adapters do. The host
+    scale's widths have no tuned MXFP4 config, so the default's row blocks decide whether the expert LoRA expands
+    are launches of their own or ride in the GEMMs' epilogues."""
+    from loraplex.kernels import fused_moe_mxfp4, moe_experts_lora
+
     report = _run_emulated(tmp_path, "--quantization", "mxfp4")
     assert report["device"] == "cpu, launches emulated" and report["args"]["scale"] == "host"
     per_layer = {"_rotary_cache_kernel", "_paged_attention_kernel", "_moe_route_kernel",
                  "_gate_up_kernel", "_down_kernel"}
-    lora = {"_lora_shrink_kernel", "_lora_expand_kernel", "_moe_lora_shrink_kernel", "_moe_lora_expand_kernel"}
+    in_epilogue = fused_moe_mxfp4.DEFAULT_CONFIG["BLOCK_M"] <= moe_experts_lora.EPILOGUE_MAX_BLOCK_M
+    lora = {"_lora_shrink_kernel", "_lora_expand_kernel", "_moe_lora_shrink_kernel"}
+    if not in_epilogue:
+        lora.add("_moe_lora_expand_kernel")
     for row in report["rows"]:
         by_kernel = row["launches"]["by_kernel"]
         assert sum(by_kernel.values()) == row["launches"]["total"] > 0
@@ -84,6 +91,7 @@ def test_emulated_launches_count_the_cuda_paths_launches(tmp_path):
             assert "_moe_align_pair_kernel" not in by_kernel
         else:  # q/k/v and o: a shrink and an expand each; gate_up and down: the same, over (slot, expert) pairs
             assert all(by_kernel[k] == 48 for k in lora), by_kernel
+            assert in_epilogue == ("_moe_lora_expand_kernel" not in by_kernel), by_kernel
             assert by_kernel["_moe_align_pair_kernel"] == 24
             assert by_kernel["_moe_align_kernel"] == 1  # the step's tokens grouped by slot, once (lora_segments)
         sections = row["sections"]
