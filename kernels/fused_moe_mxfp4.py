@@ -126,8 +126,8 @@ def _lora_rows(entries_ptr, slots, stride_el):
 @triton.jit
 def _lora_leads(slots, b_rank, first_split):
     """(the rows that bring a slot with weights first [BLOCK_M], how many): each slot's B tile is read once, at its
-    first row; only the first split-K split (``first_split``) adds it. Row by row (BLOCK_M is small), which keeps
-    the vectors in the layout they were loaded in (no shuffles)."""
+    first row; only the first split-K split (``first_split``) adds it. Row by row (BLOCK_M is small): one
+    reduction over the block's rows each, outside the K loop."""
     BLOCK_M: tl.constexpr = slots.shape[0]
     idx = tl.arange(0, BLOCK_M)
     dup = tl.zeros([BLOCK_M], tl.int32)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -46,11 +47,14 @@ def variants(inp: dict, lo: dict, epilogue_max: int | None = None, shrink_splits
     from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
-    def switched(module=mel, **switches):  # the MXFP4 layer with a module's switches set for the call
+    def layer(**extra):  # the MXFP4 layer with LoRA, as the engine calls it
+        return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2, **lkw,
+                                **extra)
+
+    def switched(module=mel, **switches):  # the layer with a module's switches set for the call
         def call():
             with mock.patch.multiple(module, **switches) if switches else contextlib.nullcontext():
-                return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2,
-                                        **lkw)
+                return layer()
         return call
 
     def without_epilogue(gemm):  # the GEMM as launched after its shrink, its LoRA epilogue left out
@@ -60,10 +64,10 @@ def variants(inp: dict, lo: dict, epilogue_max: int | None = None, shrink_splits
 
     shrunk, shrink = {}, fml.moe_lora_shrink
 
-    def without_shrink(*args, out_features, **kwargs):  # the shrink's rows made once, outside the timed call
-        if out_features not in shrunk:
-            shrunk[out_features] = shrink(*args, out_features=out_features, **kwargs).clone()
-        return shrunk[out_features]
+    def without_shrink(inp, table, *args, **kwargs):  # each target's rows made once, outside the timed call
+        if id(table) not in shrunk:
+            shrunk[id(table)] = shrink(inp, table, *args, **kwargs).clone()
+        return shrunk[id(table)]
 
     x, ids, wts = inp["x"], inp["ids"], inp["weights"]
     kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
@@ -87,10 +91,7 @@ def variants(inp: dict, lo: dict, epilogue_max: int | None = None, shrink_splits
     if epilogue_max is not None:
         out[epilogue_label(epilogue_max)] = switched(EPILOGUE_MAX_BLOCK_M=epilogue_max)
     for split in shrink_splits:
-        cfg = split_k_config(split)
-        out[split_label(split)] = (lambda c: lambda: moe_experts_lora(
-            x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2, lora_config_override=c,
-            **lkw))(cfg)
+        out[split_label(split)] = functools.partial(layer, lora_config_override=split_k_config(split))
     return out
 
 
