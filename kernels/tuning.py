@@ -13,6 +13,17 @@ File layout (written by ``loraplex tune`` through :func:`config_path`, read by :
 The M entry nearest to the call's M wins (ties go to the smaller M). ``LORAPLEX_TUNING_DIR`` replaces the
 ``tuning_configs`` folder. A missing file, or a shape the file lacks, falls back to the launcher's default with
 one warning per (folder, device, op[, shape]). Files are read once and cached; :func:`clear_cache` forgets them.
+
+A device folder may hold ``same_as.json`` instead of (or beside) op files, to read another device's configs::
+
+    {"device": "NVIDIA_H200", "reason": "both are sm_90 Hopper parts with 132 SMs"}
+
+``device`` names a sibling folder under the same root. Reading an op (:func:`get_config`, :func:`tuned_ms`) uses
+the device folder's own ``<op>.json`` when it exists, else the aliased folder's (and so on along a chain of
+aliases; a cycle, a bad ``same_as.json`` or a missing aliased folder raises :class:`TuningConfigError`).
+:func:`read_path` and :func:`device_files` give the files a read uses. Writing (:func:`write_configs`,
+:func:`config_path`) always targets the device's own folder: the first write of an op there starts from the
+aliased file's entries, and the own file then wins over the alias for that op.
 Torch-free and triton-free so the CPU path may import it.
 """
 from __future__ import annotations
@@ -29,6 +40,8 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 TUNING_DIR_ENV = "LORAPLEX_TUNING_DIR"
+ALIAS_FILE = "same_as.json"
+_ALIAS_OP = ALIAS_FILE[:-len(".json")]
 _REPO_TUNING_DIR = Path(__file__).resolve().parent.parent / "tuning_configs"
 _REPO_TUNING_DIR_STR = str(_REPO_TUNING_DIR)
 
@@ -73,11 +86,72 @@ def shape_key(shape: Mapping[str, int]) -> str:
 
 
 def config_path(op: str, device_name: str | None = None, root: str | os.PathLike | None = None) -> Path:
-    """The one naming function: where the configs of ``op`` on ``device_name`` live (loader and tuner use it)."""
-    if not op or "/" in op:
+    """The device's own file for ``op`` (the tuner writes it; a read uses it when it exists, else an aliased
+    folder's file: :func:`read_path`). ``same_as`` is not an op name."""
+    if not op or "/" in op or "\\" in op or op == _ALIAS_OP:
         raise ValueError(f"bad op name {op!r}; expected a plain name such as 'fused_moe'")
     device = device_folder_name(device_name if device_name is not None else current_device_name())
     return Path(root if root is not None else tuning_dir()) / device / f"{op}.json"
+
+
+def _read_alias(path: Path) -> str:
+    """The folder name a ``same_as.json`` points at (checked for shape, not for existence)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TuningConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise TuningConfigError(f"{path}: expected an object with a \"device\" key, got {type(raw).__name__}")
+    target = raw.get("device")
+    if not isinstance(target, str) or not target.strip():
+        raise TuningConfigError(f"{path}: \"device\" must name a device folder, e.g. \"NVIDIA_H200\"; got {target!r}")
+    if "/" in target or "\\" in target or target in (".", ".."):
+        raise TuningConfigError(f"{path}: \"device\" must be a folder name under the same root, got {target!r}")
+    return target
+
+
+@functools.cache
+def _chain(root: str, device: str) -> tuple[Path, ...]:
+    """The device's folder, then each folder its ``same_as.json`` chain points at, in reading order."""
+    base = Path(root)
+    names = [device]
+    aliases: list[Path] = []
+    while (alias := base / names[-1] / ALIAS_FILE).is_file():
+        aliases.append(alias)
+        target = _read_alias(alias)
+        if target in names:
+            raise TuningConfigError("same_as.json aliases form a cycle: "
+                                    + " -> ".join(str(a) for a in aliases) + f" -> {base / target}")
+        if not (base / target).is_dir():
+            raise TuningConfigError(f"{alias}: aliased folder {base / target} does not exist")
+        names.append(target)
+    return tuple(base / n for n in names)
+
+
+def _folders(device_name: str | None, root: str | os.PathLike | None) -> tuple[Path, ...]:
+    device = device_folder_name(device_name if device_name is not None else current_device_name())
+    return _chain(str(root if root is not None else tuning_dir()), device)
+
+
+def read_path(op: str, device_name: str | None = None, root: str | os.PathLike | None = None) -> Path | None:
+    """The file a read of ``op``'s configs on ``device_name`` uses: the device folder's own ``<op>.json``, else the
+    first one along its ``same_as.json`` chain; None when there is none."""
+    name = config_path(op, device_name, root).name
+    for folder in _folders(device_name, root):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def device_files(device_name: str | None = None, root: str | os.PathLike | None = None) -> dict[str, Path]:
+    """``{op: file}`` for every op a read on ``device_name`` finds a file for (own files, then the alias chain's
+    files for ops without an own file), sorted by op."""
+    found: dict[str, Path] = {}
+    for folder in _folders(device_name, root):
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            if path.name != ALIAS_FILE and path.is_file():
+                found.setdefault(path.stem, path)
+    return dict(sorted(found.items()))
 
 
 @functools.cache
@@ -115,11 +189,11 @@ def nearest_m(available: list[int] | set[int] | dict, m: int) -> int:
 
 
 def tuned_ms(device_name: str | None = None, root: str | os.PathLike | None = None) -> set[int]:
-    """Every token count M some tuning file of the device has an entry for (all ops and shapes): each is the
-    middle of a range of M that shares one tuned config (the engine's eager warm-up runs one step per range)."""
-    folder = config_path("any", device_name, root).parent
+    """Every token count M some tuning file a read on the device uses has an entry for (all ops and shapes, the
+    files of :func:`device_files`): each is the middle of a range of M that shares one tuned config (the engine's
+    eager warm-up runs one step per range)."""
     ms: set[int] = set()
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for path in device_files(device_name, root).values():
         table = _load(str(path))
         for by_m in (table or {}).values():
             ms.update(by_m)
@@ -143,11 +217,15 @@ def get_config(op: str, shape: Mapping[str, int], m: int, default: Mapping[str, 
 @functools.lru_cache(maxsize=4096)
 def _tuned_entry(op: str, shape: tuple[tuple[str, Any], ...], m: int, device_name: str,
                  root: str) -> dict[str, Any] | None:
-    """The tuned entry for one lookup (never mutated by callers: ``get_config`` copies), or None."""
-    path = config_path(op, device_name, root)
-    table = _load(str(path))
+    """The tuned entry for one lookup (never mutated by callers: ``get_config`` copies), or None. The file is
+    resolved here (:func:`read_path`), so the alias chain is walked once per memoised lookup, not per call."""
+    path = read_path(op, device_name, root)
+    table = _load(str(path)) if path is not None else None
     if table is None:
-        _warn_once(f"no tuning file {path}; using default {op} configs (run `loraplex tune` on this GPU)")
+        own = config_path(op, device_name, root)
+        aliased = [str(f / own.name) for f in _folders(device_name, root)[1:]]
+        also = f" (nor {', '.join(aliased)} through {ALIAS_FILE})" if aliased else ""
+        _warn_once(f"no tuning file {own}{also}; using default {op} configs (run `loraplex tune` on this GPU)")
         return None
     skey = shape_key(dict(shape))
     by_m = table.get(skey)
@@ -180,12 +258,16 @@ def plan_cache(make: Callable[..., T]) -> Callable[..., T]:
 
 def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]], *,
                   device_name: str | None = None, root: str | os.PathLike | None = None) -> Path:
-    """Merge ``{shape key: {M: config}}`` into the op's file (other shapes kept) and return its path."""
+    """Merge ``{shape key: {M: config}}`` into the op's file in the device's own folder (other shapes and M kept)
+    and return its path. Without an own file yet, the merge starts from the file a read uses through
+    ``same_as.json`` (the aliased file itself is left as it is): tuning a few M on a device that read another's
+    configs keeps that device's other entries, and the new own file wins over the alias for this op."""
     path = config_path(op, device_name, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     merged: dict[str, dict[str, Any]] = {}
-    if path.is_file():
-        merged = json.loads(path.read_text(encoding="utf-8"))
+    source = path if path.is_file() else read_path(op, device_name, root)
+    if source is not None:
+        merged = json.loads(source.read_text(encoding="utf-8"))
     for skey, by_m in configs.items():
         entry = merged.setdefault(skey, {})
         for m, cfg in by_m.items():
@@ -193,12 +275,14 @@ def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]
         merged[skey] = dict(sorted(entry.items(), key=lambda kv: int(kv[0])))
     path.write_text(json.dumps(merged, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     _load.cache_clear()
+    _chain.cache_clear()
     _tuned_entry.cache_clear()
     return path
 
 
 def clear_cache() -> None:
-    """Forget loaded files and issued warnings (tests, or after writing new files)."""
+    """Forget loaded files, resolved aliases and issued warnings (tests, or after writing new files)."""
     _load.cache_clear()
+    _chain.cache_clear()
     _tuned_entry.cache_clear()
     _warn_once.cache_clear()

@@ -33,7 +33,10 @@ start=$(date +%s)
 mkdir -p "$OUT"
 dev=$(timeout 60 python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
 mkdir -p "$TUNING/$dev"
-cp tuning_configs/"$dev"/*.json "$TUNING/$dev/" 2>/dev/null  # tuning merges into the committed files
+# tuning merges into the committed files: the ones a read uses (same_as.json followed), copied as real files
+timeout 60 python3 -c "import shutil, sys; from loraplex.kernels import tuning
+for f in tuning.device_files(sys.argv[1], 'tuning_configs').values(): shutil.copy(f, sys.argv[2])" \
+  "$dev" "$TUNING/$dev/"
 stamp() { echo "[$1 rc=$2 done at $(( $(date +%s) - start ))s]"; }
 # timeout for a stage: its own limit, capped by what is left of TOTAL_S (at least 5 s)
 limit() { local left=$(( TOTAL_S - ($(date +%s) - start) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }

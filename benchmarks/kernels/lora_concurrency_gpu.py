@@ -76,10 +76,9 @@ def tuning_roots(tmp: Path, tuned: Path, device_name: str) -> dict[str, Path]:
     for name in ("default", "tuned"):
         dst = roots[name] / folder
         dst.mkdir(parents=True)
-        if (committed / folder).is_dir():
-            for f in (committed / folder).glob("*.json"):
-                if name == "tuned" or f.stem not in LORA_OPS:
-                    shutil.copy(f, dst / f.name)
+        for op, f in tuning.device_files(device_name, committed).items():  # same_as.json followed: real files
+            if name == "tuned" or op not in LORA_OPS:
+                shutil.copy(f, dst / f.name)
     for f in (tuned / folder).glob("*.json"):  # merge the new M entries
         new = json.loads(f.read_text())
         tuning.write_configs(f.stem, {k: {int(m): c for m, c in v.items()} for k, v in new.items()},

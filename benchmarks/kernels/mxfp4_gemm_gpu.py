@@ -654,13 +654,12 @@ def main(argv: list[str] | None = None) -> int:
         run.note(f"# {s.name} on {device_name}: copy roofline {copy_tbs:.3g} TB/s, torch {torch.__version__}, "
                  f"triton {triton.__version__}")
         # the committed configs, then the sweep's winners on top, for every op of this run
+        # (the files a read uses, same_as.json followed, copied as real files)
         folder = tuning.device_folder_name(device_name)
-        committed = tuning.config_path("fused_moe_mxfp4", device_name).parent
         os.makedirs(os.path.join(tuning_root, folder), exist_ok=True)
-        if committed.is_dir():
-            for f in committed.glob("*.json"):
-                if f.name != "fused_moe_mxfp4.json" or args.sweep_s <= 0:
-                    shutil.copy(f, os.path.join(tuning_root, folder, f.name))
+        for op, f in tuning.device_files(device_name).items():
+            if op != "fused_moe_mxfp4" or args.sweep_s <= 0:
+                shutil.copy(f, os.path.join(tuning_root, folder, f.name))
         os.environ[tuning.TUNING_DIR_ENV] = tuning_root
         tuning.clear_cache()
         sweep_ms = parse_ms(args.sweep_m)

@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         best_file[m] = measure(m, s, committed[m], args, run, copy_tbs, lora_ms, fm, ref, moe_experts_lora,
                                bench_time_ms)
-    path = tuning.config_path("fused_moe_mxfp4", torch.cuda.get_device_name())
-    table = json.load(open(path)) if os.path.exists(path) else {}
+    path = tuning.read_path("fused_moe_mxfp4", torch.cuda.get_device_name())  # own file, else same_as.json's
+    table = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
     key = tuning.shape_key(shape)
     for m, cfg in best_file.items():
         if cfg is not None:

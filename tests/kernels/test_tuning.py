@@ -97,6 +97,8 @@ def test_repo_tuning_files_parse():
     """Committed files load and every entry is keyed by integer M."""
     tuning.clear_cache()
     for path in tuning._REPO_TUNING_DIR.glob("*/*.json"):
+        if path.name == tuning.ALIAS_FILE:
+            continue  # an alias, not an op file: test_committed_device_folders_hold_op_files_or_a_valid_alias
         table = tuning._load(str(path))
         assert table, f"{path} is empty"
         for by_m in table.values():
@@ -111,6 +113,8 @@ def test_committed_configs_lists_each_config_of_a_file_once():
     from tests.utils.tuning_files import committed_configs
 
     for path in tuning._REPO_TUNING_DIR.glob("*/*.json"):
+        if path.name == tuning.ALIAS_FILE:
+            continue
         listed = committed_configs(path.stem)
         assert all(cfg not in listed[:i] for i, cfg in enumerate(listed)), path.stem
         for by_m in json.loads(path.read_text(encoding="utf-8")).values():
@@ -136,3 +140,151 @@ def test_plan_cache_remembers_per_config_and_shape():
     assert plan(odd, m=4) == first and plan(odd, m=4) is not plan(odd, m=4)
     plan.cache_clear()
     assert plan({"BLOCK": 16}, m=4) is not first
+
+
+# same_as.json: a device folder reading another device's configs
+
+
+def _alias(root, device, target, **extra):
+    folder = root / device
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / tuning.ALIAS_FILE).write_text(json.dumps({"device": target, "reason": "test", **extra}))
+    tuning.clear_cache()
+
+
+def _block_m(op, device, m=1):
+    return tuning.get_config(op, {"K": 8}, m, DEFAULT, device_name=device)["BLOCK_M"]
+
+
+def test_alias_is_read_when_the_own_file_is_missing_and_the_own_file_wins(tdir):
+    h200 = tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 200}}}, device_name="NVIDIA H200")
+    tuning.write_configs("other", {"K=8": {1: {"BLOCK_M": 201}}}, device_name="NVIDIA H200")
+    _alias(tdir, "H100", "NVIDIA_H200")
+    assert _block_m("op", "H100") == 200 and _block_m("other", "H100") == 201
+    assert tuning.read_path("op", "H100") == h200
+    own = tdir / "H100" / "op.json"
+    own.write_text(json.dumps({"K=8": {"1": {"BLOCK_M": 100}}}))
+    tuning.clear_cache()
+    assert _block_m("op", "H100") == 100 and _block_m("other", "H100") == 201  # own file wins for its op only
+    assert tuning.read_path("op", "H100") == own
+    assert tuning.device_files("H100") == {"op": own, "other": tdir / "NVIDIA_H200" / "other.json"}
+    assert tuning.read_path("missing", "H100") is None
+    assert tuning.device_files("NVIDIA H200") == {"op": h200, "other": tdir / "NVIDIA_H200" / "other.json"}
+
+
+def test_tuned_ms_follows_the_same_rule(tdir):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 1}, 64: {"BLOCK_M": 64}}}, device_name="base")
+    tuning.write_configs("other", {"K=8": {512: {"BLOCK_M": 16}}}, device_name="base")
+    _alias(tdir, "gpu", "base")
+    assert tuning.tuned_ms("gpu", tdir) == {1, 64, 512}
+    tuning.write_configs("op", {"K=8": {16: {"BLOCK_M": 16}}}, device_name="gpu")  # own op.json, from base's
+    assert tuning.tuned_ms("gpu", tdir) == {1, 16, 64, 512}
+    (tdir / "gpu" / "op.json").write_text(json.dumps({"K=8": {"32": {"BLOCK_M": 32}}}))  # own file hides base's
+    tuning.clear_cache()
+    assert tuning.tuned_ms("gpu", tdir) == {32, 512}
+    assert tuning.tuned_ms("base", tdir) == {1, 64, 512}
+
+
+def test_alias_chain_is_followed(tdir):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 3}}}, device_name="C")
+    tuning.write_configs("mid", {"K=8": {1: {"BLOCK_M": 2}}}, device_name="B")
+    _alias(tdir, "B", "C")
+    _alias(tdir, "A", "B")
+    assert _block_m("op", "A") == 3 and _block_m("mid", "A") == 2
+    assert tuning.device_files("A") == {"mid": tdir / "B" / "mid.json", "op": tdir / "C" / "op.json"}
+
+
+def test_alias_cycle_raises_naming_the_files(tdir):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 3}}}, device_name="B")
+    _alias(tdir, "A", "B")
+    _alias(tdir, "B", "A")
+    with pytest.raises(tuning.TuningConfigError, match="cycle") as err:
+        tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="A")
+    assert str(tdir / "A" / "same_as.json") in str(err.value) and str(tdir / "B" / "same_as.json") in str(err.value)
+    _alias(tdir, "self", "self")
+    with pytest.raises(tuning.TuningConfigError, match="cycle"):
+        tuning.tuned_ms("self", tdir)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "not valid JSON"),
+    ('["NVIDIA_H200"]', "expected an object"),
+    ('{"reason": "no device"}', "must name a device folder"),
+    ('{"device": ""}', "must name a device folder"),
+    ('{"device": 7}', "must name a device folder"),
+    ('{"device": "../NVIDIA_H200"}', "folder name under the same root"),
+    ('{"device": "x\\\\y"}', "folder name under the same root"),
+    ('{"device": ".."}', "folder name under the same root"),
+])
+def test_bad_alias_file_raises_naming_it(tdir, text, match):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 3}}}, device_name="NVIDIA_H200")
+    (tdir / "gpu").mkdir()
+    (tdir / "gpu" / tuning.ALIAS_FILE).write_text(text)
+    tuning.clear_cache()
+    with pytest.raises(tuning.TuningConfigError, match=match) as err:
+        tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="gpu")
+    assert str(tdir / "gpu" / "same_as.json") in str(err.value)
+
+
+def test_alias_to_a_missing_folder_raises(tdir):
+    _alias(tdir, "gpu", "NVIDIA_H999")
+    with pytest.raises(tuning.TuningConfigError, match="NVIDIA_H999 does not exist"):
+        tuning.read_path("op", "gpu")
+
+
+def test_missing_file_warning_names_the_own_and_the_aliased_path(tdir, caplog):
+    (tdir / "base").mkdir()
+    _alias(tdir, "gpu", "base")
+    with caplog.at_level(logging.WARNING, logger="loraplex.kernels.tuning"):
+        for m in (1, 2):
+            assert tuning.get_config("nope", {"K": 1}, m, DEFAULT, device_name="gpu") == DEFAULT
+    (warning,) = [r.getMessage() for r in caplog.records if "no tuning file" in r.getMessage()]
+    assert str(tdir / "gpu" / "nope.json") in warning and str(tdir / "base" / "nope.json") in warning
+
+
+def test_write_configs_writes_the_own_folder_even_with_an_alias(tdir):
+    base = tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 200}}, "K=9": {1: {"BLOCK_M": 9}}}, device_name="base")
+    _alias(tdir, "gpu", "base")
+    assert _block_m("op", "gpu") == 200
+    path = tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 100}}}, device_name="gpu")
+    assert path == tdir / "gpu" / "op.json" == tuning.config_path("op", "gpu")
+    # the first own file starts from the aliased file's entries: K=9 (not tuned here) is kept
+    assert json.loads(path.read_text()) == {"K=8": {"1": {"BLOCK_M": 100}}, "K=9": {"1": {"BLOCK_M": 9}}}
+    assert json.loads(base.read_text())["K=8"] == {"1": {"BLOCK_M": 200}}  # the aliased file is untouched
+    assert _block_m("op", "gpu") == 100  # seen at once: write_configs forgets the cached lookups
+    # later writes merge into the own file, not the alias's
+    tuning.write_configs("op", {"K=8": {16: {"BLOCK_M": 116}}}, device_name="gpu")
+    assert json.loads(path.read_text())["K=8"] == {"1": {"BLOCK_M": 100}, "16": {"BLOCK_M": 116}}
+    assert json.loads(base.read_text())["K=8"] == {"1": {"BLOCK_M": 200}}
+    assert (tdir / "gpu" / tuning.ALIAS_FILE).is_file()
+    with pytest.raises(ValueError, match="bad op name"):
+        tuning.write_configs("same_as", {"K=8": {1: {"BLOCK_M": 1}}}, device_name="gpu")
+
+
+def test_committed_h100_folder_reads_every_op_of_the_h200():
+    tuning.clear_cache()
+    root = tuning._REPO_TUNING_DIR
+    h200 = tuning.device_files("NVIDIA H200", root)
+    assert h200 and all(p.parent == root / "NVIDIA_H200" for p in h200.values())
+    h100 = tuning.device_files("NVIDIA H100 80GB HBM3", root)
+    own = {p.stem for p in (root / "NVIDIA_H100_80GB_HBM3").glob("*.json")} - {"same_as"}
+    assert h100 == {op: (root / "NVIDIA_H100_80GB_HBM3" / f"{op}.json" if op in own else path)
+                    for op, path in h200.items()}
+    for op in h200:
+        assert tuning.read_path(op, "NVIDIA H100 80GB HBM3", root) == h100[op]
+    assert tuning.tuned_ms("NVIDIA H100 80GB HBM3", root) == tuning.tuned_ms("NVIDIA H200", root)
+
+
+def test_committed_device_folders_hold_op_files_or_a_valid_alias():
+    tuning.clear_cache()
+    root = tuning._REPO_TUNING_DIR
+    folders = [f for f in root.iterdir() if f.is_dir() and f.name != "__pycache__"]
+    assert folders
+    for folder in folders:
+        alias = folder / tuning.ALIAS_FILE
+        ops = [p for p in folder.glob("*.json") if p.name != tuning.ALIAS_FILE]
+        assert ops or alias.is_file(), f"{folder} holds neither op files nor {tuning.ALIAS_FILE}"
+        if alias.is_file():
+            raw = json.loads(alias.read_text(encoding="utf-8"))
+            assert set(raw) == {"device", "reason"} and raw["reason"].strip(), alias
+            assert tuning.device_files(folder.name, root), f"{alias} resolves to no op files"
