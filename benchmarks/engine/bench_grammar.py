@@ -321,13 +321,13 @@ def to_table(vocab: int, results: dict, batches: list[int]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--libs", nargs="+", default=list(LIBS), choices=list(LIBS))
     ap.add_argument("--vocabs", nargs="+", type=int, default=[320, 201088])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=24)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     report = {"cpu_count": os.cpu_count(), "python": sys.version.split()[0], "vocabs": {}}
     for vocab in args.vocabs:

@@ -45,6 +45,7 @@ def small_overrides(family: str) -> dict:
             kw["mlp_only_layers"] = []
         if family == "gpt_oss":
             kw["layer_types"] = ["sliding_attention", "full_attention"] * (kw["num_hidden_layers"] // 2)
+            del kw["vocab_size"]  # the harmony tokenizer has exactly the tiny corpus's ids: the tiny default
     return kw
 
 
@@ -113,7 +114,7 @@ def run(base: str, folders: list[str] | None, lora_on: bool, args) -> dict[str, 
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", default="qwen3_moe", choices=["gpt_oss", "qwen3_moe", "mixtral", "llama", "qwen3"])
     p.add_argument("--batch", type=int, default=16, help="concurrent requests")
@@ -122,7 +123,7 @@ def main() -> None:
     p.add_argument("--max-batched-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setup; the best median is shown")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from loraplex.engine.testing.tiny import make_tiny_checkpoint

@@ -104,6 +104,7 @@ def time_check(adapter: str, base: str, repeat: int, max_rank: int) -> dict:
 
 def tiny_rows(repeat: int) -> list[dict]:
     sys.path.insert(0, os.getcwd())
+    __import__("loraplex")  # first: transformers must find its own ``kernels``, not the checkout's kernels/
     from tests.utils.adapters import make_peft_adapter
     from tests.utils.tiny_models import FAMILIES, make_tiny_base
 
@@ -116,13 +117,13 @@ def tiny_rows(repeat: int) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs of the check per adapter")
     ap.add_argument("--tiny", action="store_true", help="also the tests' tiny models (needs peft)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = tiny_rows(args.repeat) if args.tiny else []

@@ -103,7 +103,7 @@ class Workload:
                 "step_us_p90": p90(total), "vs_fcfs_us_p50": statistics.median(paired)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--running", type=int, default=256)
     p.add_argument("--waiting", type=int, default=4000)
@@ -117,7 +117,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--vtc-preempt-gap", type=lambda t: None if t.lower() == "none" else float(t),
                    default=DEFAULT_PREEMPT_GAP, help="vtc's slot/budget yield gap ('none': no yields)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     loads = [Workload("fcfs", 1, args)] + [Workload("vtc", int(t), args) for t in args.tenants.split(",")]
     for k in range(args.warmup + args.steps):  # in lockstep, the order rotating: machine noise hits all alike
         for w in loads[k % len(loads):] + loads[:k % len(loads)]:

@@ -361,7 +361,7 @@ def _deliver_step(ae, outs) -> None:
     ae._deliver_step(outs)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--variants", nargs="+", default=["greedy", "sampled", "greedy+lora", "sampled+lora"])
@@ -380,7 +380,7 @@ def main() -> None:
                     help="overlapped scheduling on (verify steps stay in flight while outputs are built)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="wall: perf_counter; thread: the main thread's CPU time (steadier on a shared CPU)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     global _clock
     _clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)

@@ -193,7 +193,7 @@ def suite_compile_times(engine) -> dict:
             "first_mask_ms_median": statistics.median(first), "first_mask_ms_max": max(first)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=["full", "tiny"], default="full")
     ap.add_argument("--device", default="cuda")
@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--fill-threads", type=int, default=8)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     report = {"llguidance": ensure_llguidance(), "args": vars(args)}
     import torch
 

@@ -361,7 +361,7 @@ def print_summary(results: list[dict]) -> None:
         if r["stage"] == "kernels" and "lines" in r:
             for ln in r["lines"]:
                 print("  " + ln)
-            print(f"  device time per call, M = 16, 8 adapters (us; cold L2, CUDA-graph replay)")
+            print("  device time per call, M = 16, 8 adapters (us; cold L2, CUDA-graph replay)")
             layouts = ["stacked r32", "own r32", "mixed 8/16/32"]
             print(f"  {'op':<28}" + "".join(f"{c:>15}" for c in layouts) + f"{'earlier kernels':>17}")
             for op, row in r["timing_us"].items():
@@ -384,7 +384,7 @@ def print_summary(results: list[dict]) -> None:
         print(f"{'PASS' if r.get('ok') else 'FAIL'} {r['stage']}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stages", default="kernels,engine")
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per variant (engine stage)")
@@ -392,7 +392,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (with --scale tiny)")
     p.add_argument("--scale", default="full", choices=("full", "tiny"), help="GPT-OSS-20B or toy shapes")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     global DEVICE
     DEVICE = args.device
     if args.worker:

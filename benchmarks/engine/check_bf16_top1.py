@@ -117,7 +117,7 @@ def print_training(rows: list[dict]) -> None:
               f"{t['base']['entropy']:6.2f} {router:>19s} {secs:7.1f}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # CHECK_DEVICE=cpu CHECK_DTYPE=float32 (or --device / --dtype): a CPU smoke run
     p.add_argument("--device", default=os.environ.get("CHECK_DEVICE", "cuda"))
@@ -125,7 +125,7 @@ def main() -> int:
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--trained", action="store_true", help="train the models and adapters first (train_tiny.py)")
     p.add_argument("--train-steps", type=int, default=200, help="AdamW steps for the base and for each adapter")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = []
     for family in args.families.split(","):
         try:

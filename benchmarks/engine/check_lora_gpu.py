@@ -95,14 +95,14 @@ def check_family(family: str, tmp: str, args) -> tuple[int, int, float]:
     return agree, len(requests), worst
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--prompts", type=int, default=3, help="prompts per adapter (and for the base)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--tol", type=float, default=1e-4)
     p.add_argument("--device", default="cuda")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     failed = False
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

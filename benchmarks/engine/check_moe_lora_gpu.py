@@ -172,13 +172,15 @@ def check(m: int, int8: bool, w: dict, gen, args) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", default="1,16,64,256")
     p.add_argument("--tol", type=float, default=1e-2)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stage-timeout", type=int, default=90, help="seconds per (weights, M) stage")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("check_moe_lora_gpu.py needs a CUDA GPU; torch sees none")
     torch.backends.cuda.matmul.allow_tf32 = False
     signal.signal(signal.SIGALRM, _alarm)
     print(f"device={torch.cuda.get_device_name()} kernels={os.environ.get('LORAPLEX_KERNELS', 'auto')} "

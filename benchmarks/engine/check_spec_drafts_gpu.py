@@ -160,12 +160,12 @@ def check_lossless(target: str, target_loras: dict, spec: dict | None, label: st
                 graph_steps=snap.get("graph_steps"))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--families", default="llama,qwen3_moe")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from loraplex.engine.spec_decode.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
     from loraplex.engine.testing.eagle3 import write_random_eagle3
     from loraplex.engine.testing.tiny import make_tiny_checkpoint

@@ -155,12 +155,12 @@ async def run(args, port: int) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=10.0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sys.path.append(ROOT)
     from loraplex.commands.db import run as db
     from loraplex.engine.testing.tiny import make_tiny_checkpoint

@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default="1,33,256")
     p.add_argument("--only", default="", help="comma-separated label prefixes: run just those ops")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("check_gpu.py needs a CUDA GPU; torch sees none")
     shapes = PRESETS[args.model]
     worst, failed = 0.0, []
     print(f"# correctness on {torch.cuda.get_device_name()} at {shapes.name} shapes, bf16, tolerance {TOLERANCE}")

@@ -71,10 +71,10 @@ def case(e: int, a: int, h: int, i: int, m: int, dtype: torch.dtype, graph: bool
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", help="cpu: the small shapes only, eager, float32 (TRITON_INTERPRET=1)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = args.device == "cuda"

@@ -32,13 +32,21 @@ SHAPES = {  # name: (in, out, bias, calls per decode step)
 }
 
 
-def main() -> int:
+def roofline_us(k: int, n: int, m: int, has_bias: bool, tbs: float) -> float:
+    """µs to move one call's bytes (bf16 weights, M rows in and out, the bias) at the copy rate ``tbs`` (TB/s)."""
+    nbytes = (n * k + m * (k + n) + (n if has_bias else 0)) * 2
+    return nbytes / (tbs * 1e12) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
     from loraplex.kernels.tuning_cases import bench_time_ms
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", default="1,4,16,32,64", help="rows per call, comma-separated")
     p.add_argument("--out", default=None, help="folder for dense_linear.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("dense_linear_gpu.py needs a CUDA GPU; torch sees none")
     ms = [int(v) for v in args.m.split(",")]
     torch.manual_seed(0)
     tbs = copy_bandwidth_tbs("cuda", 1 << 30)
@@ -50,8 +58,7 @@ def main() -> int:
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             us = bench_time_ms(lambda: F.linear(x, w, bias)) * 1e3
-            nbytes = (w.numel() + m * (k + n) + (n if has_bias else 0)) * 2
-            roof = nbytes / (tbs * 1e12) * 1e6
+            roof = roofline_us(k, n, m, has_bias, tbs)
             rows.append({"shape": name, "in": k, "out": n, "bias": has_bias, "m": m, "cublas_us": round(us, 2),
                          "roofline_us": round(roof, 2), "cublas_share": round(roof / us, 3),
                          "per_step_ms": round(us * per_step / 1e3, 3)})

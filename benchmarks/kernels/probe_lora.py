@@ -37,11 +37,13 @@ def kernel_times_us(fn, calls: int = 20) -> dict[str, float]:
     return dict(totals)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="gpt-oss-20b", choices=sorted(PRESETS))
     p.add_argument("--m", default="1,16,64")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("probe_lora.py needs a CUDA GPU; torch sees none")
     shapes = PRESETS[args.model]
     print("| op | M | graph replay us | sum of kernels us | kernels (us each) |")
     print("|---|---:|---:|---:|---|")

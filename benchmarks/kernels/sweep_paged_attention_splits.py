@@ -18,6 +18,8 @@ ROOFLINE_GBS = 4200.0
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("sweep_paged_attention_splits.py needs a CUDA GPU; torch sees none")
     for m, ctx in ((1, 2048), (16, 2048), (64, 2048), (16, 8192)):
         per = ctx // 16
         kc = torch.randn(m * per + 1, 16, 8, 64, device="cuda", dtype=torch.bfloat16)
