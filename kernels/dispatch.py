@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 # op name -> "module:function" of its Triton launcher (same signature as reference.<op>).
 TRITON_LAUNCHERS: dict[str, str] = {
     "rms_norm": "rms_norm:rms_norm",
+    "rms_norm_router": "rms_norm_router:rms_norm_router",
     "silu_and_mul": "activation:silu_and_mul",
     "swiglu_clamp_and_mul": "activation:swiglu_clamp_and_mul",
     "rotary_embedding": "rotary:rotary_embedding",

@@ -13,6 +13,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return resolve("rms_norm", x)(x, weight, eps, residual)
 
 
+def rms_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                    router_weight: torch.Tensor, router_bias: torch.Tensor | None):
+    return resolve("rms_norm_router", x)(x, weight, eps, residual, router_weight, router_bias)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return resolve("silu_and_mul", x)(x)
 

@@ -33,6 +33,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
+def rms_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                    router_weight: torch.Tensor, router_bias: torch.Tensor | None):
+    """An MoE layer's input norm and its router: ``rms_norm(x, weight, eps, residual)`` = (out, new residual),
+    then the router's logits ``out @ router_weight[E, H]^T (+ router_bias)``: (out, new residual, logits [T, E])."""
+    out, residual = rms_norm(x, weight, eps, residual)
+    return out, residual, F.linear(out, router_weight, router_bias)
+
+
 # ------------------------------------------------------------------------------------------- activations
 
 

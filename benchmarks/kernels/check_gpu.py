@@ -231,6 +231,51 @@ def copy_blocks_and_dispatch_check() -> list[str]:
             f" ops{'; reference for ' + ', '.join(off) if off else ''}"]
 
 
+def norm_router_check() -> list[str]:
+    """rms_norm_router at the model's norm and router shapes in bf16, M = 1, 16, 64 (fused) and 65 (norm then
+    GEMM), captured in a CUDA graph and replayed on new inputs: the new residual and the norm's output equal
+    rms_norm's bit for bit, the logits are within one bf16 unit in the last place of the float32 product of the
+    same bf16 values, and the top-4 experts of each row agree with F.linear's wherever its 4th and 5th logits
+    are apart."""
+    import torch.nn.functional as F
+
+    from loraplex.kernels.rms_norm import rms_norm
+    from loraplex.kernels.rms_norm_router import rms_norm_router
+
+    torch.manual_seed(12)
+    hidden, experts = 2880, 32
+    w = torch.randn(hidden, device="cuda").bfloat16()
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    rb = torch.randn(experts, device="cuda").bfloat16()
+    lines = []
+    for m in (1, 16, 64, 65):
+        x = torch.randn(m, hidden, device="cuda").bfloat16()
+        res = torch.randn(m, hidden, device="cuda").bfloat16()
+        rms_norm_router(x, w, 1e-5, res, rw, rb)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = rms_norm_router(x, w, 1e-5, res, rw, rb)
+        x.copy_(torch.randn_like(x))
+        res.copy_(torch.randn_like(res))
+        graph.replay()
+        torch.cuda.synchronize()
+        out, res_out, logits = got
+        want_out, want_res = rms_norm(x, w, 1e-5, res)
+        exact = want_out.float() @ rw.float().T + rb.float()
+        ulps = ((logits.float() - exact).abs() / (exact.abs().clamp_min(1e-3) * 2.0 ** -7)).max().item()
+        ref_logits = F.linear(want_out, rw, rb)
+        top = ref_logits.float().topk(5, dim=-1)
+        clear = (top.values[:, 3] - top.values[:, 4]) > 2 * top.values[:, 3].abs() * 2.0 ** -7
+        same_top = (logits.topk(4, dim=-1).indices.sort(-1).values == top.indices[:, :4].sort(-1).values).all(-1)
+        ok = (torch.equal(res_out, want_res) and torch.equal(out, want_out) and ulps <= 1.0
+              and bool(same_top[clear].all()))
+        lines.append(f"{'ok  ' if ok else 'FAIL'} rms_norm_router M={m} (graph) norm equal={torch.equal(out, want_out)} "
+                     f"logits within {ulps:.2f} ulp, top-4 equal on {int(same_top[clear].sum())}/{int(clear.sum())} "
+                     f"clear rows")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="gpt-oss-20b", choices=sorted(PRESETS))
@@ -269,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         del cases
         torch.cuda.empty_cache()
     for name, check in (("split-KV", split_kv_check), ("rope/route graph", rope_and_route_graph_check),
+                        ("norm + router", norm_router_check),
                         ("MXFP4 expert-LoRA", mxfp4_experts_lora_check),
                         ("copy_blocks/dispatch", copy_blocks_and_dispatch_check)):
         _run_check(name, check, failed)

@@ -7,6 +7,8 @@ Shape legend: T tokens of the step (all sequences packed), H hidden, V vocabular
     last layer's output before the norm), concatenated in layer order -> aux [T, len(ids) * H]
     DecoderLayer:  h, res = input_layernorm(h, res);  h = self_attn(h)
                    h, res = post_attention_layernorm(h, res);  h = mlp(h)
+                   (MoE: h, res, logits = rms_norm_router(h, res, norm, router);  h = mlp(h, logits): the
+                   router's product in the norm's launch at decode sizes, kernels/rms_norm_router.py)
     compute_logits(hidden [N, H]) -> lm_head -> [N, V] float32
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from loraplex.engine.models.layers.mlp import GatedMLP
 from loraplex.engine.models.layers.moe import SparseMoE
 from loraplex.engine.models.layers.norm import RMSNorm
 from loraplex.engine.models.layers.rotary import RotaryEmbedding
+from loraplex.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,13 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, attn, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        mlp, norm = self.mlp, self.post_attention_layernorm
+        router = mlp.router_layer if isinstance(mlp, SparseMoE) else None
+        if type(router) is Linear:  # the router's product beside the norm
+            h, residual, logits = ops.rms_norm_router(h, norm.weight, norm.eps, residual, router.weight, router.bias)
+            return mlp(h, router_logits=logits), residual
+        h, residual = norm(h, residual)
+        return mlp(h), residual
 
 
 class DecoderModel(nn.Module):

@@ -51,8 +51,16 @@ class SparseMoE(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, bias=expert_bias,
                                     activation=activation, alpha=alpha, limit=limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        router_logits = getattr(self, self.router_name)(x)  # [T, E]
+    @property
+    def router_layer(self) -> nn.Module:
+        """The router, whatever its checkpoint name (``router_name``)."""
+        return self._modules[self.router_name]
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """``router_logits`` [T, E]: the router's output already computed (with the norm before it,
+        ``ops.rms_norm_router``); else the router runs here."""
+        if router_logits is None:
+            router_logits = self.router_layer(x)  # [T, E]
         topk_weights, topk_ids = ops.moe_route(router_logits, self.top_k, scoring=self.scoring,
                                                renormalize=self.renormalize)
         return self.experts(x, topk_weights, topk_ids)
