@@ -39,6 +39,11 @@ def _rms_norm_router_kernel(
     block = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
+    # the router rows first: their load is in flight while the row is summed and normalised
+    experts = block * BLOCK_E + tl.arange(0, BLOCK_E)
+    live = experts < E
+    rw = tl.load(rw_ptr + experts[:, None].to(tl.int64) * stride_rw + cols[None, :],
+                 mask=live[:, None] & mask[None, :], other=0.0)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum rounded to the input dtype, as torch adds
@@ -52,10 +57,6 @@ def _rms_norm_router_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
     # ---- this block's router rows against the rounded output (what the router reads from memory otherwise)
-    experts = block * BLOCK_E + tl.arange(0, BLOCK_E)
-    live = experts < E
-    rw = tl.load(rw_ptr + experts[:, None].to(tl.int64) * stride_rw + cols[None, :],
-                 mask=live[:, None] & mask[None, :], other=0.0)
     acc = tl.sum(out.to(tl.float32)[None, :] * rw.to(tl.float32), axis=1)  # [BLOCK_E]
     if HAS_BIAS:
         acc += tl.load(rb_ptr + experts, mask=live, other=0.0).to(tl.float32)

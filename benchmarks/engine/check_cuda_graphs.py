@@ -183,27 +183,38 @@ def fill_random_slots(slots, num: int, seed: int = 0, rank: int = 32) -> None:
             time.sleep(0.001)
 
 
+def add_decode_requests(engine, seq_slot: dict, batch: int, adapters: int, max_tokens: int, prompt_len: int,
+                        tag: str) -> list[str]:
+    """``batch`` greedy requests (ids ``<tag>-<i>``) of random ``prompt_len``-token prompts, request i on adapter
+    slot i % ``adapters`` (every one on the base with 0): ``seq_slot``, cleared first, maps their sequences to slots
+    for the runner patched in ``stage_perf``. Returns the ids."""
+    import torch
+
+    from loraplex.engine import SamplingParams
+
+    seq_slot.clear()
+    gen = torch.Generator().manual_seed(batch * 10 + adapters)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rids = []
+    for i in range(batch):
+        rid = f"{tag}-{i}"
+        engine.add_request(rid, torch.randint(10, engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist(),
+                           params)
+        if adapters:
+            seq_slot[engine._requests[rid].group.seqs[0].seq_id] = i % adapters
+        rids.append(rid)
+    return rids
+
+
 def time_decode(engine, seq_slot: dict, batch: int, adapters: int, steps: int, mode: str, prompt_len: int) -> float:
     """Mean ms of ``engine.step()`` once ``batch`` requests are all decoding; ``mode``: "eager" (graphs off),
     "graphs" or "async" (graphs and overlapped scheduling) for the warm-up and timed steps; the requests are then
     aborted."""
     import torch
 
-    from loraplex.engine import SamplingParams
-
     runner = engine.runner
     graphs = runner.decode_graphs
-    seq_slot.clear()
-    gen = torch.Generator().manual_seed(batch * 10 + adapters)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    rids = []
-    for i in range(batch):
-        rid = f"b{batch}-a{adapters}-{mode}-{i}"
-        vocab = engine.model_config.vocab_size
-        engine.add_request(rid, torch.randint(10, vocab, (prompt_len,), generator=gen).tolist(), params)
-        if adapters:
-            seq_slot[engine._requests[rid].group.seqs[0].seq_id] = i % adapters
-        rids.append(rid)
+    rids = add_decode_requests(engine, seq_slot, batch, adapters, steps + 8, prompt_len, f"b{batch}-a{adapters}-{mode}")
     engine.step()  # the prefill (one step at these sizes)
     runner.decode_graphs = graphs if mode != "eager" else None
     engine.async_scheduling = mode == "async"

@@ -23,6 +23,7 @@ the kinds' durations overlap and add up to more than busy; their additions do no
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import importlib.util
 import json
@@ -135,6 +136,7 @@ def mean_steps(steps: list[dict]) -> dict:
                 top_gaps=steps[0]["top_gaps"])
 
 
+@functools.cache
 def _perf_module():
     spec = importlib.util.spec_from_file_location("check_cuda_graphs",
                                                   os.path.join(ROOT, "benchmarks", "engine", "check_cuda_graphs.py"))
@@ -148,19 +150,8 @@ def profile_decode(engine, seq_slot: dict, batch: int, adapters: int, steps: int
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from loraplex.engine import SamplingParams
-
-    seq_slot.clear()
-    gen = torch.Generator().manual_seed(batch * 10 + adapters)
-    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
-    rids = []
-    for i in range(batch):
-        rid = f"timeline-b{batch}-a{adapters}-{i}"
-        engine.add_request(rid, torch.randint(10, engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist(),
-                           params)
-        if adapters:
-            seq_slot[engine._requests[rid].group.seqs[0].seq_id] = i % adapters
-        rids.append(rid)
+    rids = _perf_module().add_decode_requests(engine, seq_slot, batch, adapters, steps + 16, prompt_len,
+                                              f"timeline-b{batch}-a{adapters}")
     engine.async_scheduling = False
     cuda = engine.runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
