@@ -166,11 +166,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default="llama,qwen3_moe")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="spec-drafts-")
+    try:
+        results = _run_families(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else args.device)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "check_spec_drafts_gpu.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(env=env, results=results), f, indent=1)
+    return 0 if all(c["ok"] for c in results) else 1
+
+
+def _run_families(args, work: str) -> list[dict]:
+    """Every case of every family in ``args.families``, its checkpoints and adapters written under ``work``."""
     from loraplex.engine.spec_decode.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
     from loraplex.engine.testing.eagle3 import write_random_eagle3
     from loraplex.engine.testing.tiny import make_tiny_checkpoint
 
-    work = tempfile.mkdtemp(prefix="spec-drafts-")
     results = []
     for family in args.families.split(","):
         target = make_tiny_checkpoint(family, os.path.join(work, f"{family}-target"))
@@ -201,12 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'PASS' if c['ok'] else 'FAIL'} {family:10s} {c['case']:40s} "
                   f"{ {k: v for k, v in c.items() if k not in ('ok', 'case', 'family')} }", flush=True)
         results += cases
-    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else args.device)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "check_spec_drafts_gpu.json"), "w", encoding="utf-8") as f:
-            json.dump(dict(env=env, results=results), f, indent=1)
-    return 0 if all(c["ok"] for c in results) else 1
+    return results
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """benchmarks/engine/check_spec_drafts_gpu.py with ``--device cpu`` on tiny llama: the draft LoRAs propose what
 transformers + PEFT propose, and every speculative setup (per-adapter drafts with eager and padded-graph verify
-steps, an EAGLE head, an EAGLE-3 draft) gives the non-speculative greedy tokens with every KV block freed."""
+steps, an EAGLE head, an EAGLE-3 draft) gives the non-speculative greedy tokens with every KV block freed; its work
+folder is removed at the end."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,11 @@ check = load_script("engine", "check_spec_drafts_gpu")
 
 
 def test_every_case_passes_on_the_cpu(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the script's work folder is left behind
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the script's work folder goes
+    (tmp_path / "tmp").mkdir()
     assert check.main(["--device", "cpu", "--families", "llama", "--out", str(tmp_path / "out")]) == 0
+    # the work folder (checkpoints, adapters) is removed; torch may leave its own cache folder there
+    assert not [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith("spec-drafts-")]
     report = json.loads((tmp_path / "out" / "check_spec_drafts_gpu.json").read_text())
     assert report["env"]["device"] == "cpu"
     cases = {c["case"]: c for c in report["results"]}
