@@ -217,11 +217,17 @@ def engine_probe(base: str, folders: dict, name: str | None, ids: list[int], dev
     engine = make_engine(base, device, os.path.join(tmp, f"cache-probe-{device}"), **kw)
     model, n, cap = engine.runner.model, len(ids), {}
     handles = []
+    def router_logits(moe, args, kwargs):
+        """The logits the MoE block routes by: computed with the norm before it (its ``router_logits``) or by its
+        router (which then runs once more here, on the same input)."""
+        logits = kwargs.get("router_logits")
+        return logits if logits is not None else moe.router_layer(args[0])
+
     for i, layer in enumerate(model.model.layers):
-        router = getattr(layer.mlp, layer.mlp.router_name)
         handles += [
             layer.self_attn.register_forward_hook(lambda m, a, o, i=i: _capture(cap, ("attn", i), o, n)),
-            router.register_forward_hook(lambda m, a, o, i=i: _capture(cap, ("router", i), o, n)),
+            layer.mlp.register_forward_pre_hook(
+                lambda m, a, kw, i=i: _capture(cap, ("router", i), router_logits(m, a, kw), n), with_kwargs=True),
             layer.mlp.register_forward_hook(lambda m, a, o, i=i: _capture(cap, ("moe", i), o, n)),
             layer.register_forward_hook(lambda m, a, o, i=i: _capture(cap, ("layer", i), o[0] + o[1], n))]
     handles.append(model.model.norm.register_forward_hook(lambda m, a, o: _capture(cap, ("norm", 0), o[0], n)))
