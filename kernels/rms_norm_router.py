@@ -6,10 +6,11 @@
 At decode sizes the router is a 2880 x 32 product (184 KB of weight at GPT-OSS-20B) that a GEMM library launches as
 a kernel of its own, about as long as the norm before it; here the programs that normalise a token row also take its
 dot products with a block of router rows (grid: tokens x expert blocks; each program loads its block's rows first,
-so that they are in flight while it normalises its row again, and the first of the row writes the norm's outputs). The logits round the float32 sums to the input dtype, as a bf16 GEMM
-does; the summation order is not the GEMM library's, so a logit may differ from ``F.linear``'s by one unit in the
-last place. Above MAX_TOKENS rows (prefill chunks) every program would re-read the router's rows for its token, so
-the launcher runs the plain norm and ``F.linear`` instead.
+so that they are in flight while it normalises its row again, and the first of the row writes the norm's outputs).
+The logits round the float32 sums to the input dtype, as a bf16 GEMM does; the summation order is not the GEMM
+library's, so a logit may differ from ``F.linear``'s by one unit in the last place. Above MAX_TOKENS rows (prefill
+chunks) every program would re-read the router's rows for its token, so the launcher runs the plain norm and
+``F.linear`` instead.
 """
 from __future__ import annotations
 

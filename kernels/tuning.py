@@ -94,14 +94,20 @@ def config_path(op: str, device_name: str | None = None, root: str | os.PathLike
     return Path(root if root is not None else tuning_dir()) / device / f"{op}.json"
 
 
-def _read_alias(path: Path) -> str:
-    """The folder name a ``same_as.json`` points at (checked for shape, not for existence)."""
+def _json_object(path: Path, expected: str, fix: str = "") -> dict:
+    """The JSON object in ``path``; TuningConfigError naming the file when it is not valid JSON or not an object."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise TuningConfigError(f"{path} is not valid JSON ({e})") from None
+        raise TuningConfigError(f"{path} is not valid JSON ({e}){fix}") from None
     if not isinstance(raw, dict):
-        raise TuningConfigError(f"{path}: expected an object with a \"device\" key, got {type(raw).__name__}")
+        raise TuningConfigError(f"{path}: expected {expected}, got {type(raw).__name__}")
+    return raw
+
+
+def _read_alias(path: Path) -> str:
+    """The folder name a ``same_as.json`` points at (checked for shape, not for existence)."""
+    raw = _json_object(path, "an object with a \"device\" key")
     target = raw.get("device")
     if not isinstance(target, str) or not target.strip():
         raise TuningConfigError(f"{path}: \"device\" must name a device folder, e.g. \"NVIDIA_H200\"; got {target!r}")
@@ -164,12 +170,7 @@ def _load(path: str) -> dict[str, dict[int, dict[str, Any]]] | None:
     p = Path(path)
     if not p.is_file():
         return None
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TuningConfigError(f"{p} is not valid JSON ({e}); re-run `loraplex tune` or delete it") from None
-    if not isinstance(raw, dict):
-        raise TuningConfigError(f"{p}: expected an object keyed by shape, got {type(raw).__name__}")
+    raw = _json_object(p, "an object keyed by shape", "; re-run `loraplex tune` or delete it")
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for skey, by_m in raw.items():
         if not isinstance(by_m, dict):
