@@ -1,6 +1,7 @@
 """Gated activations in Triton: x [T, 2I] = [gate | up] -> act(gate) * up [T, I].
 
 Two entry points share one kernel (the activation is a constexpr): SiLU-and-mul and GPT-OSS's clamped SwiGLU.
+On sm_90+ a PDL launch (``slot_blocks.step_pdl``) that waits for the kernel before it first.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import triton
 import triton.language as tl
 from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.launch import cached_launch
+from loraplex.kernels.slot_blocks import pdl_launch, pdl_wait, step_pdl
 
 
 @triton.jit
@@ -30,8 +32,9 @@ def _act_and_mul_kernel(
     x_ptr, out_ptr,  # x [T, 2I]; out [T, I]
     I, stride_x, stride_out, alpha, limit,
     ACT: tl.constexpr,  # 0: silu(gate) * up, 1: clamped swiglu
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -50,9 +53,10 @@ def _launch(x: torch.Tensor, act: int, alpha: float, limit: float) -> torch.Tens
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     block = min(1024, next_power_of_2(max(inter, 16)))
     if num_tokens and inter:
+        pdl = step_pdl(x.device)
         _act_and_mul_kernel[(num_tokens, cdiv(inter, block))](
             x, out, inter, x.stride(0), out.stride(0), float(alpha), float(limit), ACT=act, BLOCK=block,
-            num_warps=4)
+            USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 

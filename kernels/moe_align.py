@@ -8,7 +8,8 @@ prefix sums), and a share of the unused tail. The LoRA variant's programs of a s
 decode graph's table: it holds one slot per row of the batch) read only the token -> slot map, not the pairs,
 before writing their share of the slot's (all unused) row. Buffers have the static capacity of
 ``moe_align_capacity``: no host sync. At decode a launch costs more than the work, so one launch instead of
-five is the point.
+five is the point. On sm_90+ a PDL launch (``slot_blocks.step_pdl``): the programs wait for the kernel before
+(the routing) before they read.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import triton.language as tl
 from loraplex.kernels.reference_lora import moe_align_capacity
 from loraplex.kernels.intmath import next_power_of_2
 from loraplex.kernels.launch import cached_launch
+from loraplex.kernels.slot_blocks import pdl_launch, pdl_trigger, pdl_wait, step_pdl
 
 
 @triton.jit
@@ -103,9 +105,11 @@ def _moe_align_kernel(
     ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, counts_ptr, offsets_ptr,
     num_pairs, num_experts, capacity, num_blocks,
     TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid (experts, slots): one alignment (``_align_program``'s arguments)."""
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     _align_program(tl.program_id(0), tl.program_id(1), ids_ptr, lora_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                    counts_ptr, offsets_ptr, num_pairs, num_experts, capacity, num_blocks, TOP_K, HAS_LORA, BLOCK_SIZE,
                    PAD_BLOCK, BLOCK_E, BLOCK)
@@ -118,11 +122,13 @@ def _moe_align_pair_kernel(
     lora_sorted_ptr, lora_expert_ids_ptr, lora_num_post_ptr, lora_counts_ptr, lora_offsets_ptr,
     num_pairs, num_experts, capacity, num_blocks, lora_capacity, lora_num_blocks, L,
     TOP_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_BLOCK: tl.constexpr, LORA_BLOCK_SIZE: tl.constexpr,
-    LORA_PAD_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+    LORA_PAD_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid (experts, L + 1): slots 0..L-1 align the pairs by (adapter slot, expert) at LORA_BLOCK_SIZE (the LoRA
     tables), the last row aligns every pair by expert at BLOCK_SIZE (the base GEMMs' tables): both alignments of an
     expert layer with LoRA in one launch."""
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     expert = tl.program_id(0)
     lora = tl.program_id(1)
     if lora < L:
@@ -169,10 +175,11 @@ def _align(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor | None, num_expe
     out = _outputs(max_loras, cap, num_blocks, num_experts, dev)
     ids = topk_ids.contiguous()
     has_lora = token_lora_idx is not None
+    pdl = step_pdl(dev)
     _moe_align_kernel[(num_experts, max_loras)](
         ids, token_lora_idx if has_lora else ids, *out, num_pairs, num_experts, cap, num_blocks, TOP_K=top_k,
         HAS_LORA=has_lora, BLOCK_SIZE=block_size, PAD_BLOCK=next_power_of_2(block_size),
-        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK=1024, num_warps=4)
+        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK=1024, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 
@@ -206,11 +213,12 @@ def moe_align_pair(topk_ids: torch.Tensor, token_lora_idx: torch.Tensor, num_exp
     base = _outputs(1, cap, num_blocks, num_experts, dev)
     lora = _outputs(max_loras, lora_cap, lora_blocks, num_experts, dev)
     ids = topk_ids.contiguous()
+    pdl = step_pdl(dev)
     _moe_align_pair_kernel[(num_experts, max_loras + 1)](
         ids, token_lora_idx.contiguous(), *base, *lora, num_pairs, num_experts, cap, num_blocks, lora_cap,
         lora_blocks, max_loras, TOP_K=top_k, BLOCK_SIZE=block_size, PAD_BLOCK=next_power_of_2(block_size),
         LORA_BLOCK_SIZE=lora_block_size, LORA_PAD_BLOCK=next_power_of_2(lora_block_size),
-        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK=1024, num_warps=4)
+        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK=1024, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return (base[0][0], base[1][0], base[2]), lora[:3]
 
 

@@ -6,7 +6,8 @@
 
 Top-k is k rounds of argmax, highest first (the order ``torch.topk`` returns). Ties go to the lowest expert
 index; ``torch.topk`` leaves tie order unspecified, so exactly tied logits may list their ids in another order
-than the reference. Logits are assumed finite. No host sync: CUDA-graph capturable.
+than the reference. Logits are assumed finite. No host sync: CUDA-graph capturable. On sm_90+ a PDL launch
+(``slot_blocks.step_pdl``), its launch overlapping the kernel that writes the logits.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 from loraplex.kernels.intmath import next_power_of_2
 from loraplex.kernels.launch import cached_launch
+from loraplex.kernels.slot_blocks import pdl_launch, pdl_trigger, pdl_wait, step_pdl
 
 MAX_EXPERTS = 256
 SCORINGS = ("softmax", "topk_softmax")
@@ -26,8 +28,10 @@ def _moe_route_kernel(
     logits_ptr, weights_ptr, ids_ptr,  # logits [T, E] (any float dtype); weights [T, A] float32; ids [T, A] int64
     E, stride_lt, stride_wt, stride_it,
     TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
@@ -76,9 +80,11 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str,
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens:
         block_e = next_power_of_2(num_experts)
+        pdl = step_pdl(router_logits.device)
         _moe_route_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), weights.stride(0), ids.stride(0),
             TOP_K=top_k, SOFTMAX_FIRST=scoring == "softmax", RENORMALIZE=renormalize,
-            BLOCK_E=block_e, BLOCK_A=next_power_of_2(top_k), num_warps=1 if block_e <= 64 else 2,
+            BLOCK_E=block_e, BLOCK_A=next_power_of_2(top_k), USE_PDL=pdl, num_warps=1 if block_e <= 64 else 2,
+            **pdl_launch(pdl),
         )
     return weights, ids

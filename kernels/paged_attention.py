@@ -15,7 +15,9 @@ seq_lens: program ``s`` takes tiles [s*ceil(n/S), (s+1)*ceil(n/S)), possibly non
 partial (running max m in log2 units, denominator l, accumulator acc) to fp32 scratch [T, Q, S(, D)];
 ``_merge_splits_kernel`` then combines the partials of each (token, head) by log-sum-exp, adding the sink logit
 there, once. A split with no keys writes m=-1e30, l=0, acc=0, which the merge ignores. ``num_splits`` depends
-only on shapes (B, KV heads), so a captured CUDA graph replays for any seq_lens.
+only on shapes (B, KV heads), so a captured CUDA graph replays for any seq_lens. On sm_90+ both kernels are PDL
+launches (``slot_blocks.step_pdl``) that wait for the kernel before them first; neither lets the next start early
+(the attention grid can take several waves, which waiting programs of the next kernel would crowd).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import triton.language as tl
 from loraplex.kernels.dot import dot
 from loraplex.kernels.intmath import next_power_of_2
 from loraplex.kernels.launch import cached_launch
+from loraplex.kernels.slot_blocks import pdl_launch, pdl_wait, step_pdl
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 528  # ~4 waves of an H100/H200's 132 SMs
@@ -43,8 +46,9 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SINK_IN_LOOP: tl.constexpr, SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SINK_IN_LOOP: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -136,8 +140,10 @@ def _merge_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,  # out [T, Q, D]; partials as above; sinks [Q]
     num_seqs, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (T, Q): one (token, head) row; log-sum-exp merge of its num_splits partials (and its sink)."""
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -225,6 +231,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_m = part_l = part_acc = out  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     sinks_arg = sinks if sinks is not None else q
+    pdl = step_pdl(q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, sinks_arg, part_m, part_l, part_acc,
         num_seqs, float(scale) * _LOG2E, int(sliding_window or 0), num_splits,
@@ -235,14 +242,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_block_size,
         SEARCH_BLOCK=128,
         USE_WINDOW=sliding_window is not None, SINK_IN_LOOP=sinks is not None and not split, SPLIT=split,
-        num_warps=4, num_stages=2,
+        USE_PDL=pdl, num_warps=4, num_stages=2, **pdl_launch(pdl),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             out, part_m, part_l, part_acc, query_start_loc, sinks_arg, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-            BLOCK_S=max(16, next_power_of_2(num_splits)), USE_SINKS=sinks is not None,
-            num_warps=1 if head_dim <= 64 else 2,
+            BLOCK_S=max(16, next_power_of_2(num_splits)), USE_SINKS=sinks is not None, USE_PDL=pdl,
+            num_warps=1 if head_dim <= 64 else 2, **pdl_launch(pdl),
         )
     return out

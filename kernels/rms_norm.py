@@ -1,4 +1,5 @@
-"""Fused RMSNorm (optionally with the residual add) in Triton: one program per token row."""
+"""Fused RMSNorm (optionally with the residual add) in Triton: one program per token row. On sm_90+ a PDL launch
+(``slot_blocks.step_pdl``): each program loads the norm's weight, then waits for the kernel before it."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,7 @@ import triton
 import triton.language as tl
 from loraplex.kernels.intmath import next_power_of_2
 from loraplex.kernels.launch import cached_launch
+from loraplex.kernels.slot_blocks import pdl_launch, pdl_trigger, pdl_wait, step_pdl
 
 
 @cached_launch
@@ -14,11 +16,14 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,  # x, residual [T, H]; weight [H]; out, new residual [T, H]
     H, eps,
     stride_x, stride_res, stride_out, stride_res_out,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -27,7 +32,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
     y = xf * tl.rsqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -45,9 +49,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         raise ValueError(f"residual must be a row-contiguous {tuple(x.shape)} tensor, got {tuple(residual.shape)}")
     block = next_power_of_2(hidden)
     if num_tokens:
+        pdl = step_pdl(x.device)
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, out, res_out, hidden, eps,
             x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK_H=block, num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, BLOCK_H=block, USE_PDL=pdl, num_warps=min(16, max(1, block // 256)),
+            **pdl_launch(pdl),
         )
     return out if residual is None else (out, res_out)

@@ -11,7 +11,8 @@ reference). No host sync: CUDA-graph capturable.
 
 ``rotary_embedding_and_cache`` is the attention layer's form: the same rotation, with k written straight into
 its paged-cache slot and v copied into its own, in one launch instead of rotary + reshape_and_cache (an eager step
-launches one kernel fewer per layer, and rotated k makes no round trip through memory).
+launches one kernel fewer per layer, and rotated k makes no round trip through memory). On sm_90+ both are PDL
+launches (``slot_blocks.step_pdl``): the programs wait for the kernel before (the q/k/v projection) before they read.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 from loraplex.kernels.intmath import cdiv, next_power_of_2
 from loraplex.kernels.launch import cached_launch
+from loraplex.kernels.slot_blocks import pdl_launch, pdl_trigger, pdl_wait, step_pdl
 
 MAX_TILE = 1024  # elements per half-tile (BLOCK_H x BLOCK_HALF) of one program
 
@@ -57,8 +59,10 @@ def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr,  # q [T, Q, D], k [T, KV, D] (strided); outputs contiguous
     num_q_heads, num_kv_heads, HALF, stride_cs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
@@ -79,9 +83,12 @@ def _rotary_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_qot, stride_qoh,
     ROW: tl.constexpr,  # KV * D: a token's row of one cache (contiguous)
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_ROW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (T, q head blocks + k head blocks + 1): q heads rotated into q_out, k heads rotated straight into the
     k cache at the token's slot, the last program of a token copies its v row into the v cache."""
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
@@ -149,12 +156,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     block_h, block_half = _tiles(num_q_heads, num_kv_heads, head_dim)
     num_blocks = cdiv(num_q_heads, block_h) + cdiv(num_kv_heads, block_h)
     if num_tokens:
+        pdl = step_pdl(q.device)
         _rotary_kernel[(num_tokens, num_blocks)](
             positions, cos_sin_cache, q, k, q_out, k_out,
             num_q_heads, num_kv_heads, head_dim // 2, cos_sin_cache.stride(0),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
+            BLOCK_H=block_h, BLOCK_HALF=block_half, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
         )
     return q_out, k_out
 
@@ -189,11 +197,12 @@ def rotary_embedding_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torc
     row = num_kv_heads * head_dim
     num_blocks = cdiv(num_q_heads, block_h) + cdiv(num_kv_heads, block_h) + 1
     if num_tokens:
+        pdl = step_pdl(q.device)
         _rotary_cache_kernel[(num_tokens, num_blocks)](
             positions, cos_sin_cache, slot_mapping, q, k, v, q_out, k_cache, v_cache,
             num_q_heads, num_kv_heads, head_dim // 2, cos_sin_cache.stride(0),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), q_out.stride(0), q_out.stride(1),
             ROW=row, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_HALF=block_half,
-            BLOCK_ROW=min(1024, next_power_of_2(row)), num_warps=4,
+            BLOCK_ROW=min(1024, next_power_of_2(row)), USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
         )
     return q_out

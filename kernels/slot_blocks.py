@@ -7,12 +7,14 @@ counts on the device: a cumsum over L values, no host sync, and the token count 
 
 ``weight_entry`` reads one (slot, slice) of a ``LoRATable`` (lora_table.py): the address of A or B and its rank.
 
-Also shared by the LoRA launchers: programmatic dependent launch (PDL, sm_90+). A kernel launched with
+Also shared by the launchers: programmatic dependent launch (PDL, sm_90+). A kernel launched with
 ``launch_pdl=True`` may start while the kernel before it in the stream is still running; ``pdl_wait`` (PTX
 ``griddepcontrol.wait``) blocks until that kernel finished and its writes are visible, ``pdl_trigger`` lets the
-next PDL-launched kernel start. Rule kept by every LoRA kernel here: trigger only after its own wait, so a
+next PDL-launched kernel start. Rule kept by every kernel here: trigger only after its own wait, so a
 trigger implies everything earlier in the stream is done; before its wait a kernel reads only weights and
-tables written at least two kernels earlier. Off (a plain launch, the constexpr branches compiled out) under
+tables written at least two kernels earlier, and writes nothing. The tuned kernels (LoRA, MXFP4 GEMMs) take PDL
+from their configs; a step's small kernels (norms, rotary + KV write, paged attention, routing, alignment,
+activation) from ``step_pdl``. Off (a plain launch, the constexpr branches compiled out) under
 TRITON_INTERPRET, on CPUs, before sm_90 and on a Triton without ``tl.extra.cuda.gdc_wait``.
 """
 from __future__ import annotations
@@ -124,6 +126,16 @@ def _sm90_or_later(index: int | None) -> bool:
     import torch
 
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+STEP_PDL_ENV = "LORAPLEX_STEP_PDL"
+
+
+def step_pdl(device) -> bool:
+    """Whether a step's small kernels launch with PDL (``pdl_enabled``), unless ``LORAPLEX_STEP_PDL=0`` (A/B
+    timing): each waits before its first read of the step's data, so its launch, and its loads of weights, overlap
+    the kernel before it."""
+    return pdl_enabled(device) and os.environ.get(STEP_PDL_ENV, "1") != "0"
 
 
 def pdl_launch(use_pdl: bool) -> dict:
