@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 
 # op name -> "module:function" of its Triton launcher (same signature as reference.<op>).
 TRITON_LAUNCHERS: dict[str, str] = {
-    "linear": "dense_gemm:linear",
     "rms_norm": "rms_norm:rms_norm",
     "rms_norm_router": "rms_norm_router:rms_norm_router",
     "silu_and_mul": "activation:silu_and_mul",

@@ -9,11 +9,6 @@ from loraplex.kernels.dispatch import resolve
 from loraplex.kernels.reference import attention_scale  # noqa: F401  (host-side helper)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias); on CUDA a Triton GEMM for decode rows where it beats the library (dense_gemm)."""
-    return resolve("linear", x)(x, weight, bias)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     return resolve("rms_norm", x)(x, weight, eps, residual)
 

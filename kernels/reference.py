@@ -20,11 +20,6 @@ import torch.nn.functional as F
 # ------------------------------------------------------------------------------------------------ norms
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N]."""
-    return F.linear(x, weight, bias)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``x`` [T, H] (or of ``x + residual``, then also returning that sum as the new residual)."""

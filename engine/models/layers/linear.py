@@ -5,8 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels import ops
-
 
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias). ``output_sizes`` lists the slices of a fused layer's output rows
@@ -29,7 +27,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}"
