@@ -80,3 +80,57 @@ def test_step_pdl_off_on_cpu_and_by_switch(monkeypatch):
     assert slot_blocks.step_pdl(torch.device("cpu"))
     monkeypatch.setenv(slot_blocks.STEP_PDL_ENV, "0")
     assert not slot_blocks.step_pdl(torch.device("cpu"))
+
+
+class _Recorder:
+    """Stands for a kernel: records each launch's keyword arguments instead of running it."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(kwargs)
+
+
+def test_launchers_ask_for_pdl_exactly_when_the_kernel_waits(monkeypatch):
+    """A kernel launched with PDL but compiled without its wait would read before the kernel before it is done:
+    every step launcher passes ``launch_pdl`` if and only if USE_PDL, and both follow ``step_pdl``."""
+    from loraplex.kernels import activation, moe_align, moe_route, paged_attention, rms_norm, rms_norm_router, rotary
+
+    kernels = {(rms_norm, "_rms_norm_kernel"), (rms_norm_router, "_rms_norm_router_kernel"),
+               (moe_route, "_moe_route_kernel"), (moe_align, "_moe_align_kernel"),
+               (moe_align, "_moe_align_pair_kernel"), (rotary, "_rotary_kernel"), (rotary, "_rotary_cache_kernel"),
+               (paged_attention, "_paged_attention_kernel"), (paged_attention, "_merge_splits_kernel"),
+               (activation, "_act_and_mul_kernel")}
+    x, w = torch.randn(3, 64), torch.ones(64)
+    calls = {
+        "rms_norm": lambda: rms_norm.rms_norm(x, w, 1e-6, x),
+        "rms_norm_router": lambda: rms_norm_router.rms_norm_router(x, w, 1e-6, x, torch.randn(8, 64), None),
+        "moe_route": lambda: moe_route.moe_route(torch.randn(3, 8), 2, scoring="softmax", renormalize=True),
+        "moe_align": lambda: moe_align.moe_align(torch.tensor([[0, 1], [1, 2], [3, 0]]), 4, 4),
+        "moe_align_pair": lambda: moe_align.moe_align_pair(torch.tensor([[0, 1], [1, 2], [3, 0]]),
+                                                           torch.tensor([0, -1, 1], dtype=torch.int32), 4, 2, 4, 4),
+        "rotary": lambda: rotary.rotary_embedding(torch.arange(3), torch.randn(3, 4, 8), torch.randn(3, 2, 8),
+                                                  torch.randn(16, 8)),
+        "rotary_cache": lambda: rotary.rotary_embedding_and_cache(
+            torch.arange(3), torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.randn(16, 8),
+            torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), torch.arange(3)),
+        "paged_attention": lambda: paged_attention.paged_attention(
+            torch.randn(2, 4, 8), torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8),
+            torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32), 0.3, num_splits=2),
+        "act_and_mul": lambda: activation.silu_and_mul(torch.randn(3, 16)),
+    }
+    for pdl in (False, True):
+        monkeypatch.setattr(slot_blocks, "pdl_enabled", lambda device, pdl=pdl: pdl)
+        recorders = {}
+        for module, name in kernels:
+            recorders[name] = _Recorder()
+            monkeypatch.setattr(module, name, recorders[name])
+        for call in calls.values():
+            call()
+        launched = {name: r.launches for name, r in recorders.items()}
+        assert all(len(v) >= 1 for v in launched.values()), {k: len(v) for k, v in launched.items()}
+        for name, launches in launched.items():
+            for kw in launches:
+                assert kw["USE_PDL"] is pdl and kw.get("launch_pdl", False) is pdl, (name, kw)
