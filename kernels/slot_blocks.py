@@ -114,8 +114,9 @@ def pdl_trigger(USE_PDL: tl.constexpr):
 
 
 def pdl_enabled(device) -> bool:
-    """Whether a launch on ``device`` (torch.device) may use PDL: a CUDA device of compute capability >= 9, not
-    the interpreter, and a Triton with the grid-dependency intrinsics."""
+    """Whether a launch on ``device`` (torch.device) may use PDL: an NVIDIA device of compute capability >= 9 (a
+    ROCm build's "cuda" devices report their gfx version there, and have no PDL), not the interpreter, and a Triton
+    with the grid-dependency intrinsics."""
     if _gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or device.type != "cuda":
         return False
     return _sm90_or_later(device.index)
@@ -125,7 +126,7 @@ def pdl_enabled(device) -> bool:
 def _sm90_or_later(index: int | None) -> bool:
     import torch
 
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 STEP_PDL_ENV = "LORAPLEX_STEP_PDL"

@@ -134,3 +134,17 @@ def test_launchers_ask_for_pdl_exactly_when_the_kernel_waits(monkeypatch):
         for name, launches in launched.items():
             for kw in launches:
                 assert kw["USE_PDL"] is pdl and kw.get("launch_pdl", False) is pdl, (name, kw)
+
+
+def test_no_pdl_on_a_rocm_build(monkeypatch):
+    """MI300's capability reads (9, 4) under ROCm, which has no grid-dependency control."""
+    slot_blocks._sm90_or_later.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    try:
+        assert not slot_blocks._sm90_or_later(0)
+        monkeypatch.setattr(torch.version, "hip", None)
+        slot_blocks._sm90_or_later.cache_clear()
+        assert slot_blocks._sm90_or_later(0)  # an H100 / H200
+    finally:
+        slot_blocks._sm90_or_later.cache_clear()
