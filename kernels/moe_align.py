@@ -9,7 +9,7 @@ decode graph's table: it holds one slot per row of the batch) read only the toke
 before writing their share of the slot's (all unused) row. Buffers have the static capacity of
 ``moe_align_capacity``: no host sync. At decode a launch costs more than the work, so one launch instead of
 five is the point. On sm_90+ a PDL launch (``slot_blocks.step_pdl``): the programs wait for the kernel before
-(the routing) before they read.
+them (in an expert layer, the routing) before they read.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ reference). No host sync: CUDA-graph capturable.
 ``rotary_embedding_and_cache`` is the attention layer's form: the same rotation, with k written straight into
 its paged-cache slot and v copied into its own, in one launch instead of rotary + reshape_and_cache (an eager step
 launches one kernel fewer per layer, and rotated k makes no round trip through memory). On sm_90+ both are PDL
-launches (``slot_blocks.step_pdl``): the programs wait for the kernel before (the q/k/v projection) before they read.
+launches (``slot_blocks.step_pdl``): the programs wait for the kernel before (the q/k/v projection or its LoRA
+expand) before they read.
 """
 from __future__ import annotations
 

@@ -129,14 +129,14 @@ def _sm90_or_later(index: int | None) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-STEP_PDL_ENV = "LORAPLEX_STEP_PDL"
+# LORAPLEX_STEP_PDL=0 (read once, at import): the step's small kernels launch plainly (A/B timing)
+STEP_PDL = os.environ.get("LORAPLEX_STEP_PDL", "1") != "0"
 
 
 def step_pdl(device) -> bool:
-    """Whether a step's small kernels launch with PDL (``pdl_enabled``), unless ``LORAPLEX_STEP_PDL=0`` (A/B
-    timing): each waits before its first read of the step's data, so its launch, and its loads of weights, overlap
-    the kernel before it."""
-    return pdl_enabled(device) and os.environ.get(STEP_PDL_ENV, "1") != "0"
+    """Whether a step's small kernels launch with PDL: ``STEP_PDL`` and ``pdl_enabled``. Each waits before its first
+    read of the step's data, so its launch, and its loads of weights, overlap the kernel before it."""
+    return STEP_PDL and pdl_enabled(device)
 
 
 def pdl_launch(use_pdl: bool) -> dict:

@@ -3,12 +3,17 @@ launches: built for sm_90 on the CPU (a child process without the interpreter), 
 wait with USE_PDL and none without it; nothing is stored before the wait (the kernel before may still be reading
 the memory the caching allocator hands out again), and only weights are loaded before it. Early triggers only where
 the kernel's grid is one small wave. The launchers ask for PDL only where ``step_pdl`` says so: never on the CPU or
-under the interpreter, and not with ``LORAPLEX_STEP_PDL=0``."""
+under the interpreter, and not with ``LORAPLEX_STEP_PDL=0`` (read at import)."""
+
+import os
+import subprocess
+import sys
 
 import torch
 
 from loraplex.kernels import slot_blocks
 from tests.kernels.sm90_build import build_in_child
+from tests.utils.scripts import ROOT
 
 BUILD = r'''
 import json, re, sys
@@ -16,9 +21,8 @@ sys.path.insert(0, "benchmarks/kernels")
 from sm90_loops import build_sm90
 from loraplex.kernels import activation, moe_align, moe_route, paged_attention, rms_norm, rms_norm_router, rotary
 
-F32 = dict.fromkeys(("eps", "alpha", "limit", "scale_log2", "cs_ptr", "weights_ptr", "part_m_ptr", "part_l_ptr",
-                     "part_acc_ptr", "sinks_ptr"), "fp32")
-F32 = {k: ("*fp32" if k.endswith("_ptr") else v) for k, v in F32.items()}
+F32 = {**dict.fromkeys(("eps", "alpha", "limit", "scale_log2"), "fp32"),
+       **dict.fromkeys(("cs_ptr", "weights_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "sinks_ptr"), "*fp32")}
 I32 = dict.fromkeys(("lora_ptr", "sorted_ptr", "expert_ids_ptr", "num_post_ptr", "counts_ptr", "offsets_ptr",
                      "lora_sorted_ptr", "lora_expert_ids_ptr", "lora_num_post_ptr", "lora_counts_ptr",
                      "lora_offsets_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr"), "*i32")
@@ -76,10 +80,22 @@ def test_step_kernels_build_for_sm90_with_the_wait_before_any_store():
 def test_step_pdl_off_on_cpu_and_by_switch(monkeypatch):
     assert not slot_blocks.step_pdl(torch.device("cpu"))
     monkeypatch.setattr(slot_blocks, "pdl_enabled", lambda device: True)  # as on an sm_90 GPU
-    monkeypatch.delenv(slot_blocks.STEP_PDL_ENV, raising=False)
+    monkeypatch.setattr(slot_blocks, "STEP_PDL", True)
     assert slot_blocks.step_pdl(torch.device("cpu"))
-    monkeypatch.setenv(slot_blocks.STEP_PDL_ENV, "0")
+    monkeypatch.setattr(slot_blocks, "STEP_PDL", False)  # LORAPLEX_STEP_PDL=0
     assert not slot_blocks.step_pdl(torch.device("cpu"))
+
+
+def test_the_switch_is_read_from_the_environment():
+    """``LORAPLEX_STEP_PDL=0`` in a fresh process turns the launches plain; unset, they are PDL launches."""
+    code = "from loraplex.kernels import slot_blocks; print(slot_blocks.STEP_PDL)"
+    for value, want in (("0", "False"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "LORAPLEX_STEP_PDL"}
+        if value is not None:
+            env["LORAPLEX_STEP_PDL"] = value
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == want, (value, out.stdout, out.stderr[-2000:])
 
 
 class _Recorder:
