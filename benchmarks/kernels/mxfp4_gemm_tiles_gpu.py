@@ -1,14 +1,16 @@
-"""Each MXFP4 expert GEMM's own tile at decode sizes: gate_up and down timed alone over a grid of tiles, the best of
+"""Each MXFP4 expert GEMM's own tile at decode and prefill sizes: gate_up and down timed alone over a grid of tiles, the best of
 each combined into one config (down's through the ``DOWN_`` keys of ``fused_moe_mxfp4.down_config``), and the whole
 op and the expert layer with LoRA timed with the committed config and with the combination.
 
     PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py          # H200: ~3 minutes
     PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py --m 16 --warm-s 0
+    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py --m 2048,1024 --lora-m 0
 
 The two GEMMs of an expert layer share the row blocks (one alignment: BLOCK_M, GROUP_M, DIRECT), not their
 shapes: gate_up reads K = H and writes two accumulators (gate and up rows) per program, down reads K = I into one,
 so a tile chosen for both is a compromise for one. Rows: ``gate_up, <tile>`` / ``down, <tile>`` (each GEMM alone,
-its output checked against the committed config's, rel. error ≤ 1e-2), ``op, committed`` / ``op, combined`` /
+its output checked against the committed config's, rel. error ≤ 1e-2), ``bf16 fused_moe`` (at M >= 1024, the bf16
+experts the prefill target compares with), ``op, committed`` / ``op, combined`` /
 ``op, combined, PDL`` (the whole op against the torch reference) and ``lora, committed`` / ``lora, fastest``
 (the fastest op row's config; ``moe_experts_lora`` with
 --max-loras adapters of --rank on both expert targets, as the engine calls it). Timing, bytes and the roofline as
@@ -41,9 +43,16 @@ def _tile(bn: int, bk: int, prefetch: int, warps: int = 4, stages: int = 3) -> d
             "num_stages": 1 if prefetch else stages}
 
 
+PREFILL_MIN_M = 1024  # from here the tiles are compute-bound ones (``tuning_cases.MXFP4_PREFILL_MIN_M``)
+
+
 def gate_up_tiles(m: int) -> list[dict]:
     """gate_up candidates (the committed config's row blocks kept): tile, gate/up in one product, deeper cp.async
-    pipelines, split-K at M <= 8."""
+    pipelines, split-K at M <= 8; at prefill sizes tiles of 64 or 128 weight rows, one or two warpgroups and
+    shallow to deep pipelines."""
+    if m >= PREFILL_MIN_M:
+        return [{**_tile(bn, bk, 0, warps, stages), "GU_FUSED": fused}
+                for bn, bk, warps, stages, fused in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4), (0, 1))]
     out = [{**_tile(bn, bk, pf), "GU_FUSED": fused}
            for bn, bk, pf, fused in itertools.product((64, 128), (128, 256), (1, 0), (0, 1))]
     out += [{**_tile(bn, 128, 0, stages=st), "GU_FUSED": fused}
@@ -56,6 +65,10 @@ def gate_up_tiles(m: int) -> list[dict]:
 
 def down_tiles(m: int) -> list[dict]:
     """down candidates as ``DOWN_`` keys (SPLIT_K is down's own key already)."""
+    if m >= PREFILL_MIN_M:
+        tiles = [{**_tile(bn, bk, 0, warps, stages), "SPLIT_K": 1}
+                 for bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))]
+        return [{("DOWN_" + k if k in TILE_KEYS else k): v for k, v in t.items()} for t in tiles]
     splits = (1, 2, 4) if m <= 8 else (1, 2) if m <= 32 else (1,)
     tiles = [{**_tile(bn, bk, pf), "SPLIT_K": sk}
              for bn, bk, pf, sk in itertools.product((64, 128, 256), (128, 256), (1, 0), splits)]
@@ -174,6 +187,10 @@ def measure(m, s, tuned, args, run, copy_tbs, lora_ms, fm, ref, moe_experts_lora
                                                    s.top_k, x.dtype), dn_ref), t)
         if r.get("us", float("inf")) < best_dn[1]:
             best_dn = (t, r["us"])
+    if m >= PREFILL_MIN_M:  # what "prefill no slower than bf16" compares with: bf16 experts at their tuned config
+        from loraplex.kernels.fused_moe import fused_moe
+        row("bf16 fused_moe", lambda: fused_moe(x, inp["w13"], inp["w2"], wts, ids, **kw),
+            moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "bf16"))
     want = ref.fused_moe_mxfp4(x, *inp["plain"], wts, ids, **kw)
     combined = {**tuned, **(best_gu[0] or {}), **(best_dn[0] or {})}
     mx_bytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4")

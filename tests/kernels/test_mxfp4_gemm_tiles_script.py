@@ -17,10 +17,10 @@ def _script():
     return load_script("kernels", "mxfp4_gemm_tiles_gpu")
 
 
-@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 2048])
 def test_candidates_are_valid_and_down_ones_touch_down_only(m):
     mod = _script()
-    committed = {**fm.DEFAULT_CONFIG, "BLOCK_M": 8 if m <= 16 else 16}
+    committed = {**fm.DEFAULT_CONFIG, "BLOCK_M": 8 if m <= 16 else 16 if m <= 64 else 128}
     gu_meta = fm.gate_up_constexprs(committed, top_k=4, act=0, has_bias=True, pdl=False, **SHAPE)
     for tile in mod.gate_up_tiles(m):
         assert not any(k.startswith("DOWN_") for k in tile)
