@@ -168,7 +168,8 @@ MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
 # the product's rows are a multiple of 64 and num_warps of 4, else mma.sync (MMAv2; BLOCK_M 8, or 1 / 2 warps),
 # which issues about a third fewer instructions per weight at decode (no warpgroup fences, n8 tiles at BLOCK_M 8).
 # SPLIT_K / GU_SPLIT_K split the down / gate_up K (SM fill when a few experts are touched), GU_FUSED puts gate and
-# up rows in one product (one accumulator per warpgroup: fewer registers, two CTAs per SM at prefill tiles),
+# up rows in one product (one accumulator per warpgroup: fewer registers, two CTAs per SM at prefill tiles; with 4
+# warps at most, ``fused_moe_mxfp4.FUSED_MAX_WARPS``, so no candidate sets it with 8),
 # PREFETCH loads the next K step into registers instead of Triton's cp.async pipeline (num_stages 1), PDL launches
 # the op's kernels with programmatic dependent launch (a launch overlaps the previous kernel's tail; a decode step
 # of one token runs three or four). The tuner stops at its time budget, so best bets come first.
@@ -187,15 +188,17 @@ MXFP4_BLOCK16_SPACE = _cfgs(_MXFP4_KEYS, [  # M = 32 .. 64: up to ~16 pairs per 
     (16, 64, 128, 1, 1, 1, 0, 0, 2, 3), (16, 64, 128, 1, 1, 1, 0, 0, 4, 4), (16, 128, 128, 1, 1, 1, 0, 0, 4, 3),
     (16, 128, 128, 1, 1, 1, 1, 0, 4, 3), (16, 64, 128, 1, 1, 1, 0, 1, 4, 1), (16, 64, 64, 1, 1, 1, 0, 0, 4, 6),
     (32, 64, 128, 1, 1, 1, 0, 0, 4, 3), (32, 128, 64, 1, 1, 1, 0, 0, 4, 4), (16, 128, 128, 1, 1, 1, 0, 0, 2, 2),
-    (16, 256, 128, 1, 1, 1, 1, 0, 8, 3)])
+    (16, 256, 128, 1, 1, 1, 0, 0, 8, 3)])
 MXFP4_MID_SPACE = _cfgs(_MXFP4_KEYS, [  # M = 128 .. 512: tens of pairs per expert
-    (64, 128, 64, 4, 1, 1, 0, 0, 4, 4), (64, 128, 64, 4, 1, 1, 1, 0, 8, 4), (32, 128, 128, 4, 1, 1, 0, 0, 4, 3),
-    (64, 64, 128, 4, 1, 1, 0, 0, 4, 4), (64, 256, 64, 4, 1, 1, 1, 0, 8, 3), (32, 128, 128, 4, 1, 1, 1, 0, 4, 3),
-    (128, 128, 64, 4, 1, 1, 1, 0, 8, 4)])
-MXFP4_PREFILL_SPACE = _cfgs(_MXFP4_KEYS, [  # M >= 1024: hundreds of pairs per expert, compute-bound
-    (128, 128, 64, 4, 1, 1, 1, 0, 8, 4), (128, 128, 64, 4, 1, 1, 0, 0, 8, 4), (256, 128, 64, 4, 1, 1, 1, 0, 8, 3),
-    (128, 256, 64, 4, 1, 1, 1, 0, 8, 3), (256, 64, 64, 4, 1, 1, 1, 0, 4, 3), (128, 64, 64, 8, 1, 1, 0, 0, 4, 4),
-    (128, 128, 128, 4, 1, 1, 1, 0, 8, 3), (64, 128, 64, 8, 1, 1, 1, 0, 8, 4), (128, 128, 64, 8, 1, 1, 0, 0, 8, 3)])
+    (64, 128, 64, 4, 1, 1, 0, 0, 4, 4), (64, 128, 64, 4, 1, 1, 0, 0, 8, 4), (32, 128, 128, 4, 1, 1, 0, 0, 4, 3),
+    (64, 64, 128, 4, 1, 1, 0, 0, 4, 4), (64, 256, 64, 4, 1, 1, 0, 0, 8, 3), (32, 128, 128, 4, 1, 1, 1, 0, 4, 3),
+    (128, 128, 64, 4, 1, 1, 0, 0, 8, 4)])
+MXFP4_PREFILL_SPACE = [  # M >= 1024: hundreds of pairs per expert, compute-bound; first each GEMM on its own tile
+    {**dict(zip(_MXFP4_KEYS, (128, 128, 64, 8, 1, 1, 0, 0, 8, 3))), "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64,
+     "DOWN_PREFETCH": 0, "DOWN_num_warps": 8, "DOWN_num_stages": 4}] + _cfgs(_MXFP4_KEYS, [
+    (128, 128, 64, 8, 1, 1, 0, 0, 8, 3), (128, 128, 64, 4, 1, 1, 0, 0, 8, 4), (256, 128, 64, 4, 1, 1, 0, 0, 8, 3),
+    (128, 256, 64, 4, 1, 1, 0, 0, 8, 3), (256, 64, 64, 4, 1, 1, 1, 0, 4, 3), (128, 64, 64, 8, 1, 1, 0, 0, 4, 4),
+    (128, 128, 128, 4, 1, 1, 0, 0, 8, 3), (64, 128, 64, 8, 1, 1, 0, 0, 8, 4)])
 _OWN_DOWN_KEYS = ("DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_PREFETCH", "DOWN_num_warps", "DOWN_num_stages")
 MXFP4_OWN_TILE_SPACE = [  # M <= 32: each GEMM on its own tile (DOWN_ keys), the H200's winners first
     {**dict(zip(_MXFP4_KEYS, gu)), **dict(zip(_OWN_DOWN_KEYS, dn)), "PDL": 1} for gu, dn in [

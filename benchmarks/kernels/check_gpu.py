@@ -161,10 +161,11 @@ def rope_and_route_graph_check() -> list[str]:
 def mxfp4_experts_lora_check() -> list[str]:
     """Expert LoRA on MXFP4 base weights (``moe_experts_lora`` with uint8 blocks + E8M0 scales, as
     ``LoRAFusedExperts`` runs it over ``Mxfp4FusedExperts``) at GPT-OSS shapes, 8 adapters of rank 32, some tokens
-    without one: eager at M = 1 and 16, then one CUDA graph replayed on new inputs, against the reference."""
+    without one: eager at M = 1 and 16, the kernel layout (``prepare_for_kernel``, the engine's on CUDA) from M = 1 to
+    2048, then one CUDA graph replayed on new inputs, against the reference."""
     from loraplex.kernels import reference_lora
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
-    from loraplex.kernels.mxfp4 import quantize_mxfp4
+    from loraplex.kernels.mxfp4 import prepare_for_kernel, quantize_mxfp4
     from loraplex.kernels.tuning_cases import rel_error
 
     torch.manual_seed(13)
@@ -193,6 +194,16 @@ def mxfp4_experts_lora_check() -> list[str]:
         args = inputs(m)
         err = rel_error(moe_experts_lora(*args, **kw), reference_lora.moe_experts_lora(*args, **kw))
         lines.append(f"{'ok  ' if err <= TOLERANCE else 'FAIL'} moe_experts_lora[mxfp4 base] M={m:<3d} "
+                     f"rel_err={err:.2e}")
+    # the kernel layout, as the engine runs it on CUDA, at decode and at prefill sizes (the tuned tiles of each)
+    k13, ks13 = prepare_for_kernel(q13, s13)
+    k2, ks2 = prepare_for_kernel(q2, s2)
+    kernel_kw = {**kw, "w13_scale": ks13, "w2_scale": ks2}
+    for m in (1, 16, 64, 1727, 2048):
+        x, _, _, weights, ids, idx, scl = inputs(m)
+        got = moe_experts_lora(x, k13, k2, weights, ids, idx, scl, **kernel_kw)
+        err = rel_error(got, reference_lora.moe_experts_lora(x, q13, q2, weights, ids, idx, scl, **kw))
+        lines.append(f"{'ok  ' if err <= TOLERANCE else 'FAIL'} moe_experts_lora[mxfp4 kernel layout] M={m:<4d} "
                      f"rel_err={err:.2e}")
     args = inputs(16)
     out = moe_experts_lora(*args, **kw)  # compile outside the capture

@@ -9,7 +9,7 @@ op and the expert layer with LoRA timed with the committed config and with the c
 The two GEMMs of an expert layer share the row blocks (one alignment: BLOCK_M, GROUP_M, DIRECT), not their
 shapes: gate_up reads K = H and writes two accumulators (gate and up rows) per program, down reads K = I into one,
 so a tile chosen for both is a compromise for one. Rows: ``gate_up, <tile>`` / ``down, <tile>`` (each GEMM alone,
-its output checked against the committed config's, rel. error ≤ 1e-2), ``bf16 fused_moe`` (at M >= 1024, the bf16
+its output checked against the committed config's, rel. error ≤ 1e-2), ``bf16 fused_moe`` (from M = 256, the bf16
 experts the prefill target compares with), ``op, committed`` / ``op, combined`` /
 ``op, combined, PDL`` (the whole op against the torch reference) and ``lora, committed`` / ``lora, fastest``
 (the fastest op row's config; ``moe_experts_lora`` with
@@ -43,16 +43,17 @@ def _tile(bn: int, bk: int, prefetch: int, warps: int = 4, stages: int = 3) -> d
             "num_stages": 1 if prefetch else stages}
 
 
-PREFILL_MIN_M = 1024  # from here the tiles are compute-bound ones (``tuning_cases.MXFP4_PREFILL_MIN_M``)
+PREFILL_MIN_M = 256  # from here (tens of pairs per expert and more) the grids are of compute-bound tiles
 
 
 def gate_up_tiles(m: int) -> list[dict]:
     """gate_up candidates (the committed config's row blocks kept): tile, gate/up in one product, deeper cp.async
     pipelines, split-K at M <= 8; at prefill sizes tiles of 64 or 128 weight rows, one or two warpgroups and
     shallow to deep pipelines."""
-    if m >= PREFILL_MIN_M:
+    if m >= PREFILL_MIN_M:  # GU_FUSED only with 4 warps (``fused_moe_mxfp4.FUSED_MAX_WARPS``)
         return [{**_tile(bn, bk, 0, warps, stages), "GU_FUSED": fused}
-                for bn, bk, warps, stages, fused in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4), (0, 1))]
+                for bn, bk, warps, stages, fused in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4), (0, 1))
+                if not (fused and warps > 4)]
     out = [{**_tile(bn, bk, pf), "GU_FUSED": fused}
            for bn, bk, pf, fused in itertools.product((64, 128), (128, 256), (1, 0), (0, 1))]
     out += [{**_tile(bn, 128, 0, stages=st), "GU_FUSED": fused}

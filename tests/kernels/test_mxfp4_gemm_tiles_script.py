@@ -7,7 +7,7 @@ import torch
 from loraplex.kernels import fused_moe_mxfp4 as fm
 from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.mxfp4 import prepare_for_kernel, quantize_mxfp4
-from loraplex.kernels.tuning_cases import MXFP4_OWN_TILE_SPACE, mxfp4_moe_space
+from loraplex.kernels.tuning_cases import MXFP4_OWN_TILE_SPACE, MXFP4_PREFILL_SPACE, mxfp4_moe_space
 from tests.utils.scripts import load_script
 
 SHAPE = dict(hidden=2880, inter=2880)
@@ -17,10 +17,10 @@ def _script():
     return load_script("kernels", "mxfp4_gemm_tiles_gpu")
 
 
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 2048])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 2048])
 def test_candidates_are_valid_and_down_ones_touch_down_only(m):
     mod = _script()
-    committed = {**fm.DEFAULT_CONFIG, "BLOCK_M": 8 if m <= 16 else 16 if m <= 64 else 128}
+    committed = {**fm.DEFAULT_CONFIG, "BLOCK_M": 8 if m <= 16 else 16 if m <= 64 else 64 if m <= 256 else 128}
     gu_meta = fm.gate_up_constexprs(committed, top_k=4, act=0, has_bias=True, pdl=False, **SHAPE)
     for tile in mod.gate_up_tiles(m):
         assert not any(k.startswith("DOWN_") for k in tile)
@@ -42,10 +42,33 @@ def test_the_tuner_tries_the_own_tile_configs_first_at_decode_sizes():
     for m in (1, 4, 16):
         assert mxfp4_moe_space(m)[:len(MXFP4_OWN_TILE_SPACE)] == MXFP4_OWN_TILE_SPACE
     assert all(c in mxfp4_moe_space(32) for c in MXFP4_OWN_TILE_SPACE[:3])
-    assert not any("DOWN_BLOCK_N" in c for c in mxfp4_moe_space(64) + mxfp4_moe_space(2048))
+    assert not any("DOWN_BLOCK_N" in c for c in mxfp4_moe_space(64))
+    assert "DOWN_BLOCK_N" in mxfp4_moe_space(2048)[0]  # at prefill sizes too, each GEMM on its own tile first
 
 
-@pytest.mark.parametrize("index", range(len(MXFP4_OWN_TILE_SPACE)))
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
+def test_no_candidate_fuses_gate_and_up_over_two_warpgroups(m):
+    """GU_FUSED with 8 warps gives wrong pre-activations on the GPU; the launcher runs such a config unfused, so a
+    candidate of that kind would only time the unfused tile under another name."""
+    mod = _script()
+    for cfg in mxfp4_moe_space(m) + mod.gate_up_tiles(m):
+        assert not (int(cfg.get("GU_FUSED", 0)) and int(cfg.get("num_warps", 4)) > fm.FUSED_MAX_WARPS), cfg
+
+
+def test_a_fused_config_of_two_warpgroups_launches_unfused():
+    cfg = {**fm.DEFAULT_CONFIG, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GU_FUSED": 1}
+    kw = dict(top_k=4, act=0, has_bias=True, pdl=False, **SHAPE)
+    four = fm.gate_up_constexprs({**cfg, "num_warps": 4}, **kw)
+    eight = fm.gate_up_constexprs({**cfg, "num_warps": 8}, **kw)
+    assert four["FUSED"] and four["NUM_N"] == 2880 // 64
+    assert not eight["FUSED"] and eight["NUM_N"] == -(-2880 // 128)
+    assert eight == fm.gate_up_constexprs({**cfg, "num_warps": 8, "GU_FUSED": 0}, **kw)
+
+
+OWN_TILES = MXFP4_OWN_TILE_SPACE + MXFP4_PREFILL_SPACE[:1]  # the decode ones and the prefill one
+
+
+@pytest.mark.parametrize("index", range(len(OWN_TILES)))
 def test_own_tile_configs_match_the_reference(index):
     """Each own-tile config at awkward sizes: N and K not multiples of the tiles (K = 64 k + 32), 9 tokens."""
     e, h, inter, top_k = 4, 96, 160, 4
@@ -58,6 +81,6 @@ def test_own_tile_configs_match_the_reference(index):
     (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
     kernel = (*prepare_for_kernel(q13, s13), *prepare_for_kernel(q2, s2))
     kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
-    got = fm.fused_moe_mxfp4(x, *kernel, weights, ids, config=MXFP4_OWN_TILE_SPACE[index], **kw)
+    got = fm.fused_moe_mxfp4(x, *kernel, weights, ids, config=OWN_TILES[index], **kw)
     want = ref.fused_moe_mxfp4(x, q13, s13, q2, s2, weights, ids, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
