@@ -288,3 +288,19 @@ def test_committed_device_folders_hold_op_files_or_a_valid_alias():
             raw = json.loads(alias.read_text(encoding="utf-8"))
             assert set(raw) == {"device", "reason"} and raw["reason"].strip(), alias
             assert tuning.device_files(folder.name, root), f"{alias} resolves to no op files"
+
+
+H100_SWEPT_MS = {"256", "2048"}  # the entries of the H100's own MXFP4 file swept on the H100
+
+
+def test_the_h100s_own_mxfp4_file_differs_from_the_h200s_only_where_the_h100_was_swept():
+    """The H100's fused_moe_mxfp4.json is the H200's with the entries swept on the H100 (M = 256 and 2048, the
+    mid-size and prefill tiles); every other entry must stay the H200's, so that a retune on the H200 is copied."""
+    root = tuning._REPO_TUNING_DIR
+    h100 = json.loads((root / "NVIDIA_H100_80GB_HBM3" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
+    h200 = json.loads((root / "NVIDIA_H200" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
+    assert h100.keys() == h200.keys()
+    for shape, by_m in h200.items():
+        assert h100[shape].keys() == by_m.keys()
+        differ = {m for m, cfg in by_m.items() if h100[shape][m] != cfg}
+        assert differ <= H100_SWEPT_MS, (shape, differ)
