@@ -7,7 +7,8 @@ import torch
 from loraplex.kernels import fused_moe_mxfp4 as fm
 from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.mxfp4 import prepare_for_kernel, quantize_mxfp4
-from loraplex.kernels.tuning_cases import MXFP4_OWN_TILE_SPACE, MXFP4_PREFILL_SPACE, mxfp4_moe_space
+from loraplex.kernels.tuning_cases import (MXFP4_MID_SPACE, MXFP4_OWN_TILE_SPACE, MXFP4_PREFILL_SPACE,
+                                           mxfp4_moe_space)
 from tests.utils.scripts import load_script
 
 SHAPE = dict(hidden=2880, inter=2880)
@@ -43,7 +44,8 @@ def test_the_tuner_tries_the_own_tile_configs_first_at_decode_sizes():
         assert mxfp4_moe_space(m)[:len(MXFP4_OWN_TILE_SPACE)] == MXFP4_OWN_TILE_SPACE
     assert all(c in mxfp4_moe_space(32) for c in MXFP4_OWN_TILE_SPACE[:3])
     assert not any("DOWN_BLOCK_N" in c for c in mxfp4_moe_space(64))
-    assert "DOWN_BLOCK_N" in mxfp4_moe_space(2048)[0]  # at prefill sizes too, each GEMM on its own tile first
+    for m in (256, 2048):  # at mid and prefill sizes too, each GEMM on its own tile first
+        assert "DOWN_BLOCK_N" in mxfp4_moe_space(m)[0]
 
 
 @pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
@@ -65,7 +67,7 @@ def test_a_fused_config_of_two_warpgroups_launches_unfused():
     assert eight == fm.gate_up_constexprs({**cfg, "num_warps": 8, "GU_FUSED": 0}, **kw)
 
 
-OWN_TILES = MXFP4_OWN_TILE_SPACE + MXFP4_PREFILL_SPACE[:1]  # the decode ones and the prefill one
+OWN_TILES = MXFP4_OWN_TILE_SPACE + MXFP4_MID_SPACE[:1] + MXFP4_PREFILL_SPACE[:1]  # decode, mid-size, prefill
 
 
 @pytest.mark.parametrize("index", range(len(OWN_TILES)))
