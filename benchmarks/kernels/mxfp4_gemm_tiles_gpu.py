@@ -1,6 +1,6 @@
-"""Each MXFP4 expert GEMM's own tile at decode and prefill sizes: gate_up and down timed alone over a grid of tiles, the best of
-each combined into one config (down's through the ``DOWN_`` keys of ``fused_moe_mxfp4.down_config``), and the whole
-op and the expert layer with LoRA timed with the committed config and with the combination.
+"""Each MXFP4 expert GEMM's own tile at decode and prefill sizes: gate_up and down timed alone over a grid of tiles,
+the best of each combined into one config (down's through the ``DOWN_`` keys of ``fused_moe_mxfp4.down_config``),
+and the whole op and the expert layer with LoRA timed with the committed config and with the combination.
 
     PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py          # H200: ~3 minutes
     PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_gemm_tiles_gpu.py --m 16 --warm-s 0

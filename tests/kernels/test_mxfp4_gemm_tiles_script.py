@@ -6,6 +6,7 @@ import torch
 
 from loraplex.kernels import fused_moe_mxfp4 as fm
 from loraplex.kernels import reference_lora as ref
+from loraplex.kernels.moe_experts_lora import moe_experts_lora
 from loraplex.kernels.mxfp4 import prepare_for_kernel, quantize_mxfp4
 from loraplex.kernels.tuning_cases import (MXFP4_MID_SPACE, MXFP4_OWN_TILE_SPACE, MXFP4_PREFILL_SPACE,
                                            mxfp4_moe_space)
@@ -72,7 +73,8 @@ OWN_TILES = MXFP4_OWN_TILE_SPACE + MXFP4_MID_SPACE[:1] + MXFP4_PREFILL_SPACE[:1]
 
 @pytest.mark.parametrize("index", range(len(OWN_TILES)))
 def test_own_tile_configs_match_the_reference(index):
-    """Each own-tile config at awkward sizes: N and K not multiples of the tiles (K = 64 k + 32), 9 tokens."""
+    """Each own-tile config at awkward sizes: N and K not multiples of the tiles (K = 64 k + 32), 9 tokens, without
+    and with expert LoRA."""
     e, h, inter, top_k = 4, 96, 160, 4
     gen = torch.Generator().manual_seed(1000 + index)
     x = torch.randn(9, h, generator=gen)
@@ -85,4 +87,15 @@ def test_own_tile_configs_match_the_reference(index):
     kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
     got = fm.fused_moe_mxfp4(x, *kernel, weights, ids, config=OWN_TILES[index], **kw)
     want = ref.fused_moe_mxfp4(x, q13, s13, q2, s2, weights, ids, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the LoRA path with the same base config: the pre-activation stored (row blocks past the epilogue's size) or the
+    # deltas in the epilogues, two adapters of rank 4 on both expert targets, some tokens without one
+    lora = dict(w13_lora=(torch.randn(2, e, 4, h, generator=gen) / h ** 0.5,
+                          torch.randn(2, e, 2 * inter, 4, generator=gen) * 0.1),
+                w2_lora=(torch.randn(2, e, 4, inter, generator=gen) / inter ** 0.5,
+                         torch.randn(2, e, h, 4, generator=gen) * 0.1))
+    idx, scaling = torch.tensor([0, 1, -1, 1, 0, 0, -1, 1, 1], dtype=torch.int32), torch.tensor([2.0, 0.5])
+    got = moe_experts_lora(x, kernel[0], kernel[2], weights, ids, idx, scaling, w13_scale=kernel[1],
+                           w2_scale=kernel[3], config=OWN_TILES[index], **lora, **kw)
+    want = ref.moe_experts_lora(x, q13, q2, weights, ids, idx, scaling, w13_scale=s13, w2_scale=s2, **lora, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -295,7 +295,8 @@ H100_SWEPT_MS = {"256", "2048"}  # the entries of the H100's own MXFP4 file swep
 
 def test_the_h100s_own_mxfp4_file_differs_from_the_h200s_only_where_the_h100_was_swept():
     """The H100's fused_moe_mxfp4.json is the H200's with the entries swept on the H100 (M = 256 and 2048, the
-    mid-size and prefill tiles); every other entry must stay the H200's, so that a retune on the H200 is copied."""
+    mid-size and prefill tiles); every other entry must stay the H200's (a retune on the H200 is to be copied into
+    it, and this test fails until it is)."""
     root = tuning._REPO_TUNING_DIR
     h100 = json.loads((root / "NVIDIA_H100_80GB_HBM3" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
     h200 = json.loads((root / "NVIDIA_H200" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
