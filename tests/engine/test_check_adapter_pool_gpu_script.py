@@ -23,8 +23,11 @@ def test_kernels_stage_through_the_interpreter(monkeypatch, capsys):
                                                             "fused_moe_lora[gate_up]", "fused_moe_lora[down]",
                                                             "moe_experts_lora")]
     assert list(res["errors"]) == names + ["graph replay after a table rewrite"]
-    # float32 on the CPU: the kernels agree with the references to rounding, far inside the bf16 bound
-    assert all(0 < err < 1e-5 for err in res["errors"].values()), res["errors"]
+    # float32 on the CPU: the kernels agree with the references to rounding, far inside the bf16 bound (an op may
+    # match exactly: the interpreter's numpy products can round as torch's do); not all exactly, or the comparison
+    # would be of one tensor with itself
+    assert all(err < 1e-5 for err in res["errors"].values()), res["errors"]
+    assert sum(err > 0 for err in res["errors"].values()) >= len(names) // 2, res["errors"]
     assert res["ok"] is True and res["timing_us"] == {} and len(res["lines"]) == len(names) + 1
     pool.print_summary([res])
     out = capsys.readouterr().out
