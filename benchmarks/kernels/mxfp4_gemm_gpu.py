@@ -61,6 +61,8 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
+from loraplex.kernels.fused_moe_mxfp4 import FUSED_MAX_WARPS  # noqa: E402
+
 TOLERANCE = 1e-2
 MS = "16,1,64,4,256,2048,8,2,32,1024"  # most telling first: the budget may stop the run
 SWEEP_MS = "1,16,64,256,1024,2048"
@@ -77,10 +79,10 @@ DECODE_FAMILIES = {
     "wgmma 16x64x128, 4 stages": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 0, 4, 4))),
     "wgmma 16x64x128, register prefetch": dict(zip(_F, (16, 64, 128, 1, 1, 1, 0, 1, 4, 1))),
 }
-PREFILL_FAMILIES = {
+PREFILL_FAMILIES = {  # gate and up in one product only with 4 warps (``fused_moe_mxfp4.FUSED_MAX_WARPS``)
     "run-1 best: wgmma 128x128x64, 8 warps": dict(zip(_F, (128, 128, 64, 4, 1, 1, 0, 0, 8, 4))),
-    "wgmma fused gate/up 128x128x64": dict(zip(_F, (128, 128, 64, 4, 1, 1, 1, 0, 8, 4))),
-    "wgmma fused gate/up 256x128x64": dict(zip(_F, (256, 128, 64, 4, 1, 1, 1, 0, 8, 3))),
+    "wgmma fused gate/up 128x128x64, 4 warps": dict(zip(_F, (128, 128, 64, 4, 1, 1, 1, 0, 4, 4))),
+    "wgmma fused gate/up 256x64x64, 4 warps": dict(zip(_F, (256, 64, 64, 4, 1, 1, 1, 0, 4, 3))),
 }
 RELATIVE_VARIANTS = {  # the tuned config with one knob changed (split-K / direct only where they apply)
     "kernel layout, bits": {"DECODE": "bits"},
@@ -107,8 +109,8 @@ def relative_variants(m: int, tuned: dict) -> dict[str, dict]:
     for name, extra in RELATIVE_VARIANTS.items():
         if ("SPLIT_K" in extra and m > SPLIT_VARIANT_MAX_M) or ("DIRECT" in extra and m > DIRECT_MAX_M):
             continue
-        if "GU_FUSED" in extra and int(tuned["BLOCK_N"]) % 32:
-            continue
+        if "GU_FUSED" in extra and (int(tuned["BLOCK_N"]) % 32 or int(tuned["num_warps"]) > FUSED_MAX_WARPS):
+            continue  # the launcher would run it unfused: the tuned config under another name
         cfg = {**tuned, **extra}
         if cfg != tuned:
             out[name] = cfg

@@ -96,3 +96,14 @@ def test_warm_up_lists_cover_the_rows():
         assert tuned in second and all(c in second for c in mod.relative_variants(m, tuned).values())
     assert len(second) == len({tuple(sorted(c.items())) for c in second})
     assert mod.winner_variants({}, [1]) == []
+
+
+def test_no_row_fuses_gate_and_up_over_two_warpgroups():
+    """The launcher runs such a config unfused (``fused_moe_mxfp4.FUSED_MAX_WARPS``): a family or knob row of that
+    kind would time another row's config under its own name."""
+    mod = _script()
+    wide = {**mod.PREFILL_FAMILIES["run-1 best: wgmma 128x128x64, 8 warps"]}
+    assert "kernel layout, fused gate/up" not in mod.relative_variants(2048, wide)
+    assert "kernel layout, fused gate/up" in mod.relative_variants(2048, {**wide, "num_warps": 4})
+    for cfg in (*mod.DECODE_FAMILIES.values(), *mod.PREFILL_FAMILIES.values()):
+        assert not (cfg["GU_FUSED"] and cfg["num_warps"] > mod.FUSED_MAX_WARPS), cfg
