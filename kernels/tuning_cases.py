@@ -189,21 +189,26 @@ MXFP4_BLOCK16_SPACE = _cfgs(_MXFP4_KEYS, [  # M = 32 .. 64: up to ~16 pairs per 
     (16, 128, 128, 1, 1, 1, 1, 0, 4, 3), (16, 64, 128, 1, 1, 1, 0, 1, 4, 1), (16, 64, 64, 1, 1, 1, 0, 0, 4, 6),
     (32, 64, 128, 1, 1, 1, 0, 0, 4, 3), (32, 128, 64, 1, 1, 1, 0, 0, 4, 4), (16, 128, 128, 1, 1, 1, 0, 0, 2, 2),
     (16, 256, 128, 1, 1, 1, 0, 0, 8, 3)])
+_OWN_DOWN_KEYS = ("DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_PREFETCH", "DOWN_num_warps", "DOWN_num_stages")
+
+
+def _own_tile(gate_up: tuple, down: tuple, **extra) -> dict:
+    """A config with each GEMM on its own tile: ``_MXFP4_KEYS`` from ``gate_up``, the ``DOWN_`` keys from ``down``."""
+    return {**dict(zip(_MXFP4_KEYS, gate_up)), **dict(zip(_OWN_DOWN_KEYS, down)), **extra}
+
+
 MXFP4_MID_SPACE = [  # M = 128 .. 512: tens of pairs per expert; first each GEMM on its own tile
-    {**dict(zip(_MXFP4_KEYS, (64, 128, 64, 4, 1, 1, 1, 0, 4, 4))), "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 64,
-     "DOWN_PREFETCH": 0, "DOWN_num_warps": 4, "DOWN_num_stages": 4}] + _cfgs(_MXFP4_KEYS, [
+    _own_tile((64, 128, 64, 4, 1, 1, 1, 0, 4, 4), (64, 64, 0, 4, 4))] + _cfgs(_MXFP4_KEYS, [
     (64, 128, 64, 4, 1, 1, 0, 0, 4, 4), (64, 128, 64, 4, 1, 1, 0, 0, 8, 4), (32, 128, 128, 4, 1, 1, 0, 0, 4, 3),
     (64, 64, 128, 4, 1, 1, 0, 0, 4, 4), (64, 256, 64, 4, 1, 1, 0, 0, 8, 3), (32, 128, 128, 4, 1, 1, 1, 0, 4, 3),
     (128, 128, 64, 4, 1, 1, 0, 0, 8, 4)])
 MXFP4_PREFILL_SPACE = [  # M >= 1024: hundreds of pairs per expert, compute-bound; first each GEMM on its own tile
-    {**dict(zip(_MXFP4_KEYS, (128, 128, 64, 8, 1, 1, 0, 0, 8, 3))), "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64,
-     "DOWN_PREFETCH": 0, "DOWN_num_warps": 8, "DOWN_num_stages": 4}] + _cfgs(_MXFP4_KEYS, [
+    _own_tile((128, 128, 64, 8, 1, 1, 0, 0, 8, 3), (128, 64, 0, 8, 4))] + _cfgs(_MXFP4_KEYS, [
     (128, 128, 64, 8, 1, 1, 0, 0, 8, 3), (128, 128, 64, 4, 1, 1, 0, 0, 8, 4), (256, 128, 64, 4, 1, 1, 0, 0, 8, 3),
     (128, 256, 64, 4, 1, 1, 0, 0, 8, 3), (256, 64, 64, 4, 1, 1, 1, 0, 4, 3), (128, 64, 64, 8, 1, 1, 0, 0, 4, 4),
     (128, 128, 128, 4, 1, 1, 0, 0, 8, 3), (64, 128, 64, 8, 1, 1, 0, 0, 8, 4)])
-_OWN_DOWN_KEYS = ("DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_PREFETCH", "DOWN_num_warps", "DOWN_num_stages")
 MXFP4_OWN_TILE_SPACE = [  # M <= 32: each GEMM on its own tile (DOWN_ keys), the H200's winners first
-    {**dict(zip(_MXFP4_KEYS, gu)), **dict(zip(_OWN_DOWN_KEYS, dn)), "PDL": 1} for gu, dn in [
+    _own_tile(gu, dn, PDL=1) for gu, dn in [
         ((8, 128, 128, 1, 2, 1, 0, 0, 4, 3), (128, 128, 0, 4, 3)),
         ((8, 128, 128, 1, 2, 2, 1, 0, 4, 3), (64, 128, 0, 4, 3)),
         ((8, 128, 128, 1, 2, 2, 1, 0, 4, 3), (128, 128, 0, 4, 3)),

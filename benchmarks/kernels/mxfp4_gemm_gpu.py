@@ -61,8 +61,6 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
-from loraplex.kernels.fused_moe_mxfp4 import FUSED_MAX_WARPS  # noqa: E402
-
 TOLERANCE = 1e-2
 MS = "16,1,64,4,256,2048,8,2,32,1024"  # most telling first: the budget may stop the run
 SWEEP_MS = "1,16,64,256,1024,2048"
@@ -105,6 +103,8 @@ def families(m: int) -> dict[str, dict]:
 
 def relative_variants(m: int, tuned: dict) -> dict[str, dict]:
     """The knob rows that apply at M tokens to the tuned config (identical configs dropped)."""
+    from loraplex.kernels.fused_moe_mxfp4 import FUSED_MAX_WARPS
+
     out = {}
     for name, extra in RELATIVE_VARIANTS.items():
         if ("SPLIT_K" in extra and m > SPLIT_VARIANT_MAX_M) or ("DIRECT" in extra and m > DIRECT_MAX_M):

@@ -43,14 +43,14 @@ def _tile(bn: int, bk: int, prefetch: int, warps: int = 4, stages: int = 3) -> d
             "num_stages": 1 if prefetch else stages}
 
 
-PREFILL_MIN_M = 256  # from here (tens of pairs per expert and more) the grids are of compute-bound tiles
+COMPUTE_TILES_MIN_M = 256  # from here (tens of pairs per expert and more) the grids are of compute-bound tiles
 
 
 def gate_up_tiles(m: int) -> list[dict]:
     """gate_up candidates (the committed config's row blocks kept): tile, gate/up in one product, deeper cp.async
     pipelines, split-K at M <= 8; at prefill sizes tiles of 64 or 128 weight rows, one or two warpgroups and
     shallow to deep pipelines."""
-    if m >= PREFILL_MIN_M:  # GU_FUSED only with 4 warps (``fused_moe_mxfp4.FUSED_MAX_WARPS``)
+    if m >= COMPUTE_TILES_MIN_M:  # GU_FUSED only with 4 warps (``fused_moe_mxfp4.FUSED_MAX_WARPS``)
         return [{**_tile(bn, bk, 0, warps, stages), "GU_FUSED": fused}
                 for bn, bk, warps, stages, fused in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4), (0, 1))
                 if not (fused and warps > 4)]
@@ -66,7 +66,7 @@ def gate_up_tiles(m: int) -> list[dict]:
 
 def down_tiles(m: int) -> list[dict]:
     """down candidates as ``DOWN_`` keys (SPLIT_K is down's own key already)."""
-    if m >= PREFILL_MIN_M:
+    if m >= COMPUTE_TILES_MIN_M:
         tiles = [{**_tile(bn, bk, 0, warps, stages), "SPLIT_K": 1}
                  for bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))]
         return [{("DOWN_" + k if k in TILE_KEYS else k): v for k, v in t.items()} for t in tiles]
@@ -188,7 +188,7 @@ def measure(m, s, tuned, args, run, copy_tbs, lora_ms, fm, ref, moe_experts_lora
                                                    s.top_k, x.dtype), dn_ref), t)
         if r.get("us", float("inf")) < best_dn[1]:
             best_dn = (t, r["us"])
-    if m >= PREFILL_MIN_M:  # what "prefill no slower than bf16" compares with: bf16 experts at their tuned config
+    if m >= COMPUTE_TILES_MIN_M:  # what "prefill no slower than bf16" compares with: bf16 experts at their tuned config
         from loraplex.kernels.fused_moe import fused_moe
         row("bf16 fused_moe", lambda: fused_moe(x, inp["w13"], inp["w2"], wts, ids, **kw),
             moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "bf16"))

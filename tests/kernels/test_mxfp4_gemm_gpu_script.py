@@ -6,6 +6,7 @@ import json
 import torch
 
 from loraplex.kernels import tuning, tuning_cases
+from loraplex.kernels.fused_moe_mxfp4 import FUSED_MAX_WARPS
 from tests.utils.scripts import load_script
 
 
@@ -106,4 +107,4 @@ def test_no_row_fuses_gate_and_up_over_two_warpgroups():
     assert "kernel layout, fused gate/up" not in mod.relative_variants(2048, wide)
     assert "kernel layout, fused gate/up" in mod.relative_variants(2048, {**wide, "num_warps": 4})
     for cfg in (*mod.DECODE_FAMILIES.values(), *mod.PREFILL_FAMILIES.values()):
-        assert not (cfg["GU_FUSED"] and cfg["num_warps"] > mod.FUSED_MAX_WARPS), cfg
+        assert not (cfg["GU_FUSED"] and cfg["num_warps"] > FUSED_MAX_WARPS), cfg
