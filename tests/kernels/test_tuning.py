@@ -290,13 +290,13 @@ def test_committed_device_folders_hold_op_files_or_a_valid_alias():
             assert tuning.device_files(folder.name, root), f"{alias} resolves to no op files"
 
 
-H100_SWEPT_MS = {"256", "2048"}  # the entries of the H100's own MXFP4 file swept on the H100
+H100_OWN_MS = {"1024"}  # the entries where the H100's own MXFP4 file keeps a tile of its own
 
 
-def test_the_h100s_own_mxfp4_file_differs_from_the_h200s_only_where_the_h100_was_swept():
-    """The H100's fused_moe_mxfp4.json is the H200's with the entries swept on the H100 (M = 256 and 2048, the
-    mid-size and prefill tiles); every other entry must stay the H200's (a retune on the H200 is to be copied into
-    it, and this test fails until it is)."""
+def test_the_h100s_own_mxfp4_file_differs_from_the_h200s_only_where_the_h100_keeps_its_own_tile():
+    """The H100's fused_moe_mxfp4.json is the H200's but at M = 1024, where the H200's 8-warp prefill tile timed
+    3% slower on the H100 than the 4-warp one it keeps; every other entry must stay the H200's (a retune on the
+    H200 is to be copied into it, and this test fails until it is)."""
     root = tuning._REPO_TUNING_DIR
     h100 = json.loads((root / "NVIDIA_H100_80GB_HBM3" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
     h200 = json.loads((root / "NVIDIA_H200" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
@@ -304,4 +304,4 @@ def test_the_h100s_own_mxfp4_file_differs_from_the_h200s_only_where_the_h100_was
     for shape, by_m in h200.items():
         assert h100[shape].keys() == by_m.keys()
         differ = {m for m, cfg in by_m.items() if h100[shape][m] != cfg}
-        assert differ <= H100_SWEPT_MS, (shape, differ)
+        assert differ <= H100_OWN_MS, (shape, differ)
