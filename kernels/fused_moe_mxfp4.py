@@ -41,7 +41,8 @@ registers while this one computes, instead of Triton's cp.async pipeline; launch
 every kernel of the op launched with programmatic dependent launch on sm_90+: it starts while the previous kernel
 drains, waits for it before reading, and lets the next one start after its K loop), DECODE
 ("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
-and no moe_align launch, ``route_tables``; for a token or two), num_warps, num_stages, and DOWN_<key> (the down
+and no moe_align launch, ``route_tables``; for a token or two), LORA_L2 (1: with a LoRA epilogue, its B tiles
+prefetched into L2 before the K loop, ``lora_l2``; on GPUs only), num_warps, num_stages, and DOWN_<key> (the down
 GEMM's own BLOCK_N, BLOCK_K, PREFETCH, DECODE, num_warps or num_stages: its K is I and its N is H, not gate_up's
 shape, and it has one accumulator where gate_up has two, so its best tile differs). Under TRITON_INTERPRET the
 decode runs in float32 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in
@@ -122,6 +123,33 @@ def _lora_rows(entries_ptr, slots, stride_el):
     has = slots >= 0
     base = entries_ptr + tl.where(has, slots, 0).to(tl.int64) * stride_el
     return tl.load(base + 1, mask=has, other=0), tl.load(base + 2, mask=has, other=0).to(tl.int32)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, ok):
+    """Ask L2 for the lines at ``ptrs`` where ``ok`` (sm_80+ ``prefetch.global.L2``; nothing waits for them)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                              "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _lora_prefetch(slots, b_addr, b_rank, first_split, expert, col0, N, NOUT, OFF2, TWO: tl.constexpr,
+                   ROWS: tl.constexpr, LINE: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Before the K loop: every B tile the epilogue will read (each lead row's slot, B^T rows up to its rank,
+    columns [col0, col0 + ROWS) below N, and with TWO the same OFF2 columns further) pulled into L2, one prefetch
+    per ``LINE`` elements (128 bytes), so that its bytes arrive while the K loop streams the weights and the
+    epilogue reads them from L2."""
+    NL: tl.constexpr = (ROWS + LINE - 1) // LINE
+    lead, _ = _lora_leads(slots, b_rank, first_split)
+    r = tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, NL) * LINE
+    base = tl.where(lead, b_addr, 0).to(tl.pointer_type(W_DTYPE))
+    ptrs = (base[:, None, None] + ((expert * b_rank[:, None] + r[None, :]).to(tl.int64) * NOUT)[:, :, None]
+            + cols[None, None, :])
+    ok = (lead[:, None] & (r[None, :] < b_rank[:, None]))[:, :, None] & (cols < N)[None, None, :]
+    _prefetch_l2(ptrs, ok)
+    if TWO:
+        _prefetch_l2(ptrs + OFF2, ok)
 
 
 @triton.jit
@@ -261,7 +289,8 @@ def _gate_up_kernel(
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr,
     FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
-    LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False, LORA_L2: tl.constexpr = False,
+    LORA_LINE: tl.constexpr = 64,
 ):
     if not LATE_WAIT:
         pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
@@ -283,6 +312,9 @@ def _gate_up_kernel(
     s_e = s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8
     x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # x^T [BLOCK_K, BLOCK_M]
     ROWS: tl.constexpr = BLOCK_N // 2 if FUSED else BLOCK_N  # output columns of this program
+    if LORA and LORA_L2:  # the epilogue's B tiles (gate columns, then up) on their way to L2 during the K loop
+        _lora_prefetch(slots, b_addr, b_rank, split == 0, expert, pid_n * ROWS, N, 2 * N, N, True, ROWS, LORA_LINE,
+                       LORA_DTYPE, LORA_BLOCK_R)
     if FUSED:  # one [BLOCK_N, BLOCK_M] product: gate rows, then the same rows of up (N further)
         RGH: tl.constexpr = BLOCK_N // 32
         i = tl.arange(0, 2 * RGH)
@@ -368,7 +400,8 @@ def _down_kernel(
     NUM_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr,
     DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
-    LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False,
+    LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False, LORA_L2: tl.constexpr = False,
+    LORA_LINE: tl.constexpr = 64,
 ):
     if not LATE_WAIT:
         pdl_wait(USE_PDL)
@@ -383,6 +416,9 @@ def _down_kernel(
     if LORA:  # as in _gate_up_kernel
         slots = tl.load(lora_slot_ptr + pairs64 // lora_top_k, mask=row_ok, other=-1).to(tl.int32)
         b_addr, b_rank = _lora_rows(lora_entries_ptr, slots, stride_lora_el)
+    if LORA and LORA_L2:  # as in _gate_up_kernel
+        _lora_prefetch(slots, b_addr, b_rank, split == 0, expert, pid_n * BLOCK_N, N, N, 0, False, BLOCK_N,
+                       LORA_LINE, LORA_DTYPE, LORA_BLOCK_R)
     atoms = (K + 63) // 64
     k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
     w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we + k_begin * 2,
@@ -449,17 +485,26 @@ class LoRAEpilogue:
 LORA_LATE_WAIT = os.environ.get("LORAPLEX_MOE_LORA_LATE_WAIT", "1") != "0"
 
 
-def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor):
+def lora_l2(cfg: dict, device: torch.device) -> bool:
+    """Whether cfg "LORA_L2" (1: each GEMM with a LoRA epilogue asks L2 for its B tiles before its K loop, so that
+    they arrive beside the weight stream instead of after it) applies on ``device`` (a GPU, not the interpreter,
+    which has no inline PTX)."""
+    return bool(int(cfg.get("LORA_L2", 0))) and device.type == "cuda" and not _interpreting()
+
+
+def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor, l2: bool = False):
     """(pointers, lora_r, strides, constexprs) for the kernels' LoRA parameters (``fallback`` stands in unused;
-    without LoRA the constexprs keep the kernels' defaults)."""
+    without LoRA the constexprs keep the kernels' defaults; ``l2``: ``lora_l2``'s answer)."""
     if lora is None:
         return [fallback] * 3, 0, [0, 0], {}
     if lora.token_slots.dim() != 1 or not lora.token_slots.is_contiguous():
         raise ValueError(f"token_slots must be a contiguous [T] tensor, got {tuple(lora.token_slots.shape)}")
+    meta = dict(LORA=True, LORA_PARTS=lora.buf.shape[0], LORA_BLOCK_R=block_r(lora.table.max_rank),
+                LORA_DTYPE=tl_dtype(lora.table.dtype))
+    if l2:
+        meta.update(LORA_L2=True, LORA_LINE=128 // (torch.finfo(lora.table.dtype).bits // 8))
     return ([lora.buf, lora.table.entries, lora.token_slots], lora.buf.shape[2],
-            [lora.table.entries.stride(0), lora.buf.stride(0)],
-            dict(LORA=True, LORA_PARTS=lora.buf.shape[0], LORA_BLOCK_R=block_r(lora.table.max_rank),
-                 LORA_DTYPE=tl_dtype(lora.table.dtype)))
+            [lora.table.entries.stride(0), lora.buf.stride(0)], meta)
 
 
 # keys a config may set for the down GEMM alone with a DOWN_ prefix (DOWN_BLOCK_N 128: gate_up keeps BLOCK_N, down
@@ -613,7 +658,7 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
     width = inter if activation else 2 * inter
     out = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     dest = out if splits == 1 else torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
-    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, x)
+    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, x, lora_l2(cfg, x.device))
     _gate_up_kernel[(num_m * meta["NUM_N"], splits)](
         x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post, *lora_ptrs,
         num_pairs, num_m, inter, hidden, float(alpha), float(limit), lora_r,
@@ -647,7 +692,7 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     else:
         out = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=h.device)
-    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, h)
+    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, h, lora_l2(cfg, h.device))
     top_k = num_pairs // lora.token_slots.shape[0] if lora is not None else 1  # pair p's token: p // top_k
     _down_kernel[(num_m * meta["NUM_N"], splits)](
         h, w2, s2, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids, expert_ids,
@@ -704,5 +749,5 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
 
 
 __all__ = ["DEFAULT_CONFIG", "DOWN_KEYS", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_config",
-           "down_constexprs", "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "route_tables",
-           "sum_pairs", "use_pdl"]
+           "down_constexprs", "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "lora_l2",
+           "route_tables", "sum_pairs", "use_pdl"]

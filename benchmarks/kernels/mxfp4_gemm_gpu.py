@@ -26,7 +26,8 @@ Phases, each wrapped (a failure is a row or a line, and the next phase runs):
       checkpoint layout         fused_moe's W_MXFP4 kernels on the checkpoint's bytes
       bf16, int8                fused_moe and fused_moe_int8 at their tuned configs
       lora kernel / lora checkpoint: moe_experts_lora with --max-loras adapters of --rank on both expert targets
-                                (at ``--lora-m``), on each MXFP4 layout
+                                (at ``--lora-m``), on each MXFP4 layout; "lora kernel layout, L2 prefetch": the
+                                tuned config with LORA_L2 (the epilogues' B tiles asked of L2 before the K loop)
    plus, at ``--gemm-m``, each GEMM alone for the tuned config and each decode family ("gate_up, X" with its
    split-K finish, "down, X" with the top-k sum, "align, BLOCK_M b" the moe_align launch), and one CUDA-graph
    replay of the kernel layout at new inputs (the engine replays decode steps).
@@ -94,7 +95,8 @@ RELATIVE_VARIANTS = {  # the tuned config with one knob changed (split-K / direc
 SPLIT_VARIANT_MAX_M = 64  # the split-K rows only up to this M
 DIRECT_MAX_M = 4  # the "direct" rows (one pair per block: experts shared by pairs are read again)
 VARIANT_ORDER = ("kernel layout", *DECODE_FAMILIES, *PREFILL_FAMILIES, "checkpoint layout", "bf16", "int8",
-                 *RELATIVE_VARIANTS, "lora kernel layout", "lora checkpoint layout", "kernel layout, graph replay")
+                 *RELATIVE_VARIANTS, "lora kernel layout", "lora kernel layout, L2 prefetch",
+                 "lora checkpoint layout", "kernel layout, graph replay")
 
 
 def families(m: int) -> dict[str, dict]:
@@ -537,7 +539,11 @@ def lora_rows(s: Shapes, m: int, inp: dict, args, row, mx_bytes: int) -> None:
     q13, s13, q2, s2 = inp["plain"]
     want = ref.moe_experts_lora(x, q13, q2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2, **kw)
     nbytes = mx_bytes + lora_extra_bytes(m, lo["pairs"], s.hidden, s.inter, s.top_k, args.rank, x.element_size())
+    from loraplex.kernels.fused_moe_mxfp4 import kernel_config
+
+    hinted = {**kernel_config(x, inp["kernel"][0], ids), "LORA_L2": 1}  # the tuned config, B tiles prefetched to L2
     for variant, weights, cfg in (("lora kernel layout", inp["kernel"], None),
+                                  ("lora kernel layout, L2 prefetch", inp["kernel"], hinted),
                                   ("lora checkpoint layout", inp["plain"], dict(CHECKPOINT_DEFAULT))):
         w13, sc13, w2, sc2 = weights
         fn = (lambda w13=w13, sc13=sc13, w2=w2, sc2=sc2, cfg=cfg: moe_experts_lora(

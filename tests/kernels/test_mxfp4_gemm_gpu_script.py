@@ -63,6 +63,7 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch):
         assert len(knobs) >= 4 and all((m, v) in variants for v in knobs)
     assert (1, "kernel layout, direct") in variants
     assert (3, "lora kernel layout") in variants and (3, "lora checkpoint layout") in variants
+    assert (3, "lora kernel layout, L2 prefetch") in variants
     for name in ("kernel layout", *mod.DECODE_FAMILIES):  # each GEMM alone at --gemm-m
         assert (3, f"gate_up, {name}") in variants and (3, f"down, {name}") in variants
     assert (3, "align, BLOCK_M 8") in variants and (3, "align, BLOCK_M 16") in variants

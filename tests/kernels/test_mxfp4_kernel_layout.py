@@ -436,3 +436,52 @@ def test_committed_tuned_configs_match_the_reference(cfg):
     kw = dict(activation="swiglu_clamp", b13=b13, b2=b2, alpha=1.702, limit=7.0)
     got = fused_moe_mxfp4(x, *kernel, weights, ids, config=dict(cfg), **kw)
     torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
+
+
+L2_BUILD = r'''
+import json, sys
+sys.path.insert(0, "benchmarks/kernels")
+from sm90_loops import build_sm90
+import triton.language as tl
+from loraplex.kernels import fused_moe_mxfp4 as fm
+
+TYPES = {"w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
+         "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32", "lora_buf_ptr": "*fp32",
+         "lora_entries_ptr": "*i64", "lora_slot_ptr": "*i32"}
+# the decode tile the engine runs at batch 16 (8 pairs, 128 weight rows), with a LoRA epilogue, PDL, late wait
+lora = dict(HAS_BIAS=True, BLOCK_M=8, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, NUM_N=23, EVEN_K=True, DECODE=2,
+            DIRECT=False, SPLIT_K=2, FUSED=False, PREFETCH=0, USE_PDL=True, LATE_WAIT=True, LORA=True, LORA_PARTS=1,
+            LORA_BLOCK_R=32, LORA_DTYPE=tl.bfloat16)
+out = []
+for l2 in (False, True):
+    for kernel, extra in ((fm._gate_up_kernel, {"TOP_K": 4, "ACT": 1, "SPLIT_K": 1}), (fm._down_kernel, {})):
+        ptx = build_sm90(kernel, {**lora, **extra, "LORA_L2": l2, "LORA_LINE": 64}, TYPES, 4, 3).asm["ptx"]
+        first_mma = min(ptx.find(op) for op in ("mma.sync", "wgmma.") if op in ptx)
+        out.append({"prefetches": ptx.count("prefetch.global.L2"),
+                    "before_mma": 0 <= ptx.find("prefetch.global.L2") < first_mma})
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_lora_l2_prefetch_builds_before_the_k_loop_for_sm90():
+    """With LORA_L2 the GEMMs with a LoRA epilogue issue L2 prefetches of the B tiles before the K loop's first MMA
+    (gate_up: gate and up columns; down: one tile), and without it none; the interpreter never takes this path
+    (``lora_l2``), so the sm_90 build is where it is checked on the CPU."""
+    off_gu, off_dn, on_gu, on_dn = build_in_child(L2_BUILD, timeout=900)
+    assert off_gu["prefetches"] == 0 and off_dn["prefetches"] == 0
+    assert on_gu["prefetches"] >= 2 and on_dn["prefetches"] >= 1
+    assert on_gu["before_mma"] and on_dn["before_mma"]
+
+
+def test_lora_l2_applies_only_on_a_gpu_outside_the_interpreter(monkeypatch):
+    """LORA_L2 is inline PTX: the launchers take it only for a CUDA device and never under the interpreter (which
+    has no PTX), and only where the config asks for it."""
+    from loraplex.kernels import fused_moe_mxfp4 as fm
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert fm.lora_l2({"LORA_L2": 1}, gpu)
+    assert not fm.lora_l2({"LORA_L2": 0}, gpu) and not fm.lora_l2({}, gpu)
+    assert not fm.lora_l2({"LORA_L2": 1}, cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not fm.lora_l2({"LORA_L2": 1}, gpu)
