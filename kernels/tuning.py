@@ -12,7 +12,8 @@ File layout (written by ``loraplex tune`` through :func:`config_path`, read by :
 
 The M entry nearest to the call's M wins (ties go to the smaller M). ``LORAPLEX_TUNING_DIR`` replaces the
 ``tuning_configs`` folder. A missing file, or a shape the file lacks, falls back to the launcher's default with
-one warning per (folder, device, op[, shape]). Files are read once and cached; :func:`clear_cache` forgets them.
+one warning per (folder, device, op[, shape]), and :func:`untuned` lists such lookups. Files are read once and
+cached; :func:`clear_cache` forgets them.
 
 A device folder may hold ``same_as.json`` instead of (or beside) op files, to read another device's configs::
 
@@ -44,6 +45,7 @@ ALIAS_FILE = "same_as.json"
 _ALIAS_OP = ALIAS_FILE[:-len(".json")]
 _REPO_TUNING_DIR = Path(__file__).resolve().parent.parent / "tuning_configs"
 _REPO_TUNING_DIR_STR = str(_REPO_TUNING_DIR)
+_UNTUNED: dict[str, None] = {}  # the lookups that fell back to the defaults, in the order first seen (``untuned``)
 
 
 class TuningConfigError(ValueError):
@@ -227,11 +229,13 @@ def _tuned_entry(op: str, shape: tuple[tuple[str, Any], ...], m: int, device_nam
         aliased = [str(f / own.name) for f in _folders(device_name, root)[1:]]
         also = f" (nor {', '.join(aliased)} through {ALIAS_FILE})" if aliased else ""
         _warn_once(f"no tuning file {own}{also}; using default {op} configs (run `loraplex tune` on this GPU)")
+        _UNTUNED.setdefault(f"{op} (no tuning file for {device_name})")
         return None
     skey = shape_key(dict(shape))
     by_m = table.get(skey)
     if not by_m:
         _warn_once(f"{path} has no entry for shape {skey}; using default {op} configs")
+        _UNTUNED.setdefault(f"{op} {skey}")
         return None
     return by_m[nearest_m(by_m, m)]
 
@@ -281,9 +285,18 @@ def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]
     return path
 
 
+def untuned() -> list[str]:
+    """The lookups of this process that ran on the built-in defaults since the last ``clear_cache``: "<op> <shape
+    key>" where the device's file has no entry for the shape, "<op> (no tuning file for <device>)" where it has no
+    file; in the order first seen. What ``loraplex bench serve`` reports, so that a shape the model needs and the
+    committed files miss shows in the run's report, not only in its log."""
+    return list(_UNTUNED)
+
+
 def clear_cache() -> None:
-    """Forget loaded files, resolved aliases and issued warnings (tests, or after writing new files)."""
+    """Forget loaded files, resolved aliases, issued warnings and ``untuned`` (tests, or after writing new files)."""
     _load.cache_clear()
     _chain.cache_clear()
     _tuned_entry.cache_clear()
     _warn_once.cache_clear()
+    _UNTUNED.clear()

@@ -87,6 +87,23 @@ def _target(cfg: ServeBenchConfig, work: str):
     return EngineRun(cfg, work, num_adapter_files=files)
 
 
+def _untuned_kernels(kind: str) -> list[str] | None:
+    """The kernel config lookups of this process's engine that fell back to the built-in defaults
+    (``tuning.untuned``); None for an engine elsewhere (``--url``)."""
+    if kind != "in-process":
+        return None
+    from loraplex.kernels import tuning
+
+    return tuning.untuned()
+
+
+def _untuned_note(untuned: list[str] | None) -> list[str]:
+    """The report's note naming the lookups that ran on the built-in defaults (none when there are none)."""
+    if not untuned:
+        return []
+    return [f"built-in default kernel configs (no tuned entry on this GPU) for: {'; '.join(untuned)}"]
+
+
 def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     """Run the scenarios; returns the report dict (also written to ``cfg.out_dir`` / ``cfg.results_dir``)."""
     t_start = time.monotonic()
@@ -109,7 +126,8 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
 
         def emit() -> None:
             report["ratios"] = report_ratios(report["scenarios"], report["hf_baseline"])
-            report["notes"] = list(dict.fromkeys(cfg.notes + target.notes))
+            report["untuned_kernels"] = _untuned_kernels(target.kind)
+            report["notes"] = list(dict.fromkeys(cfg.notes + target.notes + _untuned_note(report["untuned_kernels"])))
             report["elapsed_s"] = time.monotonic() - t_start
             for folder, stem in ((cfg.out_dir, "bench_serve"), (cfg.results_dir, report["name"])):
                 if folder:

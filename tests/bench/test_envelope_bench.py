@@ -49,6 +49,23 @@ def test_sweep_runs_every_level_on_one_engine(sweep):
     assert c2["extra"]["ramp_s"] == pytest.approx(          # the auto ramp: C=1's TTFT p50 + 4 x its TPOT p50
         (c1["ttft_p50_ms"] + 4 * c1["tpot_p50_ms"]) / 1e3)
     assert set(report["ratios"]) == {"float32 TPOT adapters / base C=1", "float32 TPOT adapters / base C=2"}
+    # the in-process engine's config lookups that ran on the built-in defaults are reported (and noted if any)
+    untuned = report["untuned_kernels"]
+    assert isinstance(untuned, list) and all(isinstance(u, str) for u in untuned)
+    assert any(n.startswith("built-in default kernel configs") for n in report["notes"]) == bool(untuned)
+
+
+def test_untuned_kernels_are_reported_for_an_engine_in_this_process_only(monkeypatch):
+    from loraplex.bench import serve
+    from loraplex.kernels import tuning
+
+    monkeypatch.setattr(tuning, "untuned", lambda: ["lora_shrink S=1,R=32,K=4096", "fused_moe (no tuning file for x)"])
+    assert serve._untuned_kernels("in-process") == ["lora_shrink S=1,R=32,K=4096", "fused_moe (no tuning file for x)"]
+    assert serve._untuned_kernels("end-to-end") is None  # the engine behind --url is another process
+    assert serve._untuned_note(serve._untuned_kernels("in-process")) == [
+        "built-in default kernel configs (no tuned entry on this GPU) for: lora_shrink S=1,R=32,K=4096; "
+        "fused_moe (no tuning file for x)"]
+    assert serve._untuned_note([]) == [] and serve._untuned_note(None) == []
 
 
 def test_sweep_writes_its_results_name_and_a_plot(sweep):

@@ -53,6 +53,18 @@ def test_unknown_shape_falls_back(tdir, caplog):
     assert "no entry for shape K=9" in caplog.text
 
 
+def test_untuned_lists_the_lookups_that_fell_back_once_each_in_order(tdir):
+    tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 1}}}, device_name="gpu")
+    assert tuning.untuned() == []
+    for m in (1, 16, 1000):
+        tuning.get_config("op", {"K": 8}, m, DEFAULT, device_name="gpu")  # tuned: not listed
+        tuning.get_config("op", {"K": 9}, m, DEFAULT, device_name="gpu")  # a shape the file lacks
+        tuning.get_config("other", {"K": 8}, m, DEFAULT, device_name="gpu")  # no file at all
+    assert tuning.untuned() == ["op K=9", "other (no tuning file for gpu)"]
+    tuning.clear_cache()
+    assert tuning.untuned() == []
+
+
 def test_files_are_cached(tdir):
     path = tuning.write_configs("op", {"K=8": {1: {"BLOCK_M": 1}}}, device_name="gpu")
     assert tuning.get_config("op", {"K": 8}, 1, DEFAULT, device_name="gpu")["BLOCK_M"] == 1
