@@ -492,16 +492,16 @@ def lora_l2(cfg: dict, device: torch.device) -> bool:
     return bool(int(cfg.get("LORA_L2", 0))) and device.type == "cuda" and not _interpreting()
 
 
-def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor, l2: bool = False):
+def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor, cfg: dict):
     """(pointers, lora_r, strides, constexprs) for the kernels' LoRA parameters (``fallback`` stands in unused;
-    without LoRA the constexprs keep the kernels' defaults; ``l2``: ``lora_l2``'s answer)."""
+    without LoRA the constexprs keep the kernels' defaults; with it, cfg's LORA_L2 where ``lora_l2`` applies)."""
     if lora is None:
         return [fallback] * 3, 0, [0, 0], {}
     if lora.token_slots.dim() != 1 or not lora.token_slots.is_contiguous():
         raise ValueError(f"token_slots must be a contiguous [T] tensor, got {tuple(lora.token_slots.shape)}")
     meta = dict(LORA=True, LORA_PARTS=lora.buf.shape[0], LORA_BLOCK_R=block_r(lora.table.max_rank),
                 LORA_DTYPE=tl_dtype(lora.table.dtype))
-    if l2:
+    if lora_l2(cfg, fallback.device):
         meta.update(LORA_L2=True, LORA_LINE=128 // (torch.finfo(lora.table.dtype).bits // 8))
     return ([lora.buf, lora.table.entries, lora.token_slots], lora.buf.shape[2],
             [lora.table.entries.stride(0), lora.buf.stride(0)], meta)
@@ -658,7 +658,7 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
     width = inter if activation else 2 * inter
     out = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     dest = out if splits == 1 else torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
-    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, x, lora_l2(cfg, x.device))
+    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, x, cfg)
     _gate_up_kernel[(num_m * meta["NUM_N"], splits)](
         x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post, *lora_ptrs,
         num_pairs, num_m, inter, hidden, float(alpha), float(limit), lora_r,
@@ -692,7 +692,7 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
     else:
         out = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=h.device)
-    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, h, lora_l2(cfg, h.device))
+    lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, h, cfg)
     top_k = num_pairs // lora.token_slots.shape[0] if lora is not None else 1  # pair p's token: p // top_k
     _down_kernel[(num_m * meta["NUM_N"], splits)](
         h, w2, s2, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids, expert_ids,

@@ -282,11 +282,13 @@ def write_configs(op: str, configs: Mapping[str, Mapping[int, Mapping[str, Any]]
     _load.cache_clear()
     _chain.cache_clear()
     _tuned_entry.cache_clear()
+    _UNTUNED.clear()  # lookups are made afresh: what still falls back is listed again
     return path
 
 
 def untuned() -> list[str]:
-    """The lookups of this process that ran on the built-in defaults since the last ``clear_cache``: "<op> <shape
+    """The lookups of this process that ran on the built-in defaults since the last ``clear_cache`` or
+    ``write_configs``: "<op> <shape
     key>" where the device's file has no entry for the shape, "<op> (no tuning file for <device>)" where it has no
     file; in the order first seen. What ``loraplex bench serve`` reports, so that a shape the model needs and the
     committed files miss shows in the run's report, not only in its log."""

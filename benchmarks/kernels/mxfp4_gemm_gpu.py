@@ -528,6 +528,7 @@ def gemm_rows(s: Shapes, m: int, inp: dict, row, elem: int, cfgs: dict[str, dict
 
 def lora_rows(s: Shapes, m: int, inp: dict, args, row, mx_bytes: int) -> None:
     from loraplex.kernels import reference_lora as ref
+    from loraplex.kernels.fused_moe_mxfp4 import kernel_config
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
 
     lo = lora_inputs(s, m, inp["ids"], args.max_loras, args.rank, inp["x"].device.type, inp["x"].dtype)
@@ -539,8 +540,6 @@ def lora_rows(s: Shapes, m: int, inp: dict, args, row, mx_bytes: int) -> None:
     q13, s13, q2, s2 = inp["plain"]
     want = ref.moe_experts_lora(x, q13, q2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2, **kw)
     nbytes = mx_bytes + lora_extra_bytes(m, lo["pairs"], s.hidden, s.inter, s.top_k, args.rank, x.element_size())
-    from loraplex.kernels.fused_moe_mxfp4 import kernel_config
-
     hinted = {**kernel_config(x, inp["kernel"][0], ids), "LORA_L2": 1}  # the tuned config, B tiles prefetched to L2
     for variant, weights, cfg in (("lora kernel layout", inp["kernel"], None),
                                   ("lora kernel layout, L2 prefetch", inp["kernel"], hinted),

@@ -101,7 +101,7 @@ def _untuned_note(untuned: list[str] | None) -> list[str]:
     """The report's note naming the lookups that ran on the built-in defaults (none when there are none)."""
     if not untuned:
         return []
-    return [f"built-in default kernel configs (no tuned entry on this GPU) for: {'; '.join(untuned)}"]
+    return [f"built-in default kernel configs (no tuned entry for this device) for: {'; '.join(untuned)}"]
 
 
 def run_serve_bench(cfg: ServeBenchConfig) -> dict:

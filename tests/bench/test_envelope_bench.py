@@ -63,7 +63,7 @@ def test_untuned_kernels_are_reported_for_an_engine_in_this_process_only(monkeyp
     assert serve._untuned_kernels("in-process") == ["lora_shrink S=1,R=32,K=4096", "fused_moe (no tuning file for x)"]
     assert serve._untuned_kernels("end-to-end") is None  # the engine behind --url is another process
     assert serve._untuned_note(serve._untuned_kernels("in-process")) == [
-        "built-in default kernel configs (no tuned entry on this GPU) for: lora_shrink S=1,R=32,K=4096; "
+        "built-in default kernel configs (no tuned entry for this device) for: lora_shrink S=1,R=32,K=4096; "
         "fused_moe (no tuning file for x)"]
     assert serve._untuned_note([]) == [] and serve._untuned_note(None) == []
 

@@ -352,7 +352,7 @@ def test_expands_apart_with_the_shrinks_first(config, num_tokens, monkeypatch):
     torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-4)
 
 
-BUILD = r'''
+BUILD_PRELUDE = r'''
 import json, re, sys
 sys.path.insert(0, "benchmarks/kernels")
 from sm90_loops import build_sm90, loop_stats
@@ -362,6 +362,9 @@ from loraplex.kernels import fused_moe_mxfp4 as fm
 TYPES = {"w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
          "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32", "lora_buf_ptr": "*fp32",
          "lora_entries_ptr": "*i64", "lora_slot_ptr": "*i32"}
+'''
+
+BUILD = BUILD_PRELUDE + r'''
 
 VEC16 = r"ld\.global(\.nc)?\.v4\.b32|cp\.async\.cg\.shared\.global[^;\n]*, 0x10"  # 16-byte loads
 
@@ -438,16 +441,7 @@ def test_committed_tuned_configs_match_the_reference(cfg):
     torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
 
 
-L2_BUILD = r'''
-import json, sys
-sys.path.insert(0, "benchmarks/kernels")
-from sm90_loops import build_sm90
-import triton.language as tl
-from loraplex.kernels import fused_moe_mxfp4 as fm
-
-TYPES = {"w_ptr": "*i32", "s_ptr": "*u8", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
-         "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32", "lora_buf_ptr": "*fp32",
-         "lora_entries_ptr": "*i64", "lora_slot_ptr": "*i32"}
+L2_BUILD = BUILD_PRELUDE + r'''
 # the decode tile the engine runs at batch 16 (8 pairs, 128 weight rows), with a LoRA epilogue, PDL, late wait
 lora = dict(HAS_BIAS=True, BLOCK_M=8, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, NUM_N=23, EVEN_K=True, DECODE=2,
             DIRECT=False, SPLIT_K=2, FUSED=False, PREFETCH=0, USE_PDL=True, LATE_WAIT=True, LORA=True, LORA_PARTS=1,

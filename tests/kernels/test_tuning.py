@@ -61,6 +61,10 @@ def test_untuned_lists_the_lookups_that_fell_back_once_each_in_order(tdir):
         tuning.get_config("op", {"K": 9}, m, DEFAULT, device_name="gpu")  # a shape the file lacks
         tuning.get_config("other", {"K": 8}, m, DEFAULT, device_name="gpu")  # no file at all
     assert tuning.untuned() == ["op K=9", "other (no tuning file for gpu)"]
+    tuning.write_configs("op", {"K=9": {1: {"BLOCK_M": 2}}}, device_name="gpu")  # a tune fills the gap
+    tuning.get_config("op", {"K": 9}, 1, DEFAULT, device_name="gpu")
+    tuning.get_config("other", {"K": 8}, 1, DEFAULT, device_name="gpu")
+    assert tuning.untuned() == ["other (no tuning file for gpu)"]
     tuning.clear_cache()
     assert tuning.untuned() == []
 
