@@ -751,17 +751,26 @@ TUNED_OPS = ("fused_moe", "fused_moe_int8", "fused_moe_mxfp4", "lora_shrink_expa
              "fused_moe_lora")
 
 
+DENSE_LORA_TARGETS = ("qkv", "o")  # the attention projections whose LoRA the dense LoRA ops run
+
+
 def tunable_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: int, dtype, device, *,
-                  ops: "set[str] | None" = None) -> list[Case]:
+                  ops: "set[str] | None" = None,
+                  lora_targets: "tuple[str, ...]" = DENSE_LORA_TARGETS) -> list[Case]:
     """The tuner's cases at M: every op of TUNED_OPS (``ops``: only these; the other inputs are not built). The
-    dense LoRA ops run on the qkv projection and on o; ``max_loras`` is the LoRA ops' ``AdapterMix``."""
+    dense LoRA ops run on each projection of ``lora_targets`` (qkv, o); ``max_loras`` is the LoRA ops'
+    ``AdapterMix``."""
+    bad = sorted(set(lora_targets) - set(DENSE_LORA_TARGETS))
+    if bad or not lora_targets:
+        raise ValueError(f"dense LoRA targets {list(lora_targets)}: expected one or more of "
+                         f"{', '.join(DENSE_LORA_TARGETS)}")
     want = lambda *names: ops is None or any(o in ops for o in names)  # noqa: E731
     cases = []
     for weights, op in (("float", "fused_moe"), ("int8", "fused_moe_int8"), ("mxfp4", "fused_moe_mxfp4")):
         if want(op):
             cases += moe_cases(s, m, dtype, device, weights=weights)
     if want("lora_shrink_expand", "lora_shrink", "lora_expand"):
-        for target in ("qkv", "o"):
+        for target in lora_targets:
             cases += dense_lora_cases(s, m, max_loras, rank, dtype, device, target=target)
     if want("fused_moe_lora"):
         cases += moe_lora_cases(s, m, max_loras, rank, dtype, device)

@@ -4,6 +4,7 @@
     loraplex tune --model gpt-oss-20b --rank 32 --m 1,16,64,128,256,512
     loraplex tune --model gpt-oss-20b --ops fused_moe_lora,lora_shrink --m 128,512 --time-budget 90 --out /tmp/t
     loraplex tune --model /path/to/checkpoint --out /tmp/tuning      # any MoE config.json the engine reads
+    loraplex tune --model gpt-oss-20b --ops lora_shrink,lora_expand --lora-targets o   # the o projection's LoRA
 
 For every tunable op (fused_moe, fused_moe_int8, fused_moe_mxfp4, lora_shrink, lora_expand, lora_shrink_expand
 on the qkv and o projections, fused_moe_lora) and M, each candidate (block sizes, warps, stages, split-K, group
@@ -41,6 +42,9 @@ def register(subparsers) -> None:
     p.add_argument("--rank", type=int, default=32, help="max LoRA rank (adapters are padded to it)")
     p.add_argument("--m", default="1,16,64,128,256,512", help="token counts to tune, comma-separated")
     p.add_argument("--ops", default="", help="only these ops (comma-separated tuning-file names)")
+    p.add_argument("--lora-targets", default="qkv,o",
+                   help="the attention projections whose dense LoRA ops are tuned (comma-separated: qkv, o); "
+                        "the other's entries in the files are kept")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--out", default=None, help="tuning folder (default: LORAPLEX_TUNING_DIR or tuning_configs/)")
     p.add_argument("--time-budget", type=float, default=0.0, help="stop searching after this many seconds")
@@ -65,6 +69,18 @@ def parse_ms(text: str) -> list[int]:
     if not ms or ms[0] < 1:
         raise SystemExit(f"--m needs positive token counts, got {text!r}")
     return ms
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """``--lora-targets``: the dense LoRA projections (qkv, o), in the order given, each once."""
+    from loraplex.kernels.tuning_cases import DENSE_LORA_TARGETS
+
+    targets = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [t for t in targets if t not in DENSE_LORA_TARGETS]
+    if bad or not targets:
+        raise SystemExit(f"--lora-targets takes one or more of {', '.join(DENSE_LORA_TARGETS)} "
+                         f"(comma-separated), got {text!r}")
+    return targets
 
 
 # A candidate whose output is further from the reference than this is refused (``accurate``): twice the default
@@ -135,6 +151,7 @@ def run(args) -> int:
     shapes = resolve_shapes(args.model)
     ms = parse_ms(args.m)
     only = {o for o in args.ops.split(",") if o}
+    targets = parse_targets(args.lora_targets)
     dtype = getattr(torch, args.dtype)
     device_name = torch.cuda.get_device_name()
     start = time.monotonic()
@@ -146,7 +163,8 @@ def run(args) -> int:
     done, total = 0, None
     for m in ms:
         torch.manual_seed(m)
-        cases = tunable_cases(shapes, m, mix_of(m), args.rank, dtype, "cuda", ops=only or None)
+        cases = tunable_cases(shapes, m, mix_of(m), args.rank, dtype, "cuda", ops=only or None,
+                              lora_targets=targets)
         total = total or len(cases) * len(ms)  # same ops at every M
         with progress(cases, desc=f"Tuning M={m}", unit="case") as bar:   # lines go above the bar
             for case in bar:

@@ -254,6 +254,25 @@ def test_tunable_cases_build_only_the_requested_ops(monkeypatch):
     assert [c.label for c in cases] == ["lora_expand[qkv]", "lora_expand[o]"]
 
 
+def test_tunable_cases_build_only_the_requested_lora_targets(monkeypatch):
+    """--lora-targets o tunes the o projection's LoRA alone (the qkv entries in the files stay as they are); an
+    unknown or empty target list is refused, by the function and by the command's parser."""
+    from loraplex.commands import tune
+
+    cases = tunable_cases(TINY, 3, 2, 16, torch.float32, "cpu", ops={"lora_shrink", "lora_expand"},
+                          lora_targets=("o",))
+    assert [c.label for c in cases] == ["lora_shrink[o]", "lora_expand[o]"]
+    k_in = TINY.num_heads * TINY.head_dim
+    assert dict(cases[0].shape)["K"] == k_in and dict(cases[1].shape)["N"] == TINY.hidden
+    for bad in (("v",), ()):
+        with pytest.raises(ValueError, match="dense LoRA targets"):
+            tunable_cases(TINY, 3, 2, 16, torch.float32, "cpu", ops={"lora_expand"}, lora_targets=bad)
+    assert tune.parse_targets("o, qkv,o") == ("o", "qkv")
+    for bad in ("", "q", "o,k"):
+        with pytest.raises(SystemExit, match="--lora-targets takes one or more of qkv, o"):
+            tune.parse_targets(bad)
+
+
 def test_tune_defaults_cover_high_concurrency_m_with_the_serving_mix():
     import argparse
 
@@ -263,6 +282,7 @@ def test_tune_defaults_cover_high_concurrency_m_with_the_serving_mix():
     tune.register(parser.add_subparsers())
     args = parser.parse_args(["tune", "--model", "gpt-oss-20b"])
     assert tune.parse_ms(args.m) == [1, 16, 64, 128, 256, 512] and args.max_loras is None
+    assert tune.parse_targets(args.lora_targets) == ("qkv", "o")
 
 
 def test_moe_lora_probe_refuses_without_a_gpu(tmp_path):
