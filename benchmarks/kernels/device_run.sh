@@ -15,13 +15,15 @@
 #   anywhere. tune ~100 s: lines "x<speed-up>" per (op, M), PDL/FUSED keys in the chosen configs where they
 #   win. bench_tuned ~40 s: the tuned/default column for lora_shrink/lora_expand/fused_moe_lora at M=1,16,64.
 # PHASES picks what runs (check,bench,tune,benchtuned,tunedcheck; extra: fp32, probe, which add a file each);
-# ONLY limits check and the first bench to label prefixes; TUNE_OPS / TUNE_M / TUNE_BUDGET shape the tuning.
+# ONLY limits check and the first bench to label prefixes; TUNE_OPS / TUNE_M / TUNE_BUDGET / TUNE_TARGETS (the dense
+# LoRA projections, `loraplex tune --lora-targets`: qkv,o) shape the tuning.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/loraplex_out}
 PHASES=${PHASES:-check,bench,tune,benchtuned,tunedcheck}
 TUNE_OPS=${TUNE_OPS:-lora_shrink,lora_expand,fused_moe_lora}
 TUNE_M=${TUNE_M:-1,16,64}
+TUNE_TARGETS=${TUNE_TARGETS:-qkv,o}
 TUNE_BUDGET=${TUNE_BUDGET:-75}
 TOTAL_S=${TOTAL_S:-345}
 ONLY=${ONLY:-}
@@ -61,7 +63,7 @@ if has bench; then  # ~70 s: all ops, M=1,16,64,256, cold and warm L2, LoRA vari
 fi
 if has tune; then  # TUNE_BUDGET + compiles of the last candidates
   timeout "$(limit $((TUNE_BUDGET + 30)))" python3 -m loraplex.cli tune --model gpt-oss-20b --m "$TUNE_M" \
-    --ops "$TUNE_OPS" --time-budget "$TUNE_BUDGET" --out "$TUNING" > "$OUT/tune.txt" 2>&1
+    --ops "$TUNE_OPS" --lora-targets "$TUNE_TARGETS" --time-budget "$TUNE_BUDGET" --out "$TUNING" > "$OUT/tune.txt" 2>&1
   stamp tune $? >> "$OUT/tune.txt"
   tar -cf "$OUT/tuning.tar" -C "$TUNING" .
 fi
