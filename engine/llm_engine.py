@@ -252,9 +252,10 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, token_ids, extra_key=adapter)
         group = SequenceGroup(request_id, [seq], params, arrival_time=arrival, adapter=adapter, tenant=tenant,
                               weight=weight)
+        self.scheduler.add(group)  # validates budget fit; raises before anything is recorded here
+        # after that check of n / best_of / beam_width against max_num_seqs: a huge n never stalls the loop here
         generators = [self.runner.make_generator(_child_seed(params.seed, i)) if params.seed is not None else None
                       for i in range(params.num_sequences)]
-        self.scheduler.add(group)  # validates budget fit; raises before anything is recorded here
         if params.structured is not None:
             try:
                 self.structured.add_request(request_id, params.structured)  # a known-bad grammar raises here
@@ -604,7 +605,8 @@ class LLMEngine:
     def _advance_grammars(self, sampled: list[str], finished: set[str]) -> list[RequestOutput]:
         """Feed the step's new tokens to the matchers of constrained requests that sampled; a sequence whose grammar
         is complete finishes ("stop"; its request joins ``finished`` when it was the last). Returns the outputs of
-        requests failed because their grammar refused a token (an engine fault)."""
+        requests failed because their grammar refused a token (an engine fault) or hit the parser's limits (an
+        invalid request)."""
         if self.structured is None:
             return []
         seqs = [seq for rid in dict.fromkeys(sampled) if rid in self._requests and self.structured.is_constrained(rid)
@@ -616,11 +618,12 @@ class LLMEngine:
             if self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED) is not None:
                 finished.add(seq.request_id)
         outputs = []
-        for seq, error in refused:
+        for seq, error, error_type in refused:
             state = self._requests.get(seq.request_id)
             if state is not None:
-                logger.error("request %s: %s", seq.request_id, error)
-                outputs.append(self._fail_request(state, error, "engine_error"))
+                (logger.error if error_type == "engine_error" else logger.info)("request %s: %s", seq.request_id,
+                                                                                 error)
+                outputs.append(self._fail_request(state, error, error_type))
                 finished.discard(seq.request_id)
         return outputs
 

@@ -31,6 +31,8 @@ from loraplex.engine.logprobs import TokenLogprob, compute_logprobs
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.structured.bitmask import apply_token_bitmask
 
+_MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # a positive temperature below it is taken as this
+
 
 class TokenHistory(Protocol):
     prompt_token_ids: list[int]
@@ -200,8 +202,10 @@ class Sampler:
     def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Filtered, renormalised probabilities [R, V] of non-greedy rows: temperature, top-k, top-p, then min-p."""
         device = logits.device
-        temp = row_tensor([p.temperature for p in params], torch.float32, device)
-        logits = logits / temp.unsqueeze(1)
+        # the row's best logit becomes 0 before the division, and the temperature is at least float32's smallest
+        # normal number: a tiny temperature (1e-50 is 0 in float32) then gives -inf to the others, never inf or NaN
+        temp = row_tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], torch.float32, device)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temp.unsqueeze(1)
         v = logits.shape[1]
         top_k = [p.top_k if p.top_k > 0 else v for p in params]
         top_p = [p.top_p for p in params]

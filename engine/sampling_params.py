@@ -27,6 +27,7 @@ from loraplex.engine.structured.spec import StructuredOutput
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_STOP_STRINGS = 64  # each is matched against every new token's text, so the count bounds a step's work
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
 
 
@@ -133,7 +134,7 @@ class SamplingParams:
             raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS} token ids")
         clean: dict[int, float] = {}
         for key, value in bias.items():
-            tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            tok = int(key) if isinstance(key, str) and key.strip().isdecimal() else key  # not "²": int() refuses
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
@@ -159,6 +160,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         if any(s == "" for s in self.stop):
             raise ValueError("stop contains an empty string; every stop string needs at least one character")
         self.stop = list(self.stop)

@@ -18,6 +18,7 @@ Every error body is {"error": {"message", "type"}}.
 
 import json
 import logging
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,8 @@ def create_app(holder: ServiceHolder):
             data = await request.json()
         except ValueError:
             raise InvalidRequestError("the request body must be JSON") from None
+        except RecursionError:
+            raise InvalidRequestError("the request body is nested too deeply; flatten its JSON") from None
         if not isinstance(data, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         return data
@@ -143,8 +146,14 @@ def create_app(holder: ServiceHolder):
     @app.post("/v1/adapters/load")
     async def load(request: Request):
         data = await body(request)
-        timeout = data.get("timeout_s")
-        return await service().load_adapter(spec_of(data), wait=bool(data.get("wait", False)),
+        wait, timeout = data.get("wait", False), data.get("timeout_s")
+        if not isinstance(wait, bool):
+            raise InvalidRequestError(f"'wait' must be true or false, got {wait!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout <= threading.TIMEOUT_MAX):
+            raise InvalidRequestError(f"'timeout_s' must be null or a number of seconds in [0, "
+                                      f"{threading.TIMEOUT_MAX:g}], got {timeout!r}")
+        return await service().load_adapter(spec_of(data), wait=wait,
                                             timeout_s=float(timeout) if timeout is not None else None)
 
     def adapter_id_of(data: dict) -> str:

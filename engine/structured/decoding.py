@@ -18,6 +18,7 @@ used once a step has at least ``fill_threads`` constrained rows.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,11 @@ from loraplex.engine.structured.cache import GrammarCache, GrammarEntry
 from loraplex.engine.structured.compiler import GrammarCompiler, GrammarError
 from loraplex.engine.structured.matcher import GrammarMatcher
 from loraplex.engine.structured.spec import StructuredOutput
+
+
+# llguidance's parser stops a grammar that outgrows its limits (``LLParserLimits``: items in a row, items a step,
+# lexer fuel and states) on the token after the mask that allowed it, with one of these in its error
+_LIMIT_ERROR = re.compile(r"Too many items \(limit|items; max is|fuel|too many states|too many expressions")
 
 
 @dataclass
@@ -100,6 +106,10 @@ class StructuredDecoding:
             m = req.matchers[seq.seq_id] = req.entry.compiled.new_matcher()
         tokens = seq.output_token_ids[:seq.num_output_tokens - seq.num_pending_tokens]
         if not m.advance_to(tokens):
+            if _LIMIT_ERROR.search(m.error or ""):
+                reason = m.error.strip().splitlines()[0]  # the parser's state dump follows on later lines
+                raise GrammarLimitError(f"the grammar is too large to run: {reason}; simplify it (fewer "
+                                        "alternatives or properties)")
             raise GrammarStateError(f"the grammar refused output token {tokens[m.num_tokens]} at position "
                                     f"{m.num_tokens}: {m.error}")
         return m
@@ -129,10 +139,12 @@ class StructuredDecoding:
         self.fill_s += time.perf_counter() - t0
         return mask
 
-    def advance(self, seqs: list) -> tuple[list, list[tuple[object, str]]]:
+    def advance(self, seqs: list) -> tuple[list, list[tuple[object, str, str]]]:
         """Consume the new output tokens of ``seqs`` (every unfinished sequence of the requests that sampled,
-        forks included). Returns (sequences whose grammar is complete: finish them, [(sequence, error)] whose token
-        was refused). Finished sequences' matchers are dropped."""
+        forks included). Returns (sequences whose grammar is complete: finish them, [(sequence, error, error type)]
+        whose token was refused: "invalid_request" where the grammar hit the parser's limits computing the mask
+        (``GrammarLimitError``, the client's grammar), else "engine_error"). Finished sequences' matchers are
+        dropped."""
         t0 = time.perf_counter()
         done, failed = [], []
         for seq in seqs:
@@ -144,8 +156,11 @@ class StructuredDecoding:
                 continue
             try:
                 m = self._matcher(req, seq)
+            except GrammarLimitError as e:
+                failed.append((seq, f"structured.{req.kind}: {e}", "invalid_request"))
+                continue
             except GrammarStateError as e:
-                failed.append((seq, str(e)))
+                failed.append((seq, str(e), "engine_error"))
                 continue
             if m.is_terminated:
                 done.append(seq)
@@ -163,3 +178,8 @@ class StructuredDecoding:
 
 class GrammarStateError(RuntimeError):
     """A sequence's tokens left its grammar (an engine fault, never a client's)."""
+
+
+class GrammarLimitError(GrammarStateError):
+    """A grammar that compiled but exceeded the parser's limits while computing a mask (llguidance's items per
+    row, fast-forward tokens): the client's grammar is too large to run."""

@@ -71,6 +71,9 @@ class StructuredOutput:
                 return json.loads(json.dumps(schema, allow_nan=False))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"structured.json_schema is not plain JSON: {e}") from None
+            except RecursionError:
+                msg = "structured.json_schema is nested too deeply; flatten it (use $defs and $ref)"
+                raise ValueError(msg) from None
         if kind == "json_object":
             return True
         if kind in ("regex", "grammar"):

@@ -21,9 +21,13 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # only escapes can make 
 
 
 def _path(parts: list) -> str:
+    """``parts`` as ``messages[0].content``; a lone surrogate in a key is written as its escape (``\\ud800``), so
+    the error that names it is valid UTF-8 too."""
     out = ""
     for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        if not isinstance(p, int):
+            p = str(p).encode("utf-8", "backslashreplace").decode("utf-8")
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
     return out
 
 

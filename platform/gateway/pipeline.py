@@ -31,6 +31,7 @@ the platform log under that request id.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -150,25 +151,11 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
         if reason is not None:   # stored under other limits: no engine loads it (GET /v1/models marks it)
             raise InferenceError(400, f"the model `{body.model}` cannot be served by this deployment: {reason}",
                                  param="model", code="adapter_not_servable")
-    if kind == "chat":
-        try:   # the model's chat template; harmony for GPT-OSS
-            prompt, n_prompt = gw.tokenizer.chat_prompt(body)
-        except ChatTemplateError as e:
-            raise InferenceError(400, str(e), param="messages") from None
-        requested = body.requested_max_tokens
-        prompts, lengths = [prompt], [n_prompt]
-    else:
-        prompts, lengths = [], []
-        for raw in body.prompts():
-            if isinstance(raw, list):
-                prompts.append(raw)
-                lengths.append(len(raw))
-            else:
-                ids, n = gw.tokenizer.prompt(raw, add_special_tokens=True)
-                prompts.append(ids)
-                lengths.append(n)
-        prompt, n_prompt = prompts[0], sum(lengths)
-        requested = body.max_tokens
+    # templates and tokenization are CPU work that grows with the prompt (seconds for a few MB): off the event loop
+    prompts, lengths = await run_in_threadpool(_tokenize, gw, body, kind)
+    prompt = prompts[0]
+    n_prompt = lengths[0] if kind == "chat" else sum(lengths)
+    requested = body.requested_max_tokens if kind == "chat" else body.max_tokens
     if min(lengths) == 0:
         where = "" if len(lengths) == 1 else f" (prompt {lengths.index(0)})"
         raise InferenceError(400, f"the prompt is empty{where}; send at least one token", param="prompt")
@@ -185,9 +172,9 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
     if kind == "chat":
         added = gw.tokenizer.chat_sampling(body)   # GPT-OSS: harmony's stop tokens; forced tool calls' grammar
         if "structured" in added and "structured" in sampling:
-            raise InferenceError(400, f"'tool_choice' {body.tool_choice!r} makes the output tool calls, which a "
-                                      "structured 'response_format' cannot constrain as well; send one of them",
-                                 param="tool_choice")
+            raise InferenceError(400, f"'tool_choice' {json.dumps(body.tool_choice)} makes the output tool calls, "
+                                      f"which '{structured.param}' cannot constrain as well; send one of them",
+                                 param="tool_choice", code="invalid_value")
         sampling.update(added)
     plan = body.choice_plan()
     limit = gw.settings.engine_max_num_seqs   # None: the engines refuse what they cannot run (400 as well)
@@ -203,6 +190,28 @@ async def prepare(gw: Gateway, tenant: TenantInfo, data: Any, kind: str) -> Prep
                     body=body, prompt=prompt, prompt_tokens=n_prompt, max_tokens=max_tokens, sampling=sampling,
                     adapter=adapter, reference=reference, plan=plan, echo_text=echo_texts[0] if echo_texts else "",
                     reserve_tokens=reserve, prompts=prompts, echo_texts=echo_texts)
+
+
+def _tokenize(gw: Gateway, body: ChatCompletionRequest | CompletionRequest,
+              kind: str) -> tuple[list[str | list[int]], list[int]]:
+    """(what the engine gets, prompt token count) of every prompt of ``body``: the chat template (harmony for
+    GPT-OSS) for chat, each prompt tokenized for completions. Run it in a worker thread."""
+    if kind == "chat":
+        try:   # the model's chat template; harmony for GPT-OSS
+            prompt, n_prompt = gw.tokenizer.chat_prompt(body)
+        except ChatTemplateError as e:
+            raise InferenceError(400, str(e), param="messages") from None
+        return [prompt], [n_prompt]
+    prompts, lengths = [], []
+    for raw in body.prompts():
+        if isinstance(raw, list):
+            prompts.append(raw)
+            lengths.append(len(raw))
+        else:
+            ids, n = gw.tokenizer.prompt(raw, add_special_tokens=True)
+            prompts.append(ids)
+            lengths.append(n)
+    return prompts, lengths
 
 
 def _prompt_text(gw: Gateway, raw: str | list[int]) -> str:

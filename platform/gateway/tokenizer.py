@@ -26,6 +26,9 @@ from loraplex.platform.inference.tools import (ToolCallFeed, check_schemas, chec
                                                template_inputs, tool_request)
 
 
+GIL_FREE_CHARS = 16 * 1024   # texts longer than this are tokenized without holding the GIL (``_encode``)
+
+
 def model_type(folder: str | None) -> str | None:
     """``model_type`` of the folder's config.json (None without one)."""
     path = os.path.join(folder, "config.json") if folder else None
@@ -64,7 +67,7 @@ class PromptTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; chat prompts pass ``add_special_tokens=False`` (templates add their own)."""
         if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+            return _encode(self._fast, text, add_special_tokens=add_special_tokens)
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
         raise RuntimeError("no tokenizer loaded")
@@ -77,7 +80,7 @@ class PromptTokenizer:
 
                 self._plain = Tokenizer.from_file(self._json)
                 self._plain.encode_special_tokens = True
-            return self._plain.encode(text, add_special_tokens=False).ids
+            return _encode(self._plain, text, add_special_tokens=False)
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=False, split_special_tokens=True))
         raise RuntimeError("no tokenizer loaded")
@@ -173,6 +176,15 @@ class PromptTokenizer:
         if getattr(body, "tool_choice", None) == "none":
             return []
         return list(getattr(body, "tools", None) or [])
+
+
+def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode(text).ids``. Past ``GIL_FREE_CHARS`` through ``encode_batch``, the same ids: ``encode``
+    holds the GIL throughout (seconds for a few MB of text), which stalls the event loop even from a worker
+    thread; ``encode_batch`` releases it."""
+    if len(text) <= GIL_FREE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _tool_name(tool: Any) -> str:

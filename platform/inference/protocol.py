@@ -444,14 +444,17 @@ def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
 
 def _field_path(loc: tuple) -> list:
     """The field names and indices of an error location, without pydantic's union-member tags
-    (``("prompt", "list[int]", 3)`` -> ``["prompt", 3]``)."""
-    return [x for x in loc if isinstance(x, int) or not ("[" in x or x in ("str", "int", "float", "bool"))]
+    (``("prompt", "list[int]", 3)`` -> ``["prompt", 3]``; ``("stop", "constrained-str")`` -> ``["stop"]``)."""
+    return [x for x in loc if isinstance(x, int)
+            or not ("[" in x or x in ("str", "int", "float", "bool") or x.startswith("constrained-"))]
 
 
 def _most_specific(errors: list[dict]) -> dict:
-    """Of a union's errors, the one that is not merely "wrong type for this member" (its bound or format)."""
+    """Of a union's errors, the one that is not merely "wrong type for this member" (its bound or format); when
+    all are, the deepest (the member whose shape matched furthest: ``content[0].text``, not ``content``)."""
     first_path = _field_path(errors[0]["loc"])[:1]
-    for err in errors:
-        if _field_path(err["loc"])[:1] == first_path and not err["type"].endswith("_type"):
+    same = [err for err in errors if _field_path(err["loc"])[:1] == first_path]
+    for err in same:
+        if not err["type"].endswith("_type"):
             return err
-    return errors[0]
+    return max(same, key=lambda err: len(_field_path(err["loc"])))
