@@ -133,3 +133,19 @@ def test_batch_mixes_constrained_and_free_requests_of_different_adapters(live):
             assert answer == run((model, kw, None)), model
         else:
             assert check(answer), (model, kw, answer)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_too_large_to_run_is_a_400_naming_the_field(live, stream):
+    """It compiles, so it reaches the engine; llguidance's parser stops on its first token (a row of 20,001 items
+    against a limit of 2,000), and the answer is the engine's invalid request as a 400 naming the field."""
+    grammar = "start: " + " | ".join(f'"w{i}"' for i in range(20000))
+    with pytest.raises(openai.BadRequestError) as e:
+        out = live.client().chat.completions.create(model=live.model, messages=MESSAGES, max_tokens=4,
+                                                    stream=stream, extra_body={"guided_grammar": grammar})
+        if stream:
+            list(out)
+    assert e.value.param == "guided_grammar" and "the grammar is too large to run" in e.value.message, e.value.body
+    assert e.value.body["type"] == "invalid_request_error"
+    answer = live.client().chat.completions.create(model=live.model, messages=MESSAGES, max_tokens=2)
+    assert answer.choices[0].finish_reason in ("length", "stop")
