@@ -621,8 +621,8 @@ class LLMEngine:
         for seq, error, error_type in refused:
             state = self._requests.get(seq.request_id)
             if state is not None:
-                (logger.error if error_type == "engine_error" else logger.info)("request %s: %s", seq.request_id,
-                                                                                 error)
+                level = logging.ERROR if error_type == "engine_error" else logging.INFO
+                logger.log(level, "request %s: %s", seq.request_id, error)
                 outputs.append(self._fail_request(state, error, error_type))
                 finished.discard(seq.request_id)
         return outputs

@@ -63,7 +63,8 @@ if has bench; then  # ~70 s: all ops, M=1,16,64,256, cold and warm L2, LoRA vari
 fi
 if has tune; then  # TUNE_BUDGET + compiles of the last candidates
   timeout "$(limit $((TUNE_BUDGET + 30)))" python3 -m loraplex.cli tune --model gpt-oss-20b --m "$TUNE_M" \
-    --ops "$TUNE_OPS" --lora-targets "$TUNE_TARGETS" --time-budget "$TUNE_BUDGET" --out "$TUNING" > "$OUT/tune.txt" 2>&1
+    --ops "$TUNE_OPS" --lora-targets "$TUNE_TARGETS" --time-budget "$TUNE_BUDGET" --out "$TUNING" \
+    > "$OUT/tune.txt" 2>&1
   stamp tune $? >> "$OUT/tune.txt"
   tar -cf "$OUT/tuning.tar" -C "$TUNING" .
 fi

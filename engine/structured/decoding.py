@@ -142,8 +142,8 @@ class StructuredDecoding:
     def advance(self, seqs: list) -> tuple[list, list[tuple[object, str, str]]]:
         """Consume the new output tokens of ``seqs`` (every unfinished sequence of the requests that sampled,
         forks included). Returns (sequences whose grammar is complete: finish them, [(sequence, error, error type)]
-        whose token was refused: "invalid_request" where the grammar hit the parser's limits computing the mask
-        (``GrammarLimitError``, the client's grammar), else "engine_error"). Finished sequences' matchers are
+        whose token was refused: "invalid_request" where the parser stopped at its limits (``GrammarLimitError``,
+        the client's grammar), else "engine_error"). Finished sequences' matchers are
         dropped."""
         t0 = time.perf_counter()
         done, failed = [], []
@@ -181,5 +181,5 @@ class GrammarStateError(RuntimeError):
 
 
 class GrammarLimitError(GrammarStateError):
-    """A grammar that compiled but exceeded the parser's limits while computing a mask (llguidance's items per
-    row, fast-forward tokens): the client's grammar is too large to run."""
+    """A grammar that compiled but outgrew the parser's limits (llguidance's items per row or per step, lexer fuel
+    or states) on a token its mask allowed: the client's grammar is too large to run."""
