@@ -249,8 +249,9 @@ class Scheduler:
                              f"max_model_len={self.config.max_model_len}")
         num_seqs = params.num_sequences
         if num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"request {group.request_id!r} runs {num_seqs} sequences (n / best_of / beam_width) "
-                             f"but max_num_seqs is {self.config.max_num_seqs}; lower them")
+            field = _widest_field(params)
+            raise ValueError(f"{field}={num_seqs} asks for {num_seqs} sequences (n / best_of / beam_width) but this "
+                             f"engine runs at most max_num_seqs={self.config.max_num_seqs} at once; lower {field}")
         max_len = min(n_prompt + params.max_tokens, self.config.max_model_len)
         need = num_seqs * self.kv.num_blocks_for(max_len)
         if need > self.kv.num_blocks:
@@ -1117,3 +1118,10 @@ class Scheduler:
             return "wait" if gate.ensure_loading(a) == "failed" else "no_slot"  # failed: the engine ends it
         ready = getattr(gate, "is_ready", None)  # optional: a manager whose activation completes at once omits it
         return "admit" if ready is None or ready(a) else "wait"
+
+
+def _widest_field(params) -> str:
+    """The sampling field that sets a request's sequence count (``SamplingParams.num_sequences``), for errors."""
+    if params.use_beam_search and params.beam_width is not None:
+        return "beam_width"
+    return "best_of" if params.best_of is not None and params.best_of > params.n else "n"

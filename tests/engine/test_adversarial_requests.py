@@ -66,7 +66,7 @@ def test_huge_n_is_refused_before_any_per_sequence_work(tiny_checkpoint, monkeyp
         raise AssertionError("a generator was made for a request that is refused")
 
     monkeypatch.setattr(engine.runner, "make_generator", no_generator)
-    with pytest.raises(ValueError, match=r"sequences \(n / best_of / beam_width\) but max_num_seqs is 8"):
+    with pytest.raises(ValueError, match=r"sequences \(n / best_of / beam_width\) but this engine runs at most max_num_seqs=8"):
         engine.add_request("huge", PROMPT, SamplingParams(max_tokens=4, **kw))
     monkeypatch.undo()
     assert engine.num_unfinished_requests == 0

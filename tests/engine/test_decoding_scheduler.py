@@ -24,7 +24,7 @@ def test_add_counts_every_sequence_of_a_group_against_the_pool_and_max_num_seqs(
     with pytest.raises(ValueError) as e:
         sched.add(group("wide", n=3, max_tokens=6, temperature=1.0))  # 3 x ceil(12 / 4) = 9 blocks > 8
     assert "needs up to 9 KV blocks (12 tokens for 3 sequences) but the cache has only 8" in str(e.value)
-    with pytest.raises(ValueError, match=r"runs 5 sequences \(n / best_of / beam_width\) but max_num_seqs is 4"):
+    with pytest.raises(ValueError, match=r"^best_of=5 asks for 5 sequences \(n / best_of / beam_width\) but this engine runs at most max_num_seqs=4 at once; lower best_of$"):
         sched.add(group("many", n=1, best_of=5, max_tokens=1, temperature=1.0))
     sched.add(group("ok", n=2, max_tokens=6, temperature=1.0))  # 6 blocks: fits
     assert sched.num_waiting == 1

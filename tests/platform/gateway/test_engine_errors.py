@@ -39,3 +39,22 @@ def test_the_field_of_an_engine_refusal_is_param(kind, body, message, param):
 def test_server_errors_name_no_field():
     e = for_tenant(EngineError("top_k broke the engine"), prep("chat"))
     assert e.status_code == 500 and e.param is None and "top_k" not in e.message
+
+
+@pytest.mark.parametrize("kind, params, param", [
+    ("chat", {"n": 5, "temperature": 1.0}, "n"),
+    ("completion", {"n": 1, "best_of": 5, "temperature": 1.0}, "best_of"),
+])
+def test_more_sequences_than_the_engine_runs_names_the_field_that_asked(kind, params, param):
+    """The scheduler's refusal of a request wider than max_num_seqs, as the platform relays it."""
+    from loraplex.engine.kv_cache import KVCacheManager
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+    from loraplex.engine.sequence import SequenceGroup
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4), KVCacheManager(64, 4, num_cpu_blocks=8))
+    with pytest.raises(ValueError) as refused:
+        sched.add(SequenceGroup.from_prompt("wide", [1, 2, 3], SamplingParams(max_tokens=2, **params)))
+    e = for_tenant(EngineRequestError(str(refused.value)), prep(kind, **params))
+    assert e.status_code == 400 and e.param == param
+    assert f"lower {param}" in e.message and "max_num_seqs=4" in e.message
