@@ -93,6 +93,9 @@ class AsyncEngine:
         raises AdapterLoadError (its message says why); other requests are unaffected."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}")
+        if isinstance(prompt, str) and self.engine.tokenizer is not None:
+            # in a worker thread: a long text would otherwise hold the engine thread, every tenant's steps, meanwhile
+            prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(request_id, prompt, params, adapter, loop, sink, tenant, weight))

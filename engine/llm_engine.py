@@ -244,7 +244,7 @@ class LLMEngine:
                              "stop_token_ids")
         if params.structured is not None:
             self._structured_decoding()  # ValueError without a tokenizer
-        token_ids = self._tokenize(prompt)
+        token_ids = self.tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
                              f"max_model_len={self.max_model_len}; shorten the prompt")
@@ -266,7 +266,10 @@ class LLMEngine:
         if adapter is not None and self.adapters.slot_of(adapter) is None:
             self.adapters.ensure_loading(adapter)  # off the step loop, from now on
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids (a text through the tokenizer, special tokens added; ids checked against the
+        vocabulary). Reads only the tokenizer: safe from any thread (``AsyncEngine`` tokenizes texts off the engine
+        thread)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"the model at {self.config.model!r} has no tokenizer; pass token ids")

@@ -432,8 +432,8 @@ def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
     endpoint: Endpoint = "chat" if model_cls is ChatCompletionRequest else "completion"
     check_parameters(data, endpoint)
     data = {k: v for k, v in data.items() if v is not None}   # null is "not sent" (its default), as OpenAI takes it
-    try:
-        return model_cls.model_validate(data)
+    try:  # strict: a boolean, a string or a fraction where a number, flag or integer goes is refused, not coerced
+        return model_cls.model_validate(data, strict=True)
     except ValidationError as e:
         err = _most_specific(e.errors())
         param = ".".join(str(x) for x in _field_path(err["loc"])) or None
@@ -442,19 +442,36 @@ def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
                              code="invalid_value") from None
 
 
+def _is_tag(x: Any) -> bool:
+    """Whether a location entry is a union-member tag (``list[int]``, ``str``, ``constrained-str``), not a field."""
+    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool") or x.startswith("constrained-"))
+
+
 def _field_path(loc: tuple) -> list:
     """The field names and indices of an error location, without pydantic's union-member tags
     (``("prompt", "list[int]", 3)`` -> ``["prompt", 3]``; ``("stop", "constrained-str")`` -> ``["stop"]``)."""
-    return [x for x in loc if isinstance(x, int)
-            or not ("[" in x or x in ("str", "int", "float", "bool") or x.startswith("constrained-"))]
+    return [x for x in loc if not _is_tag(x)]
 
 
 def _most_specific(errors: list[dict]) -> dict:
     """Of a union's errors, the one that is not merely "wrong type for this member" (its bound or format); when
-    all are, the deepest (the member whose shape matched furthest: ``content[0].text``, not ``content``)."""
+    all are, the first error of the member that matched best: one whose outer shape matched (a list, not a
+    string, for ``[1, 2]``), then with the fewest errors, failing deepest and furthest along (``[[5, 6], "x"]`` as
+    token lists: entry 1 should be a list; ``content[0].text``, not ``content``)."""
     first_path = _field_path(errors[0]["loc"])[:1]
     same = [err for err in errors if _field_path(err["loc"])[:1] == first_path]
     for err in same:
         if not err["type"].endswith("_type"):
             return err
-    return max(same, key=lambda err: len(_field_path(err["loc"])))
+    members: dict[tuple, list[dict]] = {}   # union member (the location up to its tag) -> its errors, in order
+    for err in same:
+        tags = [i for i, x in enumerate(err["loc"]) if _is_tag(x)]
+        members.setdefault(tuple(err["loc"][:tags[0] + 1]) if tags else (), []).append(err)
+
+    def score(key: tuple) -> tuple:
+        found = members[key]
+        inner = _field_path(found[0]["loc"][len(key):])   # where the member's first error is, inside the member
+        index = next((x for x in inner if isinstance(x, int)), 0)
+        return (all(len(err["loc"]) == len(key) for err in found), len(found), -len(inner), -index)
+
+    return members[min(members, key=score)][0]

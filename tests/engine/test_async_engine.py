@@ -59,6 +59,42 @@ def test_streams_match_sync_engine_and_bad_request_fails_alone(engine_path):
         assert n_chunks == len(exp), "each token should stream as its own chunk"
 
 
+def test_text_prompts_are_tokenized_off_the_engine_thread(engine_path):
+    """A long text holds whichever thread tokenizes it; that is a worker thread, never the one that steps every
+    tenant's requests. The tokens are the sync engine's for the same text."""
+    import threading
+
+    sync = make(engine_path)
+    if sync.tokenizer is None:
+        pytest.fail("the tiny checkpoint has no tokenizer")
+    text = "the quick brown fox " * 6
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = sync.generate([text], params)[0].output_token_ids
+    inner = make(engine_path)
+    threads = []
+    tokenize = inner.tokenize
+
+    def recording(prompt):
+        if isinstance(prompt, str):   # the engine thread checks the ids it is given against the vocabulary
+            threads.append(threading.current_thread().name)
+        return tokenize(prompt)
+
+    inner.tokenize = recording
+    engine = AsyncEngine(inner)
+
+    async def main():
+        tokens = []
+        async for out in engine.generate("text", text, params):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        engine.shutdown()
+    assert len(threads) == 1 and threads[0] not in ("loraplex-engine", threading.main_thread().name), threads
+
+
 def test_consumer_that_leaves_aborts_and_frees_blocks(engine_path):
     inner = make(engine_path)
     engine = AsyncEngine(inner)

@@ -67,9 +67,9 @@ def test_content_part_of_the_wrong_type_names_the_part(tenant):
                                        messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}])
     assert e.value.param == "messages.0.content.0.text"
     assert e.value.body["message"] == "Invalid value for 'messages.0.content.0.text': Input should be a valid string"
-    with pytest.raises(openai.BadRequestError) as e:   # a token id list with a string in it: that entry
+    with pytest.raises(openai.BadRequestError) as e:   # token-id lists with a string among them: that entry
         client.completions.create(model=model, prompt=[[5, 6], "x"], max_tokens=2)
-    assert e.value.param == "prompt.1" and "valid integer" in e.value.message
+    assert e.value.param == "prompt.1" and "valid list" in e.value.message
 
 
 def test_lone_surrogate_in_a_key_is_escaped_in_the_error(server):
@@ -158,4 +158,15 @@ def test_a_huge_prompt_does_not_stall_the_event_loop(server, tenant):
     asker.join()
     assert len(errors) == 1 and errors[0].code == "context_length_exceeded" and errors[0].param == "max_tokens"
     assert pings > 5 and worst < 2.0, f"the event loop stalled {worst:.1f}s"
+    assert_still_serves(client, model)
+
+
+def test_a_flag_where_a_number_goes_is_a_400_not_a_coercion(tenant):
+    """``temperature: true`` would otherwise sample at 1.0 and ``max_tokens: true`` generate one token."""
+    client, model = tenant
+    for field in ("temperature", "max_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=ASK, **{"max_tokens": 2, field: True})
+        assert e.value.param == field and e.value.code == "invalid_value"
+        assert e.value.body["message"].startswith(f"Invalid value for '{field}': Input should be a valid")
     assert_still_serves(client, model)

@@ -65,6 +65,32 @@ def test_bad_requests_name_the_parameter(body, param, message):
     assert e.value.body().model_dump()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", True, "valid number"),
+    ("presence_penalty", False, "valid number"),
+    ("top_p", "0.5", "valid number"),
+    ("max_tokens", True, "valid integer"),
+    ("max_tokens", 5.0, "valid integer"),
+    ("n", "2", "valid integer"),
+    ("seed", 1.5, "valid integer"),
+    ("stream", "true", "valid boolean"),
+    ("logprobs", 1, "valid boolean"),
+    ("messages", [{"role": "user", "content": 5}], "valid string"),
+])
+def test_values_of_the_wrong_type_are_refused_not_coerced(field, value, message):
+    """A flag where a number goes (``"temperature": true`` would run at 1.0), a number as a string, a fraction where
+    an integer goes: each a 400 naming the field, as OpenAI answers them."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    with pytest.raises(InferenceError, match=message) as e:
+        parse_request(ChatCompletionRequest, body)
+    assert e.value.status_code == 400 and e.value.code == "invalid_value"
+    assert e.value.param.split(".")[0] == field
+    # the right types still parse: an integer where a number goes, JSON's true for a flag
+    ok = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                               "temperature": 1, "max_tokens": 5, "stream": True, "logprobs": False})
+    assert ok.temperature == 1.0 and ok.max_tokens == 5 and ok.stream is True
+
+
 def test_unsupported_parameters_are_400():
     with pytest.raises(InferenceError, match="'suffix' is not supported: insertion") as e:
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "suffix": "end"})
