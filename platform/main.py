@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from loraplex.engine.config import ModelConfig
+from loraplex.platform.api.header_limit import HeaderLimitMiddleware
 from loraplex.platform.api.body_limit import BodyLimitMiddleware
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.openapi import install_openapi
@@ -85,5 +86,6 @@ def create_app(settings: Settings | None = None, *, blob_store: BlobStore | None
     install_janitor(app)       # spool heartbeat + janitor passes (interrupted uploads, orphans) in the lifespan
     install_openapi(app)       # the schema documents the error shape (400, not FastAPI's 422)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(HeaderLimitMiddleware)
     app.add_middleware(RequestIdMiddleware)   # outermost: every answer has x-request-id
     return app

@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
     from loraplex.commands.db import run as migrate
     from loraplex.commands.generate import tiny_model_path
+    from loraplex.platform.api.header_limit import SERVER_LIMITS
     from loraplex.platform.main import create_app
 
     import warnings
@@ -172,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     migrate("upgrade", "head", url=settings.sqlalchemy_url)
     port = args.port or _free_port(args.host)
     url = f"http://{args.host}:{port}"
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=args.host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=args.host, port=port, log_level="warning",
+                                            **SERVER_LIMITS))
     thread = threading.Thread(target=server.run, name="loraplex-demo-api", daemon=True)
     thread.start()
     while not server.started:

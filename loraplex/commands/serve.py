@@ -39,6 +39,7 @@ def register(subparsers) -> None:
         from loraplex.platform.gateway.engines import check_engine_settings
 
         from loraplex.commands.db import run, schema_problem
+        from loraplex.platform.api.header_limit import SERVER_LIMITS
 
         try:   # refused settings: one line, no traceback
             settings = get_settings()
@@ -59,7 +60,8 @@ def register(subparsers) -> None:
             print(f"loraplex serve: error: {problem}", file=sys.stderr)
             return 2
         uvicorn.run("loraplex.platform.main:create_app", factory=True, host=args.host, port=args.port,
-                    log_level="info", log_config=log_config(), timeout_keep_alive=get_settings().keep_alive_s)
+                    log_level="info", log_config=log_config(), timeout_keep_alive=get_settings().keep_alive_s,
+                    **SERVER_LIMITS)
         return 0
 
     p.set_defaults(func=_main)

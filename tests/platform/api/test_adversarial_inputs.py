@@ -170,3 +170,20 @@ def test_a_flag_where_a_number_goes_is_a_400_not_a_coercion(tenant):
         assert e.value.param == field and e.value.code == "invalid_value"
         assert e.value.body["message"].startswith(f"Invalid value for '{field}': Input should be a valid")
     assert_still_serves(client, model)
+
+
+def test_oversized_headers_are_a_431_in_openai_shape(server, tenant):
+    """A 100 KB Authorization header (or many headers) is answered by the app, not by the HTTP parser's plain 400;
+    the connection is closed, and the next request on a new one is served."""
+    from loraplex.platform.api.header_limit import MAX_HEADER_BYTES
+
+    client, model = tenant
+    body = {"model": model, "messages": ASK, "max_tokens": 2}
+    for headers in ({"Authorization": "Bearer " + "k" * 100_000},
+                    {f"x-pad-{i}": "v" * 1000 for i in range(MAX_HEADER_BYTES // 1000 + 1)}):
+        r = server.http.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 431, r.text
+        error = r.json()["error"]
+        assert error["code"] == "request_header_fields_too_large" and error["type"] == "invalid_request_error"
+        assert "send a shorter Authorization header" in error["message"] and r.headers["x-request-id"]
+    assert_still_serves(client, model)

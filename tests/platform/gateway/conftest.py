@@ -60,11 +60,13 @@ class LiveServer:
     def __init__(self, app) -> None:
         import uvicorn
 
+        from loraplex.platform.api.header_limit import SERVER_LIMITS
+
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+                                                    lifespan="on", **SERVER_LIMITS))   # as deployed
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
