@@ -128,6 +128,9 @@ class Gateway:
             await self.limits_watcher.stop()
         await self.usage.stop()
         await self.quotas.close()
+        from loraplex.platform.inference.harmony import render_pool
+
+        await asyncio.to_thread(render_pool.shutdown)   # harmony's rendering processes, if any started
         if self.router is not None:
             for replica in self.router.replicas.values():
                 try:

@@ -5,6 +5,7 @@ locally, never downloaded) and an incremental, forgiving parser of the model's o
     parser.py   completion ids or text -> content, reasoning, tool calls, finish reason (streaming)
     vocab.py    o200k_base.tiktoken from TIKTOKEN_ENCODINGS_BASE or the model's tokenizer.json
     chat.py     the three together for a served tokenizer (what the gateway uses)
+    render_pool.py  long conversations rendered in worker processes (harmony holds the GIL while it renders)
 """
 from loraplex.platform.inference.harmony.chat import HarmonyChat
 from loraplex.platform.inference.harmony.parser import (CALL, CHANNEL, CONSTRAIN, END, MARKERS, MESSAGE, RETURN, START,

@@ -166,15 +166,29 @@ class HarmonyRenderer:
     """Renders conversations with openai-harmony's encoding: ``render_ids`` (o200k_harmony token ids, what a
     GPT-OSS checkpoint's own tokenizer gives for the same text) and ``render_text`` (the same, decoded)."""
 
-    def __init__(self, encoding) -> None:
+    def __init__(self, encoding, vocab_dir: str | None = None) -> None:
         self.encoding = encoding
+        self.vocab_dir = vocab_dir   # set: long conversations render in worker processes (``render_pool``)
 
     @classmethod
     def from_vocab_dir(cls, vocab_dir: str) -> "HarmonyRenderer":
-        return cls(load_encoding(vocab_dir))
+        return cls(load_encoding(vocab_dir), vocab_dir)
 
     def render_ids(self, messages: Iterable[Any], **kw: Any) -> list[int]:
-        """Token ids of the prompt, ending with ``<|start|>assistant`` (see ``harmony_messages`` for ``kw``)."""
+        """Token ids of the prompt, ending with ``<|start|>assistant`` (see ``harmony_messages`` for ``kw``). A
+        conversation past ``render_pool.LONG_CHARS`` renders in a worker process when the renderer knows its
+        vocabulary folder: harmony holds the GIL while it renders."""
+        from loraplex.platform.inference.harmony import render_pool
+
+        messages = list(messages)
+        if self.vocab_dir is not None and render_pool.text_size(messages, kw) > render_pool.LONG_CHARS:
+            ids = render_pool.render_ids(self.vocab_dir, messages, kw)
+            if ids is not None:
+                return ids
+        return self.render_here(messages, **kw)
+
+    def render_here(self, messages: Iterable[Any], **kw: Any) -> list[int]:
+        """``render_ids`` in the calling thread."""
         from openai_harmony import Conversation, Role
 
         convo = Conversation.from_messages(harmony_messages(messages, **kw))

@@ -227,6 +227,26 @@ def test_bad_harmony_requests_are_400s(serve, tmp_path, gpt_oss_base, harmony_en
         assert e.value.param == param and message in e.value.message, (kw, e.value.message)
 
 
+def test_a_long_conversation_renders_in_a_worker_process(serve, tmp_path, gpt_oss_base, harmony_env, tok):
+    """A conversation of MBs renders outside the gateway's process (harmony holds the GIL while it renders), from
+    the request's own message objects; a refusal there keeps its field. The tiny model's 2048-token context makes
+    the long prompt a 400 naming max_tokens once rendered."""
+    from loraplex.platform.inference.harmony import render_pool
+
+    server, client, model = start(serve, tmp_path, gpt_oss_base, ScriptedEngine(tok, REASONED))
+    long = "a tale of 12345 words, 東京. " * (render_pool.LONG_CHARS // 20)
+    before = render_pool.submitted
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": long}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": long},
+                                                              {"role": "tool", "tool_call_id": "x", "content": "y"}])
+    assert e.value.param == "messages.1.tool_call_id"
+    assert render_pool.submitted == before + 2
+
+
 def test_other_families_keep_their_template(serve, tmp_path, tiny_base):
     server = serve(settings_for(tmp_path, tiny_base))
     _, key = server.new_tenant()
