@@ -48,3 +48,27 @@ def test_serve_refuses_bad_settings_in_one_line(tmp_path):
     assert "unreachable" in line and "secret" not in line
     line = one_line_error(loraplex(tmp_path, "db", "upgrade", LORAPLEX_MAX_RANK="lots"))
     assert line.startswith("loraplex db: error: LORAPLEX_MAX_RANK:"), line
+
+
+def test_serve_lets_the_app_answer_oversized_headers(tmp_path, monkeypatch):
+    """`loraplex serve` starts uvicorn with the header allowance the app's 431 needs (h11's own cap would answer a
+    plain-text 400 first)."""
+    import uvicorn
+
+    from loraplex.cli import main
+    from loraplex.platform.api.header_limit import MAX_HEADER_BYTES, SERVER_LIMITS
+    from loraplex.platform.core.config import get_settings
+
+    for key in [k for k in os.environ if k.startswith("LORAPLEX_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("LORAPLEX_ENGINE_MODE", "none")
+    get_settings.cache_clear()
+    started: list[dict] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.append(kw))
+    try:
+        assert main(["serve", "--upgrade-db", "--port", "0"]) == 0
+    finally:
+        get_settings.cache_clear()
+    assert len(started) == 1 and started[0]["h11_max_incomplete_event_size"] > MAX_HEADER_BYTES
+    assert {k: started[0][k] for k in SERVER_LIMITS} == SERVER_LIMITS
