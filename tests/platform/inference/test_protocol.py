@@ -75,6 +75,7 @@ def test_bad_requests_name_the_parameter(body, param, message):
     ("seed", 1.5, "valid integer"),
     ("stream", "true", "valid boolean"),
     ("logprobs", 1, "valid boolean"),
+    ("logit_bias", {"5": "1"}, "valid number"),
     ("messages", [{"role": "user", "content": 5}], "valid string"),
 ])
 def test_values_of_the_wrong_type_are_refused_not_coerced(field, value, message):
