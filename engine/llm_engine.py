@@ -245,9 +245,6 @@ class LLMEngine:
         if params.structured is not None:
             self._structured_decoding()  # ValueError without a tokenizer
         token_ids = self.tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}; shorten the prompt")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(next(self._seq_ids), request_id, token_ids, extra_key=adapter)
         group = SequenceGroup(request_id, [seq], params, arrival_time=arrival, adapter=adapter, tenant=tenant,
@@ -268,14 +265,18 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids (a text through the tokenizer, special tokens added; ids checked against the
-        vocabulary). Reads only the tokenizer: safe from any thread (``AsyncEngine`` tokenizes texts off the engine
-        thread)."""
+        vocabulary), refused when they leave no room to generate. Reads only the tokenizer: safe from any thread
+        (``AsyncEngine`` tokenizes texts off the engine thread, which then checks at most ``max_model_len`` ids)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"the model at {self.config.model!r} has no tokenizer; pass token ids")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             token_ids = list(prompt)
+        if len(token_ids) >= self.max_model_len:   # before the per-id check: a huge list is refused at once
+            raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}; shorten the prompt")
+        if not isinstance(prompt, str):
             vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:

@@ -66,13 +66,28 @@ def test_huge_n_is_refused_before_any_per_sequence_work(tiny_checkpoint, monkeyp
         raise AssertionError("a generator was made for a request that is refused")
 
     monkeypatch.setattr(engine.runner, "make_generator", no_generator)
-    with pytest.raises(ValueError, match=r"sequences \(n / best_of / beam_width\) but this engine runs at most max_num_seqs=8"):
+    with pytest.raises(ValueError, match=r"sequences \(n / best_of / beam_width\) but this engine runs at most "
+                                         r"max_num_seqs=8"):
         engine.add_request("huge", PROMPT, SamplingParams(max_tokens=4, **kw))
     monkeypatch.undo()
     assert engine.num_unfinished_requests == 0
     engine.add_request("after", PROMPT, SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=1))
     out = run(engine)["after"]
     assert [len(c.output_token_ids) for c in out.outputs] == [3, 3]
+    assert_all_free(engine)
+
+
+def test_a_huge_token_id_prompt_is_refused_by_its_length_before_its_ids_are_checked(tiny_checkpoint):
+    """The engine thread checks a prompt's ids one by one; a list of a million (one of them bad) is refused by its
+    length first, so that check never runs over more than max_model_len ids."""
+    engine = make_engine(tiny_checkpoint("qwen3"))
+    huge = [5] * 1_000_000 + [-1]
+    with pytest.raises(ValueError, match=r"^prompt has 1000001 tokens, which leaves no room to generate within "
+                                         r"max_model_len=64"):
+        engine.add_request("huge", huge, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, \d+\); got \[-1\]"):
+        engine.add_request("bad", [5, -1], SamplingParams(max_tokens=2))
+    assert engine.num_unfinished_requests == 0
     assert_all_free(engine)
 
 
