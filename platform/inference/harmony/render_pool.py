@@ -75,8 +75,9 @@ def render_ids(vocab_dir: str, messages: Any, kw: dict[str, Any]) -> list[int] |
     pool = _pool(vocab_dir)
     try:
         submitted += 1
-        ok, payload, param = pool.submit(_render, list(messages), kw).result()
-    except (BrokenProcessPool, CancelledError):   # a process died, or ``shutdown`` ran meanwhile
+        ok, payload, param = pool.submit(_render, messages, kw).result()
+    except (BrokenProcessPool, CancelledError, RuntimeError):   # a process died, or ``shutdown`` ran meanwhile
+        # (RuntimeError: submit to a pool shut down after this thread took it; BrokenProcessPool is one too)
         logger.warning("the harmony rendering pool stopped; this conversation renders in the gateway's thread")
         with _lock:
             if _pools.get(vocab_dir) is pool:

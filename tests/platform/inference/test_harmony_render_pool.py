@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.platform.gateway.tokenizer import GIL_FREE_CHARS
 from loraplex.platform.inference.harmony import HarmonyRenderer, HarmonyRenderError, render_pool
 from tests.utils.harmony_vocab import o200k_vocab_dir
 
@@ -25,7 +24,7 @@ def long_conversation() -> list[dict]:
     return [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": text}]},
             {"role": "assistant", "content": "Noted.", "reasoning_content": "thinking " * 100},
-            {"role": "user", "content": text[:GIL_FREE_CHARS]}]
+            {"role": "user", "content": text[:16 * 1024]}]
 
 
 def test_long_conversations_render_in_a_pool_to_the_same_ids(vocab_dir):
@@ -51,21 +50,27 @@ def test_a_refusal_in_a_pool_process_names_its_field(vocab_dir):
     assert render_pool.submitted == before + 1 and e.value.param == "messages.4.tool_call_id"
 
 
-def test_a_stopped_pool_renders_in_the_thread_and_the_next_call_starts_another(vocab_dir, monkeypatch):
+def test_a_dead_or_stopped_pool_renders_in_the_thread_and_the_next_call_starts_another(vocab_dir):
+    import os
+    import signal
+    import time
+
     pooled = HarmonyRenderer.from_vocab_dir(vocab_dir)
     messages = long_conversation()
     want = HarmonyRenderer(pooled.encoding).render_ids(messages, current_date=DATE)
+    assert pooled.render_ids(messages, current_date=DATE) == want
     pool = render_pool._pool(vocab_dir)
-    pool.shutdown(wait=True)                          # as if its processes had died: submit refuses
-    from concurrent.futures.process import BrokenProcessPool
-
-    def broken(*a, **k):
-        raise BrokenProcessPool("a process died")
-
-    monkeypatch.setattr(pool, "submit", broken)
+    for pid in list(pool._processes):                 # its processes killed, as the OOM killer would
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(p.is_alive() for p in pool._processes.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert pooled.render_ids(messages, current_date=DATE) == want     # rendered here
-    assert render_pool._pool(vocab_dir) is not pool                   # a fresh pool next time
-    monkeypatch.undo()
+    fresh = render_pool._pool(vocab_dir)
+    assert fresh is not pool
+    fresh.shutdown(wait=True)                         # stopped after a caller took it (the gateway's close)
+    assert pooled.render_ids(messages, current_date=DATE) == want
+    assert render_pool._pool(vocab_dir) is not fresh
     before = render_pool.submitted
     assert pooled.render_ids(messages, current_date=DATE) == want
     assert render_pool.submitted == before + 1
