@@ -274,6 +274,36 @@ def _k_loop(acc, acc2, x_ptrs, w_ptrs, s_ptrs, w2_offset, s2_offset, row_ok, k_b
     return acc, acc2
 
 
+@triton.jit
+def gate_up_tile(x_ptr, w_ptr, s_ptr, expert, tok, row_ok, pid_n, k_begin, k_end, N, K, stride_xt, stride_we,
+                 stride_se, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 DECODE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr):
+    """(gate, up) accumulators [ROWS, BLOCK_M] float32 of row tile ``pid_n`` (ROWS = BLOCK_N, or BLOCK_N / 2 with
+    FUSED: gate and up rows in one product) of expert ``expert``'s w13 (kernel layout: gate rows [0, N), up rows
+    [N, 2N)) against the x rows ``tok`` over K [k_begin, k_end); no fold, bias or activation."""
+    atoms = (K + 63) // 64
+    groups = N // 16
+    w_e = w_ptr + expert * stride_we + k_begin * 2
+    s_e = s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8
+    x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # x^T [BLOCK_K, BLOCK_M]
+    if FUSED:  # one [BLOCK_N, BLOCK_M] product: gate rows, then the same rows of up (N further)
+        RGH: tl.constexpr = BLOCK_N // 32
+        ROWS: tl.constexpr = BLOCK_N // 2
+        i = tl.arange(0, 2 * RGH)
+        rg = tl.minimum(pid_n * RGH + i % RGH, groups - 1) + (i // RGH) * groups
+        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, rg, atoms, BLOCK_K)
+        acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, x_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok,
+                         k_begin, k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, ROWS, BLOCK_M)), (1, 2, 0)))
+    else:  # gate rows [pid_n * BLOCK_N, + BLOCK_N) and the up rows N further (row group + N / 16)
+        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, row_groups(pid_n * (BLOCK_N // 16), groups, BLOCK_N // 16),
+                                          atoms, BLOCK_K)
+        acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
+                               x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
+                               k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    return acc_g, acc_u
+
+
 @cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _gate_up_kernel(
@@ -305,30 +335,13 @@ def _gate_up_kernel(
     if LORA:  # the rows' slots and B addresses (made before the step) read before the K loop
         slots = tl.load(lora_slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
         b_addr, b_rank = _lora_rows(lora_entries_ptr, slots, stride_lora_el)
-    atoms = (K + 63) // 64
-    groups = N // 16
     k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
-    w_e = w_ptr + expert * stride_we + k_begin * 2
-    s_e = s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8
-    x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # x^T [BLOCK_K, BLOCK_M]
     ROWS: tl.constexpr = BLOCK_N // 2 if FUSED else BLOCK_N  # output columns of this program
     if LORA and LORA_L2:  # the epilogue's B tiles (gate columns, then up) on their way to L2 during the K loop
         _lora_prefetch(slots, b_addr, b_rank, split == 0, expert, pid_n * ROWS, N, 2 * N, N, True, ROWS, LORA_LINE,
                        LORA_DTYPE, LORA_BLOCK_R)
-    if FUSED:  # one [BLOCK_N, BLOCK_M] product: gate rows, then the same rows of up (N further)
-        RGH: tl.constexpr = BLOCK_N // 32
-        i = tl.arange(0, 2 * RGH)
-        rg = tl.minimum(pid_n * RGH + i % RGH, groups - 1) + (i // RGH) * groups
-        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, rg, atoms, BLOCK_K)
-        acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, x_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok,
-                         k_begin, k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, ROWS, BLOCK_M)), (1, 2, 0)))
-    else:  # gate rows [pid_n * BLOCK_N, + BLOCK_N) and the up rows N further (row group + N / 16)
-        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, row_groups(pid_n * (BLOCK_N // 16), groups, BLOCK_N // 16),
-                                          atoms, BLOCK_K)
-        acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
-                               x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
-                               k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, s_ptr, expert, tok, row_ok, pid_n, k_begin, k_end, N, K, stride_xt,
+                                stride_we, stride_se, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DECODE, FUSED, PREFETCH)
     rows = pid_n * ROWS + tl.arange(0, ROWS)
     rows_ok = rows < N
     if LORA:  # the first slot's B tiles (gate columns, then up) in flight while the shrink's rows are awaited
@@ -741,6 +754,11 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     if num_tokens * top_k == 0:
         return torch.zeros_like(x)
     cfg = kernel_config(x, w13_blocks, topk_ids, config)
+    if int(cfg.get("ONE_LAUNCH", 0)):  # both GEMMs in one launch (a token or two; fused_moe_mxfp4_one_launch)
+        from loraplex.kernels.fused_moe_mxfp4_one_launch import one_launch
+
+        return one_launch(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids, cfg,
+                          activation=activation, b13=b13, b2=b2, alpha=alpha, limit=limit)
     align = route_tables(topk_ids, w13_blocks.shape[0], cfg)
     h = gate_up(x, w13_blocks, w13_scales, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha,
                 limit=limit)

@@ -1,0 +1,178 @@
+"""Both MXFP4 expert GEMMs in one launch (``fused_moe_mxfp4_one_launch``) against the committed two-launch op at
+decode sizes of a token or a few, on the GPT-OSS-20B expert shape.
+
+    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_one_launch_gpu.py            # ~3 minutes
+    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_one_launch_gpu.py --m 1 --warm-s 0
+
+Rows per M: ``op, committed`` (the tuned two-launch config) and ``one launch, <keys>`` over a grid of tiles
+(``candidates``): the whole op, CUDA-graph replay after an L2 flush (``tuning_cases.bench_time_ms``), each output
+checked against the torch reference (rel. error ≤ 1e-2), and for the fastest one-launch row the largest
+difference between two runs of it (its float32 atomic sums' order varies). Bytes and the roofline as
+``mxfp4_gemm_gpu.py``: the touched experts' MXFP4 codes and scales plus activations, against a 1 GiB copy's rate.
+Writes ``mxfp4_one_launch.json`` (rows as they come), ``mxfp4_one_launch.md`` and ``fused_moe_mxfp4.json`` (the
+device's tuning file with each M's entry set to the fastest row's config where that is a one-launch row) to $OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, copy_bandwidth_tbs, moe_bytes, moe_inputs,  # noqa: E402
+                            rel_error)
+
+
+def candidates(m: int) -> list[dict]:
+    """One-launch configs tried at M tokens: intermediate tile, down rows per step, gate_up's K step, gate and up
+    in one product or two, register prefetch or a cp.async pipeline, warps, and at M <= 2 one pair per block
+    without the alignment launch."""
+    out = []
+    directs = (1, 0) if m <= 2 else (0,)
+    for bi, bh, bk, fused, pipe, warps, direct in itertools.product((64, 128), (64, 128), (128, 256), (1, 0),
+                                                                    ("prefetch", 3), (4, 8), directs):
+        if fused and warps > 4:  # fused gate/up over two warpgroups is run unfused (``FUSED_MAX_WARPS``)
+            continue
+        out.append({"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "BLOCK_M": 8, "BLOCK_K": bk,
+                    "GU_FUSED": fused, "PREFETCH": int(pipe == "prefetch"), "num_stages": 1 if pipe == "prefetch"
+                    else pipe, "num_warps": warps, "DIRECT": direct, "PDL": 1})
+    return out
+
+
+def label(cfg: dict) -> str:
+    keys = ("ONE_BLOCK_I", "ONE_BLOCK_H", "BLOCK_K", "GU_FUSED", "PREFETCH", "num_stages", "num_warps", "DIRECT")
+    return ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
+
+
+def _warm_one(job) -> bool:
+    """Compile one config in a worker (the Triton cache is shared with the main process)."""
+    shapes, cfg = job
+    try:
+        from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+        from mxfp4_gemm_gpu import Shapes
+
+        s = Shapes(**shapes)
+        inp = moe_inputs(s, 1, "cuda", 1)
+        fused_moe_mxfp4(inp["x"], *inp["kernel"], inp["weights"], inp["ids"], activation="swiglu_clamp",
+                        b13=inp["b13"], b2=inp["b2"], config=cfg)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001  (compiled again, and reported, when timed)
+        return False
+
+
+def warm(cfgs: list[dict], workers: int, timeout_s: float, run: Run) -> None:
+    import multiprocessing as mp
+
+    t0 = time.monotonic()
+    pool = mp.get_context("spawn").Pool(workers)
+    try:
+        done = pool.map_async(_warm_one, [(GPT_OSS_20B.__dict__, c) for c in cfgs], chunksize=1).get(timeout_s)
+        run.note(f"compile warm-up: {sum(done)}/{len(cfgs)} configs in {time.monotonic() - t0:.0f} s")
+    except mp.TimeoutError:
+        run.note(f"compile warm-up stopped after {timeout_s:.0f} s; the rest compiles when first timed")
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def measure(m: int, committed: dict, run: Run, copy_tbs: float) -> dict | None:
+    """Rows at M tokens; the fastest one-launch config if it beat the committed op, else None."""
+    from loraplex.kernels import reference_lora as ref
+    from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+    from loraplex.kernels.tuning_cases import bench_time_ms
+
+    s = GPT_OSS_20B
+    inp = moe_inputs(s, m, "cuda", 4000 + m)
+    x, ids, wts = inp["x"], inp["ids"], inp["weights"]
+    kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
+    want = ref.fused_moe_mxfp4(x, *inp["plain"], wts, ids, **kw)
+    nbytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4")
+    rows = []
+    for variant, cfg in [("op, committed", committed)] + [(f"one launch, {label(c)}", c) for c in candidates(m)]:
+        if run.left_s() < 0:
+            run.note(f"M = {m}: stopped at {variant} (time budget)")
+            break
+        op = lambda cfg=cfg: fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw)  # noqa: E731
+        r = {"m": m, "variant": variant, "config": cfg, "nbytes": nbytes, "active_experts": inp["active"]}
+        try:
+            r["rel_err"] = rel_error(op(), want)
+            r["ok"] = r["rel_err"] <= TOLERANCE
+            if r["ok"]:
+                r["us"] = bench_time_ms(op) * 1e3
+                r["roofline_pct"] = 100 * nbytes / (r["us"] * 1e-6) / (copy_tbs * 1e12)
+        except Exception as e:  # noqa: BLE001  (a row, not a crash)
+            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.synchronize()
+        run.add(r)
+        rows.append(r)
+    timed = [r for r in rows if r.get("us") is not None]
+    if not timed:
+        return None
+    best = min(timed, key=lambda r: r["us"])
+    ones = [r for r in timed if r["variant"].startswith("one launch")]
+    if ones:
+        fastest = min(ones, key=lambda r: r["us"])
+        cfg = fastest["config"]
+        first = fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw)
+        spread = max(float((fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw).float()
+                            - first.float()).abs().max()) for _ in range(20))
+        run.note(f"M = {m}: fastest one launch {fastest['us']:.1f} us ({fastest['roofline_pct']:.1f}%), committed "
+                 f"{rows[0].get('us', float('nan')):.1f} us; largest difference over 20 runs {spread:.3g}")
+    return dict(best["config"]) if best["variant"].startswith("one launch") else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--m", default="1,2,4")
+    p.add_argument("--warm-s", type=float, default=120.0, help="parallel compile warm-up budget (0: none)")
+    p.add_argument("--compile-workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)))
+    p.add_argument("--budget-s", type=float, default=360.0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from loraplex.kernels import fused_moe_mxfp4 as fm
+    from loraplex.kernels import tuning
+
+    s = GPT_OSS_20B
+    ms = [int(v) for v in args.m.split(",")]
+    run = Run(args.out, args.budget_s, {"device": torch.cuda.get_device_name(), "shape": s.__dict__,
+                                          "torch": torch.__version__, "args": vars(args)}, name="mxfp4_one_launch.json")
+    copy_tbs = copy_bandwidth_tbs("cuda", 1 << 30)
+    run.note(f"copy roofline {copy_tbs:.2f} TB/s")
+    shape = {"E": s.num_experts, "A": s.top_k, "H": s.hidden, "I": s.inter}  # fused_moe.shape_of's key
+    committed = {m: {**fm.DEFAULT_CONFIG, **tuning.get_config("fused_moe_mxfp4", shape, m, fm.DEFAULT_CONFIG)}
+                 for m in ms}
+    if args.warm_s > 0:
+        cfgs = []
+        for m in ms:
+            cfgs += [c for c in [committed[m]] + candidates(m) if c not in cfgs]
+        warm(cfgs, args.compile_workers, args.warm_s, run)
+    winners = {m: measure(m, committed[m], run, copy_tbs) for m in ms}
+    path = tuning.read_path("fused_moe_mxfp4", torch.cuda.get_device_name())
+    table = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+    for m, cfg in winners.items():
+        if cfg is not None:
+            table.setdefault(tuning.shape_key(shape), {})[str(m)] = cfg
+    with open(os.path.join(args.out, "fused_moe_mxfp4.json"), "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=2)
+    with open(os.path.join(args.out, "mxfp4_one_launch.md"), "w", encoding="utf-8") as f:
+        f.write("| M | row | µs | % roofline | rel err |\n|---:|---|---:|---:|---:|\n")
+        for r in run.data["rows"]:
+            f.write(f"| {r['m']} | {r['variant']} | {r.get('us', float('nan')):.1f} | "
+                    f"{r.get('roofline_pct', float('nan')):.1f} | {r.get('rel_err', float('nan')):.1e} |"
+                    f"{' ' + r['error'] if r.get('error') else ''}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
