@@ -31,23 +31,19 @@ from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, copy_bandwidth_tbs, moe
 
 
 def candidates(m: int) -> list[dict]:
-    """One-launch configs tried at M tokens: intermediate tile, down rows per step, gate_up's K step, gate and up
-    in one product or two, register prefetch or a cp.async pipeline, warps, and at M <= 2 one pair per block
-    without the alignment launch."""
-    out = []
+    """One-launch configs tried at M tokens: intermediate tile, down rows per step, gate and up in one product or
+    two, cp.async pipeline depth, gate_up's K split over 1-3 programs per tile, and at M <= 2 one pair per block
+    without the alignment launch (register prefetch, BLOCK_K 256 and 8 warps were slower in every first sweep)."""
     directs = (1, 0) if m <= 2 else (0,)
-    for bi, bh, bk, fused, pipe, warps, direct in itertools.product((64, 128), (64, 128), (128, 256), (1, 0),
-                                                                    ("prefetch", 3), (4, 8), directs):
-        if fused and warps > 4:  # fused gate/up over two warpgroups is run unfused (``FUSED_MAX_WARPS``)
-            continue
-        out.append({"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "BLOCK_M": 8, "BLOCK_K": bk,
-                    "GU_FUSED": fused, "PREFETCH": int(pipe == "prefetch"), "num_stages": 1 if pipe == "prefetch"
-                    else pipe, "num_warps": warps, "DIRECT": direct, "PDL": 1})
-    return out
+    return [{"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "ONE_SPLIT_K": sk, "BLOCK_M": 8, "BLOCK_K": 128,
+             "GU_FUSED": fused, "PREFETCH": 0, "num_stages": stages, "num_warps": 4, "DIRECT": direct, "PDL": 1}
+            for bi, bh, sk, fused, stages, direct in itertools.product((64, 128), (128, 256), (1, 2, 3), (1, 0),
+                                                                      (3, 4), directs)]
 
 
 def label(cfg: dict) -> str:
-    keys = ("ONE_BLOCK_I", "ONE_BLOCK_H", "BLOCK_K", "GU_FUSED", "PREFETCH", "num_stages", "num_warps", "DIRECT")
+    keys = ("ONE_BLOCK_I", "ONE_BLOCK_H", "ONE_SPLIT_K", "BLOCK_K", "GU_FUSED", "PREFETCH", "num_stages", "num_warps",
+            "DIRECT")
     return ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
 
 
