@@ -48,16 +48,26 @@ def label(cfg: dict) -> str:
 
 
 def _warm_one(job) -> bool:
-    """Compile one config in a worker (the Triton cache is shared with the main process)."""
+    """Compile one config in a worker (the Triton cache is shared with the main process): random kernel-layout
+    words, no quantisation."""
     shapes, cfg = job
     try:
         from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
-        from mxfp4_gemm_gpu import Shapes
+        from loraplex.kernels.mxfp4 import kernel_k
 
-        s = Shapes(**shapes)
-        inp = moe_inputs(s, 1, "cuda", 1)
-        fused_moe_mxfp4(inp["x"], *inp["kernel"], inp["weights"], inp["ids"], activation="swiglu_clamp",
-                        b13=inp["b13"], b2=inp["b2"], config=cfg)
+        h, e, i, a = shapes["hidden"], shapes["num_experts"], shapes["inter"], shapes["top_k"]
+        dev = "cuda"
+
+        def words(n, k):
+            return torch.randint(-2 ** 31, 2 ** 31 - 1, (e, n, kernel_k(k) // 8), dtype=torch.int32, device=dev)
+
+        scales = lambda n, k: torch.full((e, n, kernel_k(k) // 32), 120, dtype=torch.uint8, device=dev)  # noqa: E731
+        x = torch.randn(1, h, device=dev).to(torch.bfloat16)
+        ids = torch.arange(a, device=dev)[None, :]
+        fused_moe_mxfp4(x, words(2 * i, h), scales(2 * i, h), words(h, i), scales(h, i),
+                        torch.full((1, a), 1.0 / a, device=dev), ids, activation="swiglu_clamp",
+                        b13=torch.zeros(e, 2 * i, device=dev, dtype=x.dtype),
+                        b2=torch.zeros(e, h, device=dev, dtype=x.dtype), config=cfg)
         torch.cuda.synchronize()
         return True
     except Exception:  # noqa: BLE001  (compiled again, and reported, when timed)
