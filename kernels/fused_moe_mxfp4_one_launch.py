@@ -27,14 +27,12 @@ import triton.language as tl
 
 from loraplex.kernels.activation import gated_act
 from loraplex.kernels.fused_moe import ACT_CODES
-from loraplex.kernels.fused_moe_mxfp4 import (FUSED_MAX_WARPS, _block, _interpreting, _launch, _mma, _split_range,
-                                              decode_mode,
+from loraplex.kernels.fused_moe_mxfp4 import (FUSED_MAX_WARPS, _block, _interpreting, _launch, _mma, decode_mode,
                                               gate_up_tile, route_tables, use_pdl)
 from loraplex.kernels.intmath import cdiv
 from loraplex.kernels.launch import cached_launch
 from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP
-from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, decode_kernel_tile, kernel_tile_ptrs, load_kernel_tile,
-                                            row_groups)
+from loraplex.kernels.mxfp4_dequant import BF16_FOLD, decode_kernel_tile, kernel_tile_ptrs, load_kernel_tile, row_groups
 from loraplex.kernels.slot_blocks import pdl_launch, pdl_trigger, pdl_wait
 
 FINAL_BLOCK = 1024  # output columns per step of the last program's copy
@@ -50,83 +48,61 @@ def _fence_gpu(anchor):
 @cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tokens"])
 def _one_launch_kernel(
-    x_ptr, w13_ptr, s13_ptr, b13_ptr, w2_ptr, s2_ptr, b2_ptr, weights_ptr, acc_ptr, done_ptr, gu_ptr, tiles_ptr,
-    out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    x_ptr, w13_ptr, s13_ptr, b13_ptr, w2_ptr, s2_ptr, b2_ptr, weights_ptr, acc_ptr, done_ptr, out_ptr,
+    sorted_ptr, expert_ids_ptr, num_post_ptr,
     # x [T, H]; w13 words [E, 2I, KP(H)/8] int32, scales [E, 2I, KP(H)/32] uint8, bias [E, 2I]; w2 words
     # [E, H, KP(I)/8], scales [E, H, KP(I)/32], bias [E, H]; topk_weights [T*A]; acc [T, H] float32 and done (int32)
-    # zeroed; with SPLIT_K > 1 gate_up's float32 sums [T*A, 2I] and a counter per (row block, tile), zeroed;
-    # out [T, H]; the row blocks' tables (``route_tables``)
+    # zeroed; out [T, H]; the row blocks' tables (``route_tables``)
     num_pairs, num_m, num_tokens, I, H, alpha, limit,
     stride_xt, stride_w13e, stride_s13e, stride_b13e, stride_w2e, stride_s2e, stride_b2e, stride_ot,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, NUM_I: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_I: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr, FENCE: tl.constexpr, FINAL: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr, FENCE: tl.constexpr, FINAL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # x, the tables and the zeroed acc come from the kernels just before
     pid = tl.program_id(0)
-    split = pid % SPLIT_K
-    pid_m = pid // (NUM_I * SPLIT_K)
-    pid_i = (pid // SPLIT_K) % NUM_I
+    pid_m = pid // NUM_I
+    pid_i = pid % NUM_I
     dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
     if not dead:
         tok = (pairs // TOP_K).to(tl.int64)
-        # ---- gate_up: intermediate columns [pid_i * BLOCK_I, + BLOCK_I) over H, or split ``split`` of it
+        # ---- gate_up: intermediate columns [pid_i * BLOCK_I, + BLOCK_I) over all of H
         GU_N: tl.constexpr = 2 * BLOCK_I if FUSED else BLOCK_I
-        k_begin, k_end = _split_range(H, BLOCK_K, SPLIT_K, split)
-        acc_g, acc_u = gate_up_tile(x_ptr, w13_ptr, s13_ptr, expert, tok, row_ok, pid_i, k_begin, k_end, I, H,
-                                    stride_xt, stride_w13e, stride_s13e, BLOCK_M, GU_N, BLOCK_K, EVEN_K, DECODE, FUSED,
-                                    PREFETCH)
+        acc_g, acc_u = gate_up_tile(x_ptr, w13_ptr, s13_ptr, expert, tok, row_ok, pid_i, 0, H, I, H, stride_xt,
+                                    stride_w13e, stride_s13e, BLOCK_M, GU_N, BLOCK_K, EVEN_K, DECODE, FUSED, PREFETCH)
         if x_ptr.dtype.element_ty == tl.bfloat16:
             acc_g *= BF16_FOLD
             acc_u *= BF16_FOLD
         cols = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
         cols_ok = cols < I
         if HAS_B13:
-            first_k = (split == 0).to(tl.float32)
-            acc_g += (tl.load(b13_ptr + expert * stride_b13e + cols, mask=cols_ok, other=0.0).to(tl.float32)
-                      * first_k)[:, None]
-            acc_u += (tl.load(b13_ptr + expert * stride_b13e + I + cols, mask=cols_ok, other=0.0).to(tl.float32)
-                      * first_k)[:, None]
-        go = True
-        if SPLIT_K > 1:  # the splits' sums meet in gu; the last split of the tile to count itself goes on
-            gu_ptrs = gu_ptr + pairs.to(tl.int64)[None, :] * (2 * I) + cols[:, None]
-            gu_ok = row_ok[None, :] & cols_ok[:, None]
-            tl.atomic_add(gu_ptrs, acc_g, mask=gu_ok, sem="relaxed")
-            tl.atomic_add(gu_ptrs + I, acc_u, mask=gu_ok, sem="relaxed")
-            if FENCE:
-                _fence_gpu(tl.zeros([1], tl.int32))
-            tl.debug_barrier()
-            go = tl.atomic_add(tiles_ptr + pid_m * NUM_I + pid_i, 1, sem="acq_rel") == SPLIT_K - 1
-            if go:
-                if FENCE:
-                    _fence_gpu(tl.zeros([1], tl.int32))
-                acc_g = tl.load(gu_ptrs, mask=gu_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                acc_u = tl.load(gu_ptrs + I, mask=gu_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if go:
-            # h^T [BLOCK_I, BLOCK_M] in x's dtype (what the two-launch path stores), zero past I
-            h = tl.where(cols_ok[:, None], gated_act(acc_g, acc_u, ACT, alpha, limit), 0.0).to(x_ptr.dtype.element_ty)
-            # ---- down: the K slice [pid_i * BLOCK_I, + BLOCK_I) of w2, BLOCK_H rows a step, into acc
-            routing = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-            first = (pid_i == 0).to(tl.float32)
-            atoms = (I + 63) // 64
-            w_e = w2_ptr + expert * stride_w2e + pid_i * BLOCK_I * 2
-            s_e = s2_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_s2e // 4) + pid_i * (BLOCK_I // 8)
-            RGH: tl.constexpr = BLOCK_H // 16
-            for h0 in range(0, H, BLOCK_H):
-                w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, row_groups(h0 // 16, H // 16, RGH), atoms, BLOCK_I)
-                words, scales = load_kernel_tile(w_ptrs, s_ptrs, pid_i * (BLOCK_I // 64), atoms, not EVEN_I, BLOCK_I)
-                d = _mma(decode_kernel_tile(words, scales, BLOCK_H, BLOCK_I, h.dtype, DECODE), h,
-                         tl.zeros([BLOCK_H, BLOCK_M], tl.float32), DECODE)
-                if x_ptr.dtype.element_ty == tl.bfloat16:
-                    d *= BF16_FOLD
-                rows = h0 + tl.arange(0, BLOCK_H)
-                rows_ok = rows < H
-                if HAS_B2:
-                    d += (tl.load(b2_ptr + expert * stride_b2e + rows, mask=rows_ok, other=0.0).to(tl.float32)
-                          * first)[:, None]
-                tl.atomic_add(acc_ptr + tok[None, :] * H + rows[:, None], d * routing[None, :],
-                              mask=row_ok[None, :] & rows_ok[:, None], sem="relaxed")
+            acc_g += tl.load(b13_ptr + expert * stride_b13e + cols, mask=cols_ok, other=0.0).to(tl.float32)[:, None]
+            acc_u += tl.load(b13_ptr + expert * stride_b13e + I + cols, mask=cols_ok,
+                             other=0.0).to(tl.float32)[:, None]
+        # h^T [BLOCK_I, BLOCK_M] in x's dtype (what the two-launch path stores), zero past I
+        h = tl.where(cols_ok[:, None], gated_act(acc_g, acc_u, ACT, alpha, limit), 0.0).to(x_ptr.dtype.element_ty)
+        # ---- down: the K slice [pid_i * BLOCK_I, + BLOCK_I) of w2, BLOCK_H rows a step, into acc
+        routing = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        first = (pid_i == 0).to(tl.float32)
+        atoms = (I + 63) // 64
+        w_e = w2_ptr + expert * stride_w2e + pid_i * BLOCK_I * 2
+        s_e = s2_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_s2e // 4) + pid_i * (BLOCK_I // 8)
+        RGH: tl.constexpr = BLOCK_H // 16
+        for h0 in range(0, H, BLOCK_H):
+            w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, row_groups(h0 // 16, H // 16, RGH), atoms, BLOCK_I)
+            words, scales = load_kernel_tile(w_ptrs, s_ptrs, pid_i * (BLOCK_I // 64), atoms, not EVEN_I, BLOCK_I)
+            d = _mma(decode_kernel_tile(words, scales, BLOCK_H, BLOCK_I, h.dtype, DECODE), h,
+                     tl.zeros([BLOCK_H, BLOCK_M], tl.float32), DECODE)
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                d *= BF16_FOLD
+            rows = h0 + tl.arange(0, BLOCK_H)
+            rows_ok = rows < H
+            if HAS_B2:
+                d += (tl.load(b2_ptr + expert * stride_b2e + rows, mask=rows_ok, other=0.0).to(tl.float32)
+                      * first)[:, None]
+            tl.atomic_add(acc_ptr + tok[None, :] * H + rows[:, None], d * routing[None, :],
+                          mask=row_ok[None, :] & rows_ok[:, None], sem="relaxed")
     pdl_trigger(USE_PDL)
     # ---- the last program to get here writes acc out (every program's adds fenced before it counts itself)
     if FENCE:
@@ -157,8 +133,7 @@ def one_launch_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act
     meta = dict(TOP_K=top_k, ACT=act, HAS_B13=has_b13, HAS_B2=has_b2, BLOCK_M=bm, BLOCK_I=bi, BLOCK_K=bk,
                 BLOCK_H=bh, NUM_I=cdiv(inter, bi), EVEN_K=hidden % bk == 0, EVEN_I=inter % bi == 0,
                 DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))), FUSED=fused,
-                PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, FENCE=fence, FINAL=FINAL_BLOCK,
-                SPLIT_K=max(1, min(int(cfg.get("ONE_SPLIT_K", 1)), cdiv(hidden, bk))))
+                PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, FENCE=fence, FINAL=FINAL_BLOCK)
     return meta, launch
 
 
@@ -178,18 +153,12 @@ def one_launch(x, w13, s13, w2, s2, topk_weights, topk_ids, cfg: dict, *, activa
     num_m = expert_ids.shape[0]
     if not meta["DIRECT"] and sorted_ids.shape[0] != num_m * meta["BLOCK_M"]:
         raise ValueError("align tables were made with another BLOCK_M than the config's")
-    acc_n, gu_n, tiles_n = num_tokens * hidden, num_tokens * top_k * 2 * inter, num_m * meta["NUM_I"]
-    if meta["SPLIT_K"] == 1:
-        gu_n = tiles_n = 0
-    # one zeroing for acc, gate_up's split sums, the tiles' counters and the programs' counter
-    work = torch.zeros(acc_n + gu_n + tiles_n + 1, dtype=torch.float32, device=x.device)
-    acc, gu = work[:acc_n], work[acc_n:acc_n + gu_n]
-    tiles, done = work[acc_n + gu_n:-1].view(torch.int32), work[-1:].view(torch.int32)
+    work = torch.zeros(num_tokens * hidden + 1, dtype=torch.float32, device=x.device)  # acc, then the counter
+    acc, done = work[:-1], work[-1:].view(torch.int32)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _one_launch_kernel[(num_m * meta["NUM_I"] * meta["SPLIT_K"],)](
+    _one_launch_kernel[(num_m * meta["NUM_I"],)](
         x, w13, s13, b13 if b13 is not None else x, w2, s2, b2 if b2 is not None else x,
-        topk_weights.reshape(-1).contiguous(), acc, done, gu if gu_n else acc, tiles if tiles_n else done, out,
-        sorted_ids, expert_ids, num_post,
+        topk_weights.reshape(-1).contiguous(), acc, done, out, sorted_ids, expert_ids, num_post,
         num_tokens * top_k, num_m, num_tokens, inter, hidden, float(alpha), float(limit),
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, w2.stride(0),
         s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(0), **meta, **launch, **pdl_launch(pdl))

@@ -31,19 +31,20 @@ from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, copy_bandwidth_tbs, moe
 
 
 def candidates(m: int) -> list[dict]:
-    """One-launch configs tried at M tokens: intermediate tile, down rows per step, gate and up in one product or
-    two, cp.async pipeline depth, gate_up's K split over 1-3 programs per tile, and at M <= 2 one pair per block
-    without the alignment launch (register prefetch, BLOCK_K 256 and 8 warps were slower in every first sweep)."""
+    """One-launch configs tried at M tokens: intermediate tile, down rows per step (the larger, the more of w2 in
+    flight), gate and up in one product or two, cp.async pipeline depth, one or two warpgroups, and at M <= 2 one
+    pair per block without the alignment launch (register prefetch and BLOCK_K 256 were slower in the first
+    sweep)."""
     directs = (1, 0) if m <= 2 else (0,)
-    return [{"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "ONE_SPLIT_K": sk, "BLOCK_M": 8, "BLOCK_K": 128,
-             "GU_FUSED": fused, "PREFETCH": 0, "num_stages": stages, "num_warps": 4, "DIRECT": direct, "PDL": 1}
-            for bi, bh, sk, fused, stages, direct in itertools.product((64, 128), (128, 256), (1, 2, 3), (1, 0),
-                                                                      (3, 4), directs)]
+    return [{"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "BLOCK_M": 8, "BLOCK_K": 128, "GU_FUSED": fused,
+             "PREFETCH": 0, "num_stages": stages, "num_warps": warps, "DIRECT": direct, "PDL": 1}
+            for bi, bh, fused, stages, warps, direct in itertools.product((64, 128), (256, 512), (1, 0), (2, 3),
+                                                                         (4, 8), directs)
+            if not (fused and warps > 4)]  # fused gate/up over two warpgroups runs unfused (``FUSED_MAX_WARPS``)
 
 
 def label(cfg: dict) -> str:
-    keys = ("ONE_BLOCK_I", "ONE_BLOCK_H", "ONE_SPLIT_K", "BLOCK_K", "GU_FUSED", "PREFETCH", "num_stages", "num_warps",
-            "DIRECT")
+    keys = ("ONE_BLOCK_I", "ONE_BLOCK_H", "BLOCK_K", "GU_FUSED", "PREFETCH", "num_stages", "num_warps", "DIRECT")
     return ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
 
 

@@ -22,11 +22,6 @@ CONFIGS = {
                                            "BLOCK_K": 64, "DECODE": "bits", "num_warps": 2, "num_stages": 3},
     "direct 128/128, K 256, 8 warps": {**BASE, "ONE_BLOCK_I": 128, "ONE_BLOCK_H": 128, "BLOCK_K": 256, "DIRECT": 1,
                                        "num_warps": 8, "num_stages": 3},
-    "direct 64/64, gate_up split 2": {**BASE, "ONE_BLOCK_I": 64, "ONE_BLOCK_H": 64, "BLOCK_K": 64, "DIRECT": 1,
-                                      "ONE_SPLIT_K": 2, "GU_FUSED": 1, "num_warps": 4, "num_stages": 3},
-    "aligned 128/32, gate_up split 3 of 2 steps": {**BASE, "ONE_BLOCK_I": 128, "ONE_BLOCK_H": 32, "BLOCK_K": 64,
-                                                  "ONE_SPLIT_K": 3, "PREFETCH": 1, "num_warps": 4,
-                                                  "num_stages": 1},
 }
 
 
@@ -36,9 +31,6 @@ CONFIGS = {
     (5, 2, "silu", "none", "aligned 16-pair blocks 64/16, bits"),
     (3, 4, "swiglu_clamp", "b13 only", "direct 128/128, K 256, 8 warps"),
     (1, 2, "silu", "both", "aligned 128/64, fused, K 128"),
-    (1, 4, "swiglu_clamp", "both", "direct 64/64, gate_up split 2"),
-    (4, 4, "swiglu_clamp", "b13 only", "direct 64/64, gate_up split 2"),
-    (6, 2, "silu", "both", "aligned 128/32, gate_up split 3 of 2 steps"),
 ])
 def test_one_launch_matches_reference(num_tokens, top_k, activation, biases, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, biases != "none")
@@ -105,14 +97,14 @@ from sm90_loops import build_sm90
 from loraplex.kernels import fused_moe_mxfp4_one_launch as ol
 
 TYPES = {"w13_ptr": "*i32", "w2_ptr": "*i32", "s13_ptr": "*u8", "s2_ptr": "*u8", "weights_ptr": "*fp32",
-         "acc_ptr": "*fp32", "done_ptr": "*i32", "gu_ptr": "*fp32", "tiles_ptr": "*i32", "sorted_ptr": "*i32",
-         "expert_ids_ptr": "*i32", "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
+         "acc_ptr": "*fp32", "done_ptr": "*i32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
+         "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
 out = []
-for fused, prefetch, direct, bi, bh, warps, stages, split in ((True, 1, True, 64, 64, 4, 1, 1),
-                                                             (False, 0, False, 128, 128, 8, 3, 2)):
+for fused, prefetch, direct, bi, bh, warps, stages in ((True, 1, True, 64, 64, 4, 1),
+                                                      (False, 0, False, 128, 128, 8, 3)):
     meta = dict(TOP_K=4, ACT=1, HAS_B13=True, HAS_B2=True, BLOCK_M=8, BLOCK_I=bi, BLOCK_K=128, BLOCK_H=bh,
                 NUM_I=-(-2880 // bi), EVEN_K=False, EVEN_I=2880 % bi == 0, DECODE=2, DIRECT=direct, FUSED=fused,
-                PREFETCH=prefetch, USE_PDL=True, FENCE=True, FINAL=1024, SPLIT_K=split)
+                PREFETCH=prefetch, USE_PDL=True, FENCE=True, FINAL=1024)
     ptx = build_sm90(ol._one_launch_kernel, meta, TYPES, warps, stages).asm["ptx"]
     out.append({"fence": ptx.count("fence.acq_rel.gpu"), "red": "red.global" in ptx or "atom.global.add.f32" in ptx,
                 "counter": "atom.global.acq_rel" in ptx or "atom.acq_rel" in ptx or "atom.global.gpu.acq_rel" in ptx,
@@ -124,10 +116,8 @@ print("RESULT " + json.dumps(out))
 
 def test_one_launch_builds_for_sm90():
     """The GPU build has what the interpreter skips: the fence in every program before it counts itself (and in
-    the last one before it reads; with gate_up split over K, around each tile's counter too), the float32 atomic
-    adds, the acquire-release counters, the PDL wait, tensor-core products and the inline-PTX decode."""
-    plain, split = build_in_child(BUILD, timeout=900)
-    assert split["fence"] >= plain["fence"] + 2  # and the fences around each tile's counter
-    for b in (plain, split):
+    the last one before it reads), the float32 atomic adds, the acquire-release counter, the PDL wait, tensor-core
+    products and the inline-PTX decode."""
+    for b in build_in_child(BUILD, timeout=900):
         assert b["fence"] >= 2 and b["red"] and b["counter"] and b["pdl"] and b["mma"] and b["asm"], b
 
