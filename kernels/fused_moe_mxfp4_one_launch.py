@@ -14,10 +14,12 @@ program) writes ``acc`` to the output in x's dtype: one launch, no h in memory, 
 make the sum's rounding order depend on which programs finish first, so the output's last bits may differ from run
 to run (the split-K path's are fixed); the tuned configs take this path only where it was measured faster.
 
-Config keys (the "fused_moe_mxfp4" config, ``fused_moe_mxfp4.kernel_config``): ONE_LAUNCH (1: this path),
-ONE_BLOCK_I (intermediate columns per program, the down GEMM's K step: a multiple of 64), ONE_BLOCK_H (down rows
-per step: a multiple of 16), and from the two-launch keys BLOCK_M, BLOCK_K (gate_up's K step), GROUP_M (unused),
-GU_FUSED, PREFETCH, DECODE, DIRECT, PDL, num_warps, num_stages (both loops).
+Config keys (the "fused_moe_mxfp4" config, ``fused_moe_mxfp4.kernel_config``): ONE_LAUNCH (1: ``fused_moe_mxfp4``
+takes this path), ONE_BLOCK_I (intermediate columns per program, the down GEMM's K step: a multiple of 64),
+ONE_BLOCK_H (down rows per step: a multiple of 16), and BLOCK_M, BLOCK_K (gate_up's K step), GU_FUSED, PREFETCH,
+DECODE, DIRECT, PDL, num_warps and num_stages (both loops), each from its ``ONE_`` key where the config has one
+(``one_config``), else shared with the two-launch GEMMs. A tuned entry keeps its two-launch keys for the expert
+LoRA path (``moe_experts_lora`` runs the two GEMMs with their LoRA epilogues whatever ONE_LAUNCH says).
 """
 from __future__ import annotations
 
@@ -120,10 +122,28 @@ def _one_launch_kernel(
                 tl.store(out_ptr + t * stride_ot + c0 + c, v.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# keys a config may set for the one launch alone with a ONE_ prefix (ONE_num_stages 3: the one launch pipelines 3
+# deep, the two-launch GEMMs that moe_experts_lora runs from the same config keep num_stages); ONE_LAUNCH,
+# ONE_BLOCK_I and ONE_BLOCK_H are the one launch's own
+ONE_KEYS = ("BLOCK_M", "BLOCK_K", "GU_FUSED", "PREFETCH", "DECODE", "DIRECT", "PDL", "num_warps", "num_stages")
+OWN_KEYS = ("ONE_LAUNCH", "ONE_BLOCK_I", "ONE_BLOCK_H")
+
+
+def one_config(cfg: dict) -> dict:
+    """``cfg`` as the one launch runs it: each ``ONE_<key>`` (a key of ONE_KEYS) in place of ``<key>``."""
+    over = {k[4:]: v for k, v in cfg.items() if k.startswith("ONE_") and k not in OWN_KEYS}
+    bad = sorted(set(over) - set(ONE_KEYS))
+    if bad:
+        raise ValueError(f"config keys {', '.join('ONE_' + k for k in bad)}: the one launch may override only "
+                         f"{', '.join(ONE_KEYS)}")
+    return {**cfg, **over} if over else cfg
+
+
 def one_launch_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act: int, has_b13: bool,
                           has_b2: bool, pdl: bool, fence: bool) -> tuple[dict, dict]:
     """(constexprs, launch options) of ``_one_launch_kernel`` for ``cfg`` at x [T, hidden], w13 [E, 2 * inter, ..]
     (``fence``: the GPU's memory fence before the counter; off under the interpreter, which runs programs in turn)."""
+    cfg = one_config(cfg)
     bm, _, bk, _, launch = _launch(cfg)
     bi, bh = int(cfg.get("ONE_BLOCK_I", 64)), int(cfg.get("ONE_BLOCK_H", 64))
     if bi <= 0 or bi % K_ATOM or bh <= 0 or bh % ROW_GROUP:
@@ -144,6 +164,7 @@ def one_launch(x, w13, s13, w2, s2, topk_weights, topk_ids, cfg: dict, *, activa
     too unless cfg DIRECT)."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w13.shape[1] // 2
+    cfg = one_config(cfg)
     pdl = use_pdl(cfg, x.device)
     meta, launch = one_launch_constexprs(cfg, hidden=hidden, inter=inter, top_k=top_k, act=ACT_CODES[activation],
                                          has_b13=b13 is not None, has_b2=b2 is not None, pdl=pdl,
@@ -165,4 +186,4 @@ def one_launch(x, w13, s13, w2, s2, topk_weights, topk_ids, cfg: dict, *, activa
     return out
 
 
-__all__ = ["one_launch", "one_launch_constexprs"]
+__all__ = ["ONE_KEYS", "one_config", "one_launch", "one_launch_constexprs"]

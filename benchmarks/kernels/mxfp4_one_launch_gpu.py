@@ -5,12 +5,13 @@ decode sizes of a token or a few, on the GPT-OSS-20B expert shape.
     PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/kernels/mxfp4_one_launch_gpu.py --m 1 --warm-s 0
 
 Rows per M: ``op, committed`` (the tuned two-launch config) and ``one launch, <keys>`` over a grid of tiles
-(``candidates``): the whole op, CUDA-graph replay after an L2 flush (``tuning_cases.bench_time_ms``), each output
-checked against the torch reference (rel. error ≤ 1e-2), and for the fastest one-launch row the largest
-difference between two runs of it (its float32 atomic sums' order varies). Bytes and the roofline as
-``mxfp4_gemm_gpu.py``: the touched experts' MXFP4 codes and scales plus activations, against a 1 GiB copy's rate.
-Writes ``mxfp4_one_launch.json`` (rows as they come), ``mxfp4_one_launch.md`` and ``fused_moe_mxfp4.json`` (the
-device's tuning file with each M's entry set to the fastest row's config where that is a one-launch row) to $OUT.
+(``candidates``: ``ONE_`` keys added to the committed entry, ``fused_moe_mxfp4_one_launch.one_config``): the whole
+op, CUDA-graph replay after an L2 flush (``tuning_cases.bench_time_ms``), each output checked against the torch
+reference (rel. error ≤ 1e-2), and for the fastest one-launch row the largest difference between two runs of it (its
+float32 atomic sums' order varies). Bytes and the roofline as ``mxfp4_gemm_gpu.py``: the touched experts' MXFP4
+codes and scales plus activations, against a 1 GiB copy's rate. Writes ``mxfp4_one_launch.json`` (rows as they
+come), ``mxfp4_one_launch.md`` and ``fused_moe_mxfp4.json`` (the device's tuning file with each M's entry set to the
+fastest row's config where that is a one-launch row) to $OUT.
 """
 from __future__ import annotations
 
@@ -36,16 +37,16 @@ def candidates(m: int) -> list[dict]:
     pair per block without the alignment launch (register prefetch and BLOCK_K 256 were slower in the first
     sweep)."""
     directs = (1, 0) if m <= 2 else (0,)
-    return [{"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "BLOCK_M": 8, "BLOCK_K": 128, "GU_FUSED": fused,
-             "PREFETCH": 0, "num_stages": stages, "num_warps": warps, "DIRECT": direct, "PDL": 1}
+    return [{"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "ONE_BLOCK_M": 8, "ONE_BLOCK_K": 128,
+             "ONE_GU_FUSED": fused, "ONE_PREFETCH": 0, "ONE_num_stages": stages, "ONE_num_warps": warps,
+             "ONE_DIRECT": direct, "ONE_PDL": 1}
             for bi, bh, fused, stages, warps, direct in itertools.product((64, 128), (256, 512), (1, 0), (2, 3),
                                                                          (4, 8), directs)
             if not (fused and warps > 4)]  # fused gate/up over two warpgroups runs unfused (``FUSED_MAX_WARPS``)
 
 
 def label(cfg: dict) -> str:
-    keys = ("ONE_BLOCK_I", "ONE_BLOCK_H", "BLOCK_K", "GU_FUSED", "PREFETCH", "num_stages", "num_warps", "DIRECT")
-    return ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
+    return ", ".join(f"{k[4:]}={v}" for k, v in cfg.items() if k.startswith("ONE_") and k != "ONE_LAUNCH")
 
 
 def _warm_one(job) -> bool:
@@ -103,7 +104,9 @@ def measure(m: int, committed: dict, run: Run, copy_tbs: float) -> dict | None:
     want = ref.fused_moe_mxfp4(x, *inp["plain"], wts, ids, **kw)
     nbytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4")
     rows = []
-    for variant, cfg in [("op, committed", committed)] + [(f"one launch, {label(c)}", c) for c in candidates(m)]:
+    # each one-launch row keeps the committed two-launch keys, which the expert LoRA path reads from the same entry
+    for variant, cfg in [("op, committed", committed)] + [(f"one launch, {label(c)}", {**committed, **c})
+                                                          for c in candidates(m)]:
         if run.left_s() < 0:
             run.note(f"M = {m}: stopped at {variant} (time budget)")
             break
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_s > 0:
         cfgs = []
         for m in ms:
-            cfgs += [c for c in [committed[m]] + candidates(m) if c not in cfgs]
+            cfgs += [c for c in [committed[m]] + [{**committed[m], **o} for o in candidates(m)] if c not in cfgs]
         warm(cfgs, args.compile_workers, args.warm_s, run)
     winners = {m: measure(m, committed[m], run, copy_tbs) for m in ms}
     path = tuning.read_path("fused_moe_mxfp4", torch.cuda.get_device_name())

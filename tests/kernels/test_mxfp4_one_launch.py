@@ -22,6 +22,11 @@ CONFIGS = {
                                            "BLOCK_K": 64, "DECODE": "bits", "num_warps": 2, "num_stages": 3},
     "direct 128/128, K 256, 8 warps": {**BASE, "ONE_BLOCK_I": 128, "ONE_BLOCK_H": 128, "BLOCK_K": 256, "DIRECT": 1,
                                        "num_warps": 8, "num_stages": 3},
+    # a tuned entry's form: the two-launch keys for the LoRA path, the one launch's own under ONE_
+    "ONE_ keys over a two-launch entry": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "GROUP_M": 1,
+                                          "num_warps": 2, "num_stages": 1, "ONE_LAUNCH": 1, "ONE_BLOCK_I": 64,
+                                          "ONE_BLOCK_H": 64, "ONE_BLOCK_M": 8, "ONE_BLOCK_K": 128, "ONE_DIRECT": 1,
+                                          "ONE_GU_FUSED": 1, "ONE_num_warps": 4, "ONE_num_stages": 3},
 }
 
 
@@ -31,6 +36,7 @@ CONFIGS = {
     (5, 2, "silu", "none", "aligned 16-pair blocks 64/16, bits"),
     (3, 4, "swiglu_clamp", "b13 only", "direct 128/128, K 256, 8 warps"),
     (1, 2, "silu", "both", "aligned 128/64, fused, K 128"),
+    (2, 4, "swiglu_clamp", "both", "ONE_ keys over a two-launch entry"),
 ])
 def test_one_launch_matches_reference(num_tokens, top_k, activation, biases, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, biases != "none")
@@ -77,17 +83,37 @@ def test_bad_one_launch_configs_are_refused(bad, match):
         fm.fused_moe_mxfp4(x, *kernel, weights, ids, config=cfg, activation="silu", b13=b13, b2=b2)
 
 
+def test_one_keys_override_for_the_one_launch_only():
+    cfg = {**fm.DEFAULT_CONFIG, **CONFIGS["ONE_ keys over a two-launch entry"]}
+    one = ol.one_config(cfg)
+    assert (one["BLOCK_M"], one["BLOCK_K"], one["DIRECT"], one["num_warps"], one["num_stages"]) == (8, 128, 1, 4, 3)
+    two = {k: v for k, v in cfg.items() if not k.startswith("ONE_")}
+    shape = dict(hidden=2880, inter=2880)
+    # the two-launch GEMMs (what moe_experts_lora runs from the same entry) launch as without the ONE_ keys
+    assert (fm.gate_up_constexprs(cfg, top_k=4, act=1, has_bias=True, pdl=False, **shape)
+            == fm.gate_up_constexprs(two, top_k=4, act=1, has_bias=True, pdl=False, **shape))
+    assert (fm.down_constexprs(cfg, has_bias=True, pdl=False, **shape)
+            == fm.down_constexprs(two, has_bias=True, pdl=False, **shape))
+    meta, launch = ol.one_launch_constexprs(cfg, top_k=4, act=1, has_b13=True, has_b2=True, pdl=False,
+                                            fence=False, **shape)
+    assert (meta["BLOCK_M"], meta["BLOCK_K"], meta["DIRECT"], meta["FUSED"]) == (8, 128, True, True)
+    assert launch == {"num_warps": 4, "num_stages": 3}
+    with pytest.raises(ValueError, match="ONE_SPLIT_K"):
+        ol.one_config({**cfg, "ONE_SPLIT_K": 2})
+
+
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_the_benchmarks_candidates_are_valid_one_launch_configs(m):
     mod = load_script("kernels", "mxfp4_one_launch_gpu")
     cands = mod.candidates(m)
     assert len({tuple(sorted(c.items())) for c in cands}) == len(cands) > 10
-    for cfg in cands:
-        assert cfg["ONE_LAUNCH"] == 1 and not (cfg["GU_FUSED"] and cfg["num_warps"] > fm.FUSED_MAX_WARPS)
-        meta, launch = ol.one_launch_constexprs({**fm.DEFAULT_CONFIG, **cfg}, hidden=2880, inter=2880, top_k=4,
+    for cand in cands:
+        assert set(cand) <= {"ONE_" + k for k in ol.ONE_KEYS} | set(ol.OWN_KEYS) and cand["ONE_LAUNCH"] == 1
+        assert not (cand["ONE_GU_FUSED"] and cand["ONE_num_warps"] > fm.FUSED_MAX_WARPS)
+        meta, launch = ol.one_launch_constexprs({**fm.DEFAULT_CONFIG, **cand}, hidden=2880, inter=2880, top_k=4,
                                                 act=1, has_b13=True, has_b2=True, pdl=True, fence=True)
-        assert meta["NUM_I"] * meta["BLOCK_I"] >= 2880 and launch["num_warps"] == cfg["num_warps"]
-    assert any(c["DIRECT"] for c in cands) == (m <= 2)
+        assert meta["NUM_I"] * meta["BLOCK_I"] >= 2880 and launch["num_warps"] == cand["ONE_num_warps"]
+    assert any(c["ONE_DIRECT"] for c in cands) == (m <= 2)
 
 
 BUILD = r'''
