@@ -116,6 +116,13 @@ def test_the_benchmarks_candidates_are_valid_one_launch_configs(m):
     assert any(c["ONE_DIRECT"] for c in cands) == (m <= 2)
 
 
+def test_the_gpu_scripts_refuse_to_run_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("mxfp4_one_launch_gpu", "mxfp4_graph_replay_gpu"):
+        assert load_script("kernels", name).main(["--out", str(tmp_path)]) == 2
+    assert not list(tmp_path.iterdir())
+
+
 BUILD = r'''
 import json, sys
 sys.path.insert(0, "benchmarks/kernels")
