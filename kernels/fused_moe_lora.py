@@ -95,20 +95,15 @@ def _shrink_rows(x_ptr, a_ptr, rows, row_ok, pid_k, K, R, stride_xt, stride_ar,
 
 
 @triton.jit
-def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS: tl.constexpr,
-               STORE: tl.constexpr = False):
-    """y[pairs, cols] += w(pair) * h @ b  (h [BLOCK_M, BLOCK_R] fp32, b [BLOCK_R, BLOCK_N]); with STORE, y[pairs,
-    cols] = the delta (y not read)."""
+def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS: tl.constexpr):
+    """y[pairs, cols] += w(pair) * h @ b  (h [BLOCK_M, BLOCK_R] fp32, b [BLOCK_R, BLOCK_N])."""
     delta = dot(h.to(b.dtype), b)
     if HAS_WEIGHTS:
         delta *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pairs64[:, None] * stride_yt + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if STORE:
-        tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @cached_launch
@@ -161,12 +156,8 @@ def _moe_lora_expand_kernel(
     stride_yt, stride_el, stride_split,
     W_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_G: tl.constexpr, COLS: tl.constexpr, BLOCK_L: tl.constexpr, NUM_PARTS: tl.constexpr,
-    USE_PDL: tl.constexpr, STORE: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
-    # STORE: y is the delta alone, written, not added to; TRIGGER_FIRST: the next PDL launch may start at once (a
-    # GEMM whose K loop runs beside this kernel and the shrink before it, and that reads y only after its wait)
-    if TRIGGER_FIRST:
-        pdl_trigger(USE_PDL)
     # NUM_G column groups of COLS column blocks each: a program adds its row block's delta over COLS * BLOCK_N
     # columns, so the slot search, the alignment rows and h (the split-K sum) are read once for all of them
     # ---- before pdl_wait: only the alignment tables (made before shrink), the LoRA table and the weights
@@ -190,8 +181,7 @@ def _moe_lora_expand_kernel(
     b = tl.load(b_rows + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
     # ---- after: shrink's buf, the base output y, the routing weights
     pdl_wait(USE_PDL)
-    if not TRIGGER_FIRST:
-        pdl_trigger(USE_PDL)
+    pdl_trigger(USE_PDL)
     h_ptrs = buf_ptr + pairs64[:, None] * R + r[None, :]
     h_ok = row_ok[:, None] & (r < R)[None, :]  # shrink wrote zeros past the slot's rank: the buffer's width masks
     h = tl.load(h_ptrs, mask=h_ok, other=0.0)
@@ -202,7 +192,7 @@ def _moe_lora_expand_kernel(
             nxt = cols + BLOCK_N
             nxt_ok = nxt < N
             b_nxt = tl.load(b_rows + nxt[None, :], mask=r_ok[:, None] & nxt_ok[None, :], other=0.0)
-        _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS, STORE)
+        _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS)
         if j + 1 < COLS:
             b, cols, col_ok = b_nxt, nxt, nxt_ok
 
@@ -394,39 +384,6 @@ def moe_lora_expand(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, lora, t
         y, buf, table.entries, weights, sorted_ids, expert_ids, num_post, num_tokens * top_k, sorted_ids.shape[1],
         expert_ids.shape[1], plan.num_flat, y.shape[1], table.max_rank, table.num_slots, y.stride(0),
         table.entries.stride(0), buf.stride(0), **plan.expand_kw)
-
-
-def moe_lora_delta(x: torch.Tensor, buf: torch.Tensor, lora, topk_ids: torch.Tensor, token_lora_idx: torch.Tensor,
-                   scaling: torch.Tensor, *, out_features: int, config: dict,
-                   align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                   trigger_first: bool = False) -> torch.Tensor:
-    """The expand of ``moe_lora_shrink``'s rows ``buf`` (same ``config`` and alignment) as a delta of its own:
-    [T*A, out_features] float32, row p = B[l][e] @ buf[p] for pairs with an adapter whose slot targets these experts
-    (other rows unwritten: a reader masks them by slot and rank, ``fused_moe_mxfp4.LoRADelta``). A GEMM launched
-    after it adds the rows in its epilogue; with ``trigger_first`` (PDL on the GPU) this kernel lets that GEMM start at
-    once, so that the GEMM's K loop runs beside the shrink and this expand and waits for them only before its
-    epilogue. The config's FUSED key is not read (the shrink ran apart)."""
-    table = expert_table(lora, None)
-    _prepare(table, out_features, x, topk_ids, scaling)
-    num_tokens, top_k = topk_ids.shape
-    delta = torch.empty(num_tokens * top_k, out_features, dtype=torch.float32, device=x.device)
-    if num_tokens * top_k == 0:
-        return delta
-    tables = _align_for(table, topk_ids, token_lora_idx, int(config["BLOCK_M"]), align)
-    plan = _plan_for(config, table, x, topk_ids, out_features, tables, False)
-    if tuple(buf.shape) != plan.buf_shape or buf.dtype != torch.float32:
-        raise ValueError(f"buf must be the float32 {plan.buf_shape} rows moe_lora_shrink made with this config, got "
-                         f"{buf.dtype} {tuple(buf.shape)}")
-    sorted_ids, expert_ids, num_post = tables
-    pdl = trigger_first and pdl_enabled(x.device)
-    kw = {**plan.expand_kw, "USE_PDL": pdl, **pdl_launch(pdl), "STORE": True, "TRIGGER_FIRST": pdl}
-    if not pdl:
-        kw.pop("launch_pdl", None)
-    _moe_lora_expand_kernel[plan.expand_grid](
-        delta, buf, table.entries, scaling, sorted_ids, expert_ids, num_post, num_tokens * top_k, sorted_ids.shape[1],
-        expert_ids.shape[1], plan.num_flat, out_features, table.max_rank, table.num_slots, delta.stride(0),
-        table.entries.stride(0), buf.stride(0), **kw)
-    return delta
 
 
 def fused_moe_lora(y: torch.Tensor, x: torch.Tensor, lora_a, lora_b, topk_ids: torch.Tensor,

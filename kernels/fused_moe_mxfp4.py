@@ -32,9 +32,7 @@ each program adds B_l[e] @ h for the block's pairs, one product per adapter slot
 shrink's scaled rows, its split-K partials summed; B^T [E, r, N] read through the ``LoRATable``), split 0 only;
 gate_up then applies its activation, down its routing weight, so the delta is where the separate expand would have
 put it. The rows' slots and B addresses are read before the K loop (made before the step), the first slot's B tiles
-before the wait for the shrink, each next slot's tiles before this slot's product. With ``LoRADelta`` instead, the
-delta was made by an expand kernel launched before the GEMM (``fused_moe_lora.moe_lora_delta``, beside its K loop)
-and the epilogue adds its rows: one tile load in place of the per-slot products.
+before the wait for the shrink, each next slot's tiles before this slot's product.
 
 Config keys (tuned files of op "fused_moe_mxfp4", ``loraplex tune``; else DEFAULT_CONFIG): BLOCK_M (pairs per
 block, the MMA's N, 8 or more), BLOCK_N (weight rows, a multiple of 16; of 32 with GU_FUSED), BLOCK_K (a multiple
@@ -212,19 +210,6 @@ def _lora_epilogue(acc, acc2, h, slots, lead, count, row, slot, rank, b, b2, b_a
 
 
 @triton.jit
-def _delta_epilogue(acc, acc2, delta_ptr, pairs, row_ok, rank, rows, rows_ok, WIDTH, OFF2, TWO: tl.constexpr):
-    """acc [ROWS, BLOCK_M] += delta[pairs, rows]^T (and with TWO acc2 += the columns OFF2 further) from a float32
-    delta [T*A, WIDTH] another kernel wrote (``fused_moe_lora.moe_lora_delta``), for the rows ``row_ok`` whose slot
-    has weights for these experts (``rank`` > 0; the kernel left the other rows unwritten)."""
-    ptrs = delta_ptr + pairs.to(tl.int64)[None, :] * WIDTH + rows[:, None]
-    ok = ((row_ok != 0) & (rank > 0))[None, :] & rows_ok[:, None]  # (the interpreter's row_ok & split == 0 is int)
-    acc += tl.load(ptrs, mask=ok, other=0.0)
-    if TWO:
-        acc2 += tl.load(ptrs + OFF2, mask=ok, other=0.0)
-    return acc, acc2
-
-
-@triton.jit
 def _split_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, split):
     """K range [k_begin, k_end) of split ``split``: an equal share of the BLOCK_K steps, the last split the rest."""
     steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
@@ -335,7 +320,7 @@ def _gate_up_kernel(
     FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
     LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False, LORA_L2: tl.constexpr = False,
-    LORA_LINE: tl.constexpr = 64, LORA_DELTA: tl.constexpr = False,
+    LORA_LINE: tl.constexpr = 64,
 ):
     if not LATE_WAIT:
         pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
@@ -347,7 +332,7 @@ def _gate_up_kernel(
             pdl_wait(USE_PDL)
         return
     tok = (pairs // TOP_K).to(tl.int64)
-    if LORA or LORA_DELTA:  # the rows' slots and B addresses (made before the step) read before the K loop
+    if LORA:  # the rows' slots and B addresses (made before the step) read before the K loop
         slots = tl.load(lora_slot_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
         b_addr, b_rank = _lora_rows(lora_entries_ptr, slots, stride_lora_el)
     k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
@@ -381,9 +366,6 @@ def _gate_up_kernel(
         h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
         acc_g, acc_u = _lora_epilogue(acc_g, acc_u, h, slots, lead, count, row0, slot0, rank0, b0, b20, b_addr,
                                       b_rank, expert, rows, rows_ok, 2 * N, N, True, LORA_DTYPE, LORA_BLOCK_R, DECODE)
-    if LORA_DELTA:  # the gate_up LoRA delta made by a kernel before this one ([T*A, 2N] float32), split 0
-        acc_g, acc_u = _delta_epilogue(acc_g, acc_u, lora_buf_ptr, pairs, row_ok & (split == 0), b_rank, rows,
-                                       rows_ok, 2 * N, N, True)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs.to(tl.int64)[None, :] * stride_ot + rows[:, None]
     mask = row_ok[None, :] & rows_ok[:, None]
     if ACT == 2 or SPLIT_K > 1:  # pre-activation (or its partial sum): gate to columns [0, N), up to [N, 2N)
@@ -432,7 +414,7 @@ def _down_kernel(
     DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
     LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False, LORA_L2: tl.constexpr = False,
-    LORA_LINE: tl.constexpr = 64, LORA_DELTA: tl.constexpr = False,
+    LORA_LINE: tl.constexpr = 64,
 ):
     if not LATE_WAIT:
         pdl_wait(USE_PDL)
@@ -444,7 +426,7 @@ def _down_kernel(
             pdl_wait(USE_PDL)
         return
     pairs64 = pairs.to(tl.int64)
-    if LORA or LORA_DELTA:  # as in _gate_up_kernel
+    if LORA:  # as in _gate_up_kernel
         slots = tl.load(lora_slot_ptr + pairs64 // lora_top_k, mask=row_ok, other=-1).to(tl.int32)
         b_addr, b_rank = _lora_rows(lora_entries_ptr, slots, stride_lora_el)
     if LORA and LORA_L2:  # as in _gate_up_kernel
@@ -477,9 +459,6 @@ def _down_kernel(
         h = _lora_h(lora_buf_ptr, pairs64, row_ok, lora_r, stride_lora_split, LORA_PARTS, LORA_BLOCK_R)
         acc, _ = _lora_epilogue(acc, 0, h, slots, lead, count, row0, slot0, rank0, b0, b20, b_addr, b_rank, expert,
                                 rows, rows_ok, N, 0, False, LORA_DTYPE, LORA_BLOCK_R, DECODE)
-    if LORA_DELTA:  # as in _gate_up_kernel ([T*A, N]), routing-weighted with the rest below
-        acc, _ = _delta_epilogue(acc, 0, lora_buf_ptr, pairs, row_ok & (split == 0), b_rank, rows, rows_ok, N, 0,
-                                 False)
     acc *= tl.load(weights_ptr + pairs64, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + pairs64[None, :] * stride_ot + rows[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & rows_ok[:, None])
@@ -513,17 +492,6 @@ class LoRAEpilogue:
     token_slots: torch.Tensor
 
 
-@dataclass(frozen=True)
-class LoRADelta:
-    """An expert LoRA delta made before the GEMM by its own kernels (``fused_moe_lora.moe_lora_shrink`` then
-    ``moe_lora_delta``): ``delta`` [T*A, N] float32 (rows of tokens without weights for these experts unwritten),
-    ``table`` the target's ``LoRATable`` (its ranks mask those rows), ``token_slots`` [T] each token's step slot
-    (-1: none). ``gate_up`` / ``down`` add its rows in the epilogue where ``LoRAEpilogue`` would run the products."""
-    delta: torch.Tensor
-    table: LoRATable
-    token_slots: torch.Tensor
-
-
 # ``late_wait``: a PDL-launched GEMM runs its K loop before it waits for the kernel launched just before it (a LoRA
 # shrink, whose rows only the epilogue or a later kernel reads), so the shrink overlaps the GEMM's weight stream
 # (LORAPLEX_MOE_LORA_LATE_WAIT=0: the GEMM waits first, as everywhere else)
@@ -537,18 +505,13 @@ def lora_l2(cfg: dict, device: torch.device) -> bool:
     return bool(int(cfg.get("LORA_L2", 0))) and device.type == "cuda" and not _interpreting()
 
 
-def _lora_args(lora: LoRAEpilogue | LoRADelta | None, fallback: torch.Tensor, cfg: dict):
+def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor, cfg: dict):
     """(pointers, lora_r, strides, constexprs) for the kernels' LoRA parameters (``fallback`` stands in unused;
     without LoRA the constexprs keep the kernels' defaults; with it, cfg's LORA_L2 where ``lora_l2`` applies)."""
     if lora is None:
         return [fallback] * 3, 0, [0, 0], {}
     if lora.token_slots.dim() != 1 or not lora.token_slots.is_contiguous():
         raise ValueError(f"token_slots must be a contiguous [T] tensor, got {tuple(lora.token_slots.shape)}")
-    if isinstance(lora, LoRADelta):
-        if lora.delta.dtype != torch.float32 or not lora.delta.is_contiguous():
-            raise ValueError(f"a LoRA delta must be contiguous float32, got {lora.delta.dtype}")
-        return ([lora.delta, lora.table.entries, lora.token_slots], 0, [lora.table.entries.stride(0), 0],
-                dict(LORA_DELTA=True))
     meta = dict(LORA=True, LORA_PARTS=lora.buf.shape[0], LORA_BLOCK_R=block_r(lora.table.max_rank),
                 LORA_DTYPE=tl_dtype(lora.table.dtype))
     if lora_l2(cfg, fallback.device):
@@ -689,8 +652,7 @@ def _down_plan(cfg: dict, *, interpreting: bool, **shape) -> tuple[dict, dict]:
 
 
 def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None, b13=None, alpha: float = 1.702,
-            limit: float = 7.0, lora: LoRAEpilogue | LoRADelta | None = None,
-            late_wait: bool = False) -> torch.Tensor:
+            limit: float = 7.0, lora: LoRAEpilogue | None = None, late_wait: bool = False) -> torch.Tensor:
     """Kernel-layout gate_up over ``align`` = route_tables(topk_ids, E, cfg): x [T, H] -> act(gate) * up [T*A, I],
     or the pre-activation [gate | up] [T*A, 2I] when ``activation`` is None. cfg GU_SPLIT_K > 1 splits K: float32
     partial sums [S, T*A, 2I], then one launch adds them and applies the activation. ``lora``: the gate_up LoRA
@@ -725,7 +687,7 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
 
 
 def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | None = None,
-         lora: LoRAEpilogue | LoRADelta | None = None, late_wait: bool = False) -> torch.Tensor:
+         lora: LoRAEpilogue | None = None, late_wait: bool = False) -> torch.Tensor:
     """Kernel-layout down GEMM, routing weight in the epilogue: h [T*A, I] (pair rows) -> [T*A, H]; with
     ``split_k`` (default cfg SPLIT_K) > 1 the float32 partial sums [SPLIT_K, T*A, H] (``sum_pairs`` adds them).
     ``lora``: the down LoRA delta, routing-weighted with the rest (split 0 adds it); ``late_wait`` as in ``gate_up``
@@ -804,6 +766,6 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
     return sum_pairs(out, num_tokens, top_k, x.dtype, pdl=use_pdl(cfg, x.device))
 
 
-__all__ = ["DEFAULT_CONFIG", "DOWN_KEYS", "LoRADelta", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down",
-           "down_config", "down_constexprs", "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "lora_l2",
+__all__ = ["DEFAULT_CONFIG", "DOWN_KEYS", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_config",
+           "down_constexprs", "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "lora_l2",
            "route_tables", "sum_pairs", "use_pdl"]

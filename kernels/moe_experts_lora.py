@@ -29,15 +29,8 @@ while the shrink launched before it runs, and waits for it only before its epilo
 
     moe_lora_shrink(x, A13) ─> gate_up GEMM ─> moe_lora_expand(pre) ─> act ─> moe_lora_shrink(h, A2) ─> down GEMM
     ─> moe_lora_expand(out) ─> sum over A          (a FUSED LoRA config: its one kernel after the GEMM, as above)
-
-With DELTA_FIRST (``LORAPLEX_MOE_LORA_DELTA_FIRST=1``) the decode path makes each delta before its GEMM instead of
-in its epilogue: moe_lora_shrink ─> moe_lora_delta (the expand, written to a float32 [T*A, N] of its own) ─> the
-GEMM, whose K loop runs beside both (PDL: the expand lets the GEMM start at once) and whose epilogue adds the
-delta's rows (``fused_moe_mxfp4.LoRADelta``), so the B factors stream beside the weights instead of after them.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -71,8 +64,6 @@ def lora_config(y, x, lora_a, topk_ids: torch.Tensor) -> dict:
 # the LoRA deltas in their epilogues; with larger blocks (prefill tiles of 64+ pairs, many slots each) the epilogue's
 # slot-by-slot products cost more than the expand launches they replace
 EPILOGUE_MAX_BLOCK_M = 16
-# the decode path's deltas made by expand kernels before their GEMMs (module docstring); off: in the epilogues
-DELTA_FIRST = os.environ.get("LORAPLEX_MOE_LORA_DELTA_FIRST", "0") == "1"
 
 
 def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_lora_idx, scaling, cfg, align, cfgs,
@@ -83,25 +74,18 @@ def _kernel_layout_epilogue(x, w13, s13, w2, s2, topk_weights, topk_ids, token_l
     num_tokens, top_k = topk_ids.shape
     slots = token_lora_idx.contiguous()
     gu_lora = dn_lora = None
-    pdl = fm4.use_pdl(cfg, x.device)
-
-    def lora_for(target, inp, table, width):
-        buf = fml.moe_lora_shrink(inp, table, topk_ids, token_lora_idx, scaling, out_features=width,
-                                  config=cfgs[target], align=lora_align)
-        if not DELTA_FIRST:
-            return fm4.LoRAEpilogue(buf, table, slots)
-        delta = fml.moe_lora_delta(inp, buf, table, topk_ids, token_lora_idx, scaling, out_features=width,
-                                   config=cfgs[target], align=lora_align, trigger_first=pdl)
-        return fm4.LoRADelta(delta, table, slots)
-
     if "gate_up" in cfgs:
-        gu_lora = lora_for("gate_up", x, w13_lora, w13.shape[1])
+        buf = fml.moe_lora_shrink(x, w13_lora, topk_ids, token_lora_idx, scaling, out_features=w13.shape[1],
+                                  config=cfgs["gate_up"], align=lora_align)
+        gu_lora = fm4.LoRAEpilogue(buf, w13_lora, slots)
     h = fm4.gate_up(x, w13, s13, align, cfg, top_k=top_k, activation=activation, b13=b13, alpha=alpha, limit=limit,
                     lora=gu_lora, late_wait=gu_lora is not None)  # [T*A, I]
     if "down" in cfgs:
-        dn_lora = lora_for("down", h, w2_lora, w2.shape[1])
+        buf = fml.moe_lora_shrink(h, w2_lora, topk_ids, token_lora_idx, scaling, out_features=w2.shape[1],
+                                  config=cfgs["down"], align=lora_align)
+        dn_lora = fm4.LoRAEpilogue(buf, w2_lora, slots)
     out = fm4.down(h, w2, s2, topk_weights, align, cfg, b2=b2, lora=dn_lora, late_wait=dn_lora is not None)
-    return fm4.sum_pairs(out, num_tokens, top_k, x.dtype, pdl=pdl)
+    return fm4.sum_pairs(out, num_tokens, top_k, x.dtype, pdl=fm4.use_pdl(cfg, x.device))
 
 
 def _shrink_first(cfg: dict, device: torch.device) -> bool:

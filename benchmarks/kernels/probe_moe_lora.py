@@ -3,9 +3,8 @@ profiler, plain launches) of ``moe_experts_lora`` next to the same layer without
 the kernel layout, at the GPT-OSS-20B shape with ``--max-loras`` adapters of ``--rank`` on both expert targets.
 MXFP4 + LoRA runs three times: as the engine calls it (at decode and verify-step sizes the expands inside the GEMMs'
 epilogues, each GEMM waiting for its shrink only before the epilogue), with the GEMMs waiting for the shrink before
-their K loop (``fused_moe_mxfp4.LORA_LATE_WAIT`` off), with each delta made by an expand launched before its
-GEMM (``moe_experts_lora.DELTA_FIRST``), and with the expands as separate launches after the GEMMs
-(``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first three are compared with the last. Two timing-only rows
+their K loop (``fused_moe_mxfp4.LORA_LATE_WAIT`` off), and with the expands as separate launches
+(``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. Two timing-only rows
 (their outputs are not the layer's) split the epilogue path's LoRA time: "shrinks only" launches the shrinks and
 leaves the GEMMs' LoRA epilogues out, "epilogues only" feeds the epilogues rows shrunk once beforehand and launches
 no shrink. ``--epilogue-max-block-m`` and ``--shrink-split-k`` add (checked) rows with the epilogue bound or the
@@ -81,8 +80,6 @@ def variants(inp: dict, lo: dict, epilogue_max: int | None = None, shrink_splits
         "mxfp4 + LoRA": switched(),
         # the GEMMs wait for the shrink before their K loop instead of before their epilogue
         "mxfp4 + LoRA, GEMMs wait first": switched(module=fm4, LORA_LATE_WAIT=False),
-        # the deltas made by expand kernels before their GEMMs, beside the K loops (``moe_experts_lora.DELTA_FIRST``)
-        "mxfp4 + LoRA, deltas first": switched(DELTA_FIRST=True),
         # separate expand launches at every M (the prefill path)
         "mxfp4 + LoRA, expands apart": switched(EPILOGUE_MAX_BLOCK_M=0),
         # where the LoRA time goes at decode sizes (wrong outputs, timing only): the shrinks launched, the GEMMs
@@ -112,7 +109,7 @@ def epilogue_label(n: int) -> str:
     return f"mxfp4 + LoRA, epilogues up to {n}-row blocks"
 
 
-CHECKED = ("mxfp4 + LoRA", "mxfp4 + LoRA, GEMMs wait first", "mxfp4 + LoRA, deltas first")
+CHECKED = ("mxfp4 + LoRA", "mxfp4 + LoRA, GEMMs wait first")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -292,23 +292,6 @@ def test_lora_in_the_gemm_epilogue_matches_reference(case, monkeypatch):
     check_epilogue_case(case)
 
 
-@pytest.mark.parametrize("case", ["both GEMMs split", "gate/up in one product, bits decode, down split",
-                                  "one pair a block, register prefetch", "16-row blocks, the verify-step tile"])
-def test_lora_deltas_made_before_the_gemms_match_reference(case, monkeypatch):
-    """DELTA_FIRST: each shrink, then the expand writing a float32 delta of its own, then the MXFP4 GEMM adding its
-    rows in the epilogue (masked where a token has no adapter or its slot no weights for the experts)."""
-    from loraplex.kernels import moe_experts_lora as mel
-
-    monkeypatch.setattr(mel, "DELTA_FIRST", True)
-    kinds = []
-    for name in ("gate_up", "down"):
-        real = getattr(mel.fm4, name)
-        monkeypatch.setattr(mel.fm4, name, lambda *a, _real=real, **k: kinds.append(type(k.get("lora")).__name__)
-                            or _real(*a, **k))
-    check_epilogue_case(case)
-    assert kinds == ["LoRADelta", "LoRADelta"] * (len(kinds) // 2) and kinds
-
-
 @pytest.mark.parametrize("config", ["32x32x64 split3 bits", "64x64x64"])
 def test_lora_epilogue_only_for_small_row_blocks(config, monkeypatch):
     """Row blocks above 16 pairs (prefill tiles) keep the separate expand launches."""
@@ -472,34 +455,6 @@ for l2 in (False, True):
                     "before_mma": 0 <= ptx.find("prefetch.global.L2") < first_mma})
 print("RESULT " + json.dumps(out))
 '''
-
-
-DELTA_BUILD = BUILD_PRELUDE + r'''
-from loraplex.kernels import fused_moe_lora as fml
-# the decode tile with the delta made before the GEMM: PDL, the K loop before the wait, the delta's rows after it
-meta = dict(HAS_BIAS=True, BLOCK_M=8, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, NUM_N=23, EVEN_K=True, DECODE=2,
-            DIRECT=False, SPLIT_K=2, FUSED=False, PREFETCH=0, USE_PDL=True, LATE_WAIT=True, LORA_DELTA=True)
-out = []
-for kernel, extra in ((fm._gate_up_kernel, {"TOP_K": 4, "ACT": 1, "SPLIT_K": 1}), (fm._down_kernel, {})):
-    ptx = build_sm90(kernel, {**meta, **extra}, TYPES, 4, 3).asm["ptx"]
-    first_mma = min(ptx.find(op) for op in ("mma.sync", "wgmma.") if op in ptx)
-    out.append({"wait_after_mma": ptx.rfind("griddepcontrol.wait") > first_mma})
-# the expand writing the delta, letting the GEMM start before it waits for the shrink
-ptx = build_sm90(fml._moe_lora_expand_kernel, dict(W_DTYPE=tl.bfloat16, HAS_WEIGHTS=False, BLOCK_M=16, BLOCK_N=64,
-                 BLOCK_R=32, GROUP_M=1, NUM_G=45, COLS=2, BLOCK_L=8, NUM_PARTS=1, USE_PDL=True, STORE=True,
-                 TRIGGER_FIRST=True), {"y_ptr": "*fp32", "buf_ptr": "*fp32", "entries_ptr": "*i64",
-                 "weights_ptr": "*fp32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32"},
-                 4, 2).asm["ptx"]
-out.append({"trigger_first": 0 <= ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")})
-print("RESULT " + json.dumps(out))
-'''
-
-
-def test_lora_delta_paths_build_for_sm90():
-    """With the delta made before the GEMM the GEMMs still run their K loops before the grid-dependency wait (the
-    delta is read after it), and the expand lets the next launch start before its own wait."""
-    gu, dn, expand = build_in_child(DELTA_BUILD, timeout=900)
-    assert gu["wait_after_mma"] and dn["wait_after_mma"] and expand["trigger_first"]
 
 
 def test_lora_l2_prefetch_builds_before_the_k_loop_for_sm90():
