@@ -7,7 +7,7 @@ their K loop (``fused_moe_mxfp4.LORA_LATE_WAIT`` off), and with the expands as s
 (``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. Two timing-only rows
 (their outputs are not the layer's) split the epilogue path's LoRA time: "shrinks only" launches the shrinks and
 leaves the GEMMs' LoRA epilogues out, "epilogues only" feeds the epilogues rows shrunk once beforehand and launches
-no shrink. ``--epilogue-max-block-m`` and ``--shrink-split-k`` add (checked) rows with the epilogue bound or the
+no shrink (its GEMMs then wait before their K loop: the alignment launched just before writes the tables they read). ``--epilogue-max-block-m`` and ``--shrink-split-k`` add (checked) rows with the epilogue bound or the
 LoRA calls' split-K changed. The "call" column is the CUDA-graph replay time of the whole call (``bench_time_ms``),
 where PDL launches overlap as in the engine's graphs. ``--mix`` picks the tokens' adapters as
 ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt chunk beside decodes).
@@ -51,9 +51,12 @@ def variants(inp: dict, lo: dict, epilogue_max: int | None = None, shrink_splits
         return moe_experts_lora(x, w13, w2, wts, ids, lo["idx"], lo["scaling"], w13_scale=s13, w2_scale=s2, **lkw,
                                 **extra)
 
-    def switched(module=mel, **switches):  # the layer with a module's switches set for the call
+    def switched(module=mel, also=(), **switches):  # the layer with a module's switches (and ``also``'s) set
         def call():
-            with mock.patch.multiple(module, **switches) if switches else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                for mod, sw in ((module, switches), *also):
+                    if sw:
+                        stack.enter_context(mock.patch.multiple(mod, **sw))
                 return layer()
         return call
 
@@ -86,7 +89,9 @@ def variants(inp: dict, lo: dict, epilogue_max: int | None = None, shrink_splits
         # without their LoRA epilogue; the GEMMs' epilogues fed by rows shrunk beforehand, no shrink launched
         "mxfp4 + LoRA, shrinks only": switched(module=fm4, gate_up=without_epilogue(fm4.gate_up),
                                                down=without_epilogue(fm4.down)),
-        "mxfp4 + LoRA, epilogues only": switched(module=fml, moe_lora_shrink=without_shrink),
+        # (no shrink launched: the GEMMs wait before their K loop, which reads tables the kernel just before writes)
+        "mxfp4 + LoRA, epilogues only": switched(module=fml, also=((fm4, dict(LORA_LATE_WAIT=False)),),
+                                                 moe_lora_shrink=without_shrink),
     }
     if epilogue_max is not None:
         out[epilogue_label(epilogue_max)] = switched(EPILOGUE_MAX_BLOCK_M=epilogue_max)
