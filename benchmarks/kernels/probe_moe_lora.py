@@ -7,8 +7,9 @@ their K loop (``fused_moe_mxfp4.LORA_LATE_WAIT`` off), and with the expands as s
 (``moe_experts_lora.EPILOGUE_MAX_BLOCK_M`` 0); the first two are compared with the last. Two timing-only rows
 (their outputs are not the layer's) split the epilogue path's LoRA time: "shrinks only" launches the shrinks and
 leaves the GEMMs' LoRA epilogues out, "epilogues only" feeds the epilogues rows shrunk once beforehand and launches
-no shrink (its GEMMs then wait before their K loop: the alignment launched just before writes the tables they read). ``--epilogue-max-block-m`` and ``--shrink-split-k`` add (checked) rows with the epilogue bound or the
-LoRA calls' split-K changed. The "call" column is the CUDA-graph replay time of the whole call (``bench_time_ms``),
+no shrink (its GEMMs then wait before their K loop: the alignment launched just before writes the tables they
+read). ``--epilogue-max-block-m`` and ``--shrink-split-k`` add (checked) rows with the epilogue bound or the LoRA
+calls' split-K changed. The "call" column is the CUDA-graph replay time of the whole call (``bench_time_ms``),
 where PDL launches overlap as in the engine's graphs. ``--mix`` picks the tokens' adapters as
 ``tuning_cases.AdapterMix`` does ("prefill": an arrival step, one prompt chunk beside decodes).
 
