@@ -307,6 +307,37 @@ def winner_variants(winners: dict[int, dict], ms: list[int]) -> list[dict]:
     return out
 
 
+def committed_run(out_dir: str, budget_s: float, args, ms: list[int], name: str):
+    """What the MXFP4 sweeps start from: (``Run`` writing ``name`` into ``out_dir``, the 1 GiB copy's rate in TB/s,
+    the GPT-OSS-20B tuning key's shape, the committed "fused_moe_mxfp4" config at each of ``ms``)."""
+    from loraplex.kernels import fused_moe_mxfp4 as fm
+    from loraplex.kernels import tuning
+
+    s = GPT_OSS_20B
+    run = Run(out_dir, budget_s, {"device": torch.cuda.get_device_name(), "shape": s.__dict__,
+                                  "torch": torch.__version__, "args": vars(args)}, name=name)
+    copy_tbs = copy_bandwidth_tbs("cuda", 1 << 30)
+    run.note(f"copy roofline {copy_tbs:.2f} TB/s")
+    shape = {"E": s.num_experts, "A": s.top_k, "H": s.hidden, "I": s.inter}  # fused_moe.shape_of's key
+    committed = {m: {**fm.DEFAULT_CONFIG, **tuning.get_config("fused_moe_mxfp4", shape, m, fm.DEFAULT_CONFIG)}
+                 for m in ms}
+    return run, copy_tbs, shape, committed
+
+
+def write_tuning_file(out_dir: str, shape: dict, winners: dict[int, dict | None]) -> None:
+    """``fused_moe_mxfp4.json`` in ``out_dir``: the device's committed file (its own, else the alias's) with each M
+    of ``winners`` that has a config set to it."""
+    from loraplex.kernels import tuning
+
+    path = tuning.read_path("fused_moe_mxfp4", torch.cuda.get_device_name())
+    table = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+    for m, cfg in winners.items():
+        if cfg is not None:
+            table.setdefault(tuning.shape_key(shape), {})[str(m)] = cfg
+    with open(os.path.join(out_dir, "fused_moe_mxfp4.json"), "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=2)
+
+
 def warm_configs(ms: list[int]) -> list[dict]:
     """Every sweep candidate at ``ms`` and every family config, each once."""
     from loraplex.kernels.tuning_cases import mxfp4_moe_space

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -32,8 +31,8 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, copy_bandwidth_tbs, gemm_bytes, lora_extra_bytes,  # noqa: E402
-                            lora_inputs, moe_bytes, moe_inputs, rel_error, warm_compiles)
+from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, committed_run, gemm_bytes, lora_extra_bytes,  # noqa: E402
+                            lora_inputs, moe_bytes, moe_inputs, rel_error, warm_compiles, write_tuning_file)
 
 TILE_KEYS = ("BLOCK_N", "BLOCK_K", "PREFETCH", "num_warps", "num_stages")
 
@@ -96,20 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from loraplex.kernels import fused_moe_mxfp4 as fm
     from loraplex.kernels import reference_lora as ref
-    from loraplex.kernels import tuning
     from loraplex.kernels.moe_experts_lora import moe_experts_lora
     from loraplex.kernels.tuning_cases import bench_time_ms
 
-    s, dev = GPT_OSS_20B, "cuda"
+    s = GPT_OSS_20B
     ms = [int(v) for v in args.m.split(",")]
     lora_ms = {int(v) for v in args.lora_m.split(",")}
-    run = Run(args.out, args.budget_s, {"device": torch.cuda.get_device_name(), "shape": s.__dict__,
-                                          "torch": torch.__version__, "args": vars(args)}, name="mxfp4_tiles.json")
-    copy_tbs = copy_bandwidth_tbs(dev, 1 << 30)
-    run.note(f"copy roofline {copy_tbs:.2f} TB/s")
-    shape = {"E": s.num_experts, "A": s.top_k, "H": s.hidden, "I": s.inter}  # fused_moe.shape_of's key
-    committed = {m: {**fm.DEFAULT_CONFIG, **tuning.get_config("fused_moe_mxfp4", shape, m, fm.DEFAULT_CONFIG)}
-                 for m in ms}
+    run, copy_tbs, shape, committed = committed_run(args.out, args.budget_s, args, ms, "mxfp4_tiles.json")
     if args.warm_s > 0:
         cfgs = []
         for m in ms:
@@ -124,14 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         best_file[m] = measure(m, s, committed[m], args, run, copy_tbs, lora_ms, fm, ref, moe_experts_lora,
                                bench_time_ms)
-    path = tuning.read_path("fused_moe_mxfp4", torch.cuda.get_device_name())  # own file, else same_as.json's
-    table = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
-    key = tuning.shape_key(shape)
-    for m, cfg in best_file.items():
-        if cfg is not None:
-            table.setdefault(key, {})[str(m)] = cfg
-    with open(os.path.join(args.out, "fused_moe_mxfp4.json"), "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=2)
+    write_tuning_file(args.out, shape, best_file)
     rows = run.data["rows"]
     with open(os.path.join(args.out, "mxfp4_tiles.md"), "w", encoding="utf-8") as f:
         f.write("| M | row | µs | % roofline | rel err | config |\n|---:|---|---:|---:|---:|---|\n")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -27,8 +26,8 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, copy_bandwidth_tbs, moe_bytes, moe_inputs,  # noqa: E402
-                            rel_error)
+from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, committed_run, moe_bytes, moe_inputs,  # noqa: E402
+                            rel_error, write_tuning_file)
 
 
 def candidates(m: int) -> list[dict]:
@@ -150,31 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from loraplex.kernels import fused_moe_mxfp4 as fm
-    from loraplex.kernels import tuning
-
-    s = GPT_OSS_20B
     ms = [int(v) for v in args.m.split(",")]
-    run = Run(args.out, args.budget_s, {"device": torch.cuda.get_device_name(), "shape": s.__dict__,
-                                          "torch": torch.__version__, "args": vars(args)}, name="mxfp4_one_launch.json")
-    copy_tbs = copy_bandwidth_tbs("cuda", 1 << 30)
-    run.note(f"copy roofline {copy_tbs:.2f} TB/s")
-    shape = {"E": s.num_experts, "A": s.top_k, "H": s.hidden, "I": s.inter}  # fused_moe.shape_of's key
-    committed = {m: {**fm.DEFAULT_CONFIG, **tuning.get_config("fused_moe_mxfp4", shape, m, fm.DEFAULT_CONFIG)}
-                 for m in ms}
+    run, copy_tbs, shape, committed = committed_run(args.out, args.budget_s, args, ms, "mxfp4_one_launch.json")
     if args.warm_s > 0:
         cfgs = []
         for m in ms:
             cfgs += [c for c in [committed[m]] + [{**committed[m], **o} for o in candidates(m)] if c not in cfgs]
         warm(cfgs, args.compile_workers, args.warm_s, run)
     winners = {m: measure(m, committed[m], run, copy_tbs) for m in ms}
-    path = tuning.read_path("fused_moe_mxfp4", torch.cuda.get_device_name())
-    table = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
-    for m, cfg in winners.items():
-        if cfg is not None:
-            table.setdefault(tuning.shape_key(shape), {})[str(m)] = cfg
-    with open(os.path.join(args.out, "fused_moe_mxfp4.json"), "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=2)
+    write_tuning_file(args.out, shape, winners)
     with open(os.path.join(args.out, "mxfp4_one_launch.md"), "w", encoding="utf-8") as f:
         f.write("| M | row | µs | % roofline | rel err |\n|---:|---|---:|---:|---:|\n")
         for r in run.data["rows"]:
