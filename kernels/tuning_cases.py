@@ -144,6 +144,9 @@ class Case:
     space: list[dict] = field(default_factory=list)
     variants: dict[str, dict] = field(default_factory=dict)  # label suffix -> config (benchmark, GPU check)
     reference: Callable[[], Any] | None = None  # the torch reference's call, timed beside the op by the benchmark
+    # candidates built on the search's winner, tried after the space (``loraplex tune``): keys a path of its own reads
+    # beside the winner's, which other callers of the same entry keep reading (``mxfp4_one_launch_space``)
+    refine: Callable[[dict], list[dict]] | None = None
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -219,6 +222,27 @@ MXFP4_MID_MIN_M = 128
 MXFP4_PREFILL_MIN_M = 1024
 MXFP4_SPLIT_MAX_M = 16  # split-K candidates: only while the touched experts leave SMs idle
 MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while tokens rarely share an expert
+
+
+# both MXFP4 GEMMs in one launch (``fused_moe_mxfp4_one_launch``), as ``ONE_`` keys over a two-launch winner at M up to
+# ONE_LAUNCH_MAX_M: the H100's winners at M = 2 and 4 first, then their neighbours
+ONE_LAUNCH_MAX_M = 4
+_ONE_BASE = {"ONE_LAUNCH": 1, "ONE_BLOCK_M": 8, "ONE_BLOCK_K": 128, "ONE_GU_FUSED": 0, "ONE_PREFETCH": 0,
+             "ONE_num_stages": 3, "ONE_num_warps": 4, "ONE_PDL": 1}
+ONE_LAUNCH_SPACE = [{**_ONE_BASE, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "ONE_DIRECT": direct, **extra}
+                    for bi, bh, direct, extra in [
+                        (64, 512, 1, {}), (128, 256, 0, {}), (64, 256, 1, {}), (128, 256, 0, {"ONE_GU_FUSED": 1}),
+                        (128, 512, 0, {}), (64, 512, 1, {"ONE_GU_FUSED": 1}), (64, 512, 0, {}),
+                        (128, 256, 0, {"ONE_num_stages": 2})]]
+
+
+def mxfp4_one_launch_space(m: int, best: dict) -> list[dict]:
+    """The one-launch candidates at M tokens over ``best`` (the two-launch winner, whose keys the expert LoRA path
+    keeps reading from the same entry): none above ONE_LAUNCH_MAX_M, one pair a block (``ONE_DIRECT``) only at M <= 2
+    (an expert two pairs share is read twice), none over a checkpoint-layout winner."""
+    if m > ONE_LAUNCH_MAX_M or best.get("LAYOUT") == "checkpoint":
+        return []
+    return [{**best, **c} for c in ONE_LAUNCH_SPACE if m <= 2 or not c["ONE_DIRECT"]]
 
 
 def mxfp4_moe_space(m: int) -> list[dict]:
@@ -425,7 +449,8 @@ def _mxfp4_case(s: ModelShapes, m: int, x, w13, w2, topk_weights, ids, kw: dict,
     shape = shape_of(x, q13, ids)
     tuned = tuning.get_config("fused_moe_mxfp4", shape, m, DEFAULT_CONFIG)
     return Case("fused_moe_mxfp4", "fused_moe_mxfp4", m, shape, run, check, nbytes=nbytes, default=DEFAULT_CONFIG,
-                space=mxfp4_moe_space(m), variants=mxfp4_variants(tuned))
+                space=mxfp4_moe_space(m), variants=mxfp4_variants(tuned),
+                refine=lambda best: mxfp4_one_launch_space(m, best))
 
 
 def dense_lora_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank: int, dtype, device, *,

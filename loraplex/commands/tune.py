@@ -98,7 +98,8 @@ def accurate(err: float, default_err: float) -> bool:
 def tune_case(case, deadline: float) -> tuple[dict, float, float]:
     """(best config, its time ms, default time ms); candidates after ``deadline`` (time.monotonic) are skipped.
     A candidate faster than the best so far is checked against the torch reference (``case.check(cfg)``) before
-    it wins: one that is not ``accurate`` (a tile Triton miscompiles) is refused with a warning."""
+    it wins: one that is not ``accurate`` (a tile Triton miscompiles) is refused with a warning. After the space,
+    ``case.refine(best)`` (where the case has one) gives candidates built on the winner, tried the same way."""
     import torch
 
     from loraplex.kernels import tuning_cases
@@ -106,24 +107,34 @@ def tune_case(case, deadline: float) -> tuple[dict, float, float]:
     default_ms = tuning_cases.bench_time_ms(lambda: case.run(case.default), strict=True)
     best, best_ms = dict(case.default), default_ms
     default_err = case.check(case.default) if case.check is not None else None
-    for cfg in case.space:
-        if time.monotonic() > deadline:
-            break
+
+    def better(cfg: dict) -> float | None:
+        """cfg's time if it beats the best so far and is accurate, else None."""
         try:
             ms = tuning_cases.bench_time_ms(lambda: case.run(cfg), strict=True)
         except Exception as e:  # noqa: BLE001  (out of resources etc.: skip the candidate)
             logger.info("%s M=%d: %s failed (%s)", case.label, case.m, cfg, type(e).__name__)
             torch.cuda.synchronize()
-            continue
+            return None
         if ms >= best_ms:
-            continue
+            return None
         if default_err is not None:
             err = case.check(cfg)
             if not accurate(err, default_err):
                 logger.warning("%s M=%d: %s refused: relative error %.3g against the default config's %.3g",
                                case.label, case.m, cfg, err, default_err)
-                continue
-        best, best_ms = dict(cfg), ms
+                return None
+        return ms
+
+    for stage in ("space", "refine"):
+        if stage == "refine" and case.refine is None:
+            break
+        for cfg in case.space if stage == "space" else case.refine(dict(best)):
+            if time.monotonic() > deadline:
+                break
+            ms = better(cfg)
+            if ms is not None:
+                best, best_ms = dict(cfg), ms
     return best, best_ms, default_ms
 
 

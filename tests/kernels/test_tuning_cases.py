@@ -98,6 +98,46 @@ def test_tune_refuses_a_faster_candidate_that_is_wrong(monkeypatch, caplog):
     assert checked == [case.default, case.space[0], wrong, second]
 
 
+def test_mxfp4_one_launch_candidates_build_on_the_winner():
+    """The one-launch refinements keep every key of the two-launch winner (the expert LoRA path reads them from the
+    same entry) and add valid ONE_ keys; one pair a block only at M <= 2; none above ONE_LAUNCH_MAX_M or over a
+    checkpoint-layout winner."""
+    from loraplex.kernels import fused_moe_mxfp4 as fm
+    from loraplex.kernels import fused_moe_mxfp4_one_launch as ol
+    from loraplex.kernels.tuning_cases import ONE_LAUNCH_MAX_M, mxfp4_one_launch_space
+
+    best = {**fm.DEFAULT_CONFIG, "BLOCK_M": 8, "SPLIT_K": 2, "DOWN_BLOCK_N": 128}
+    for m in range(1, ONE_LAUNCH_MAX_M + 1):
+        cands = mxfp4_one_launch_space(m, best)
+        assert cands and len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+        assert all({k: c[k] for k in best} == best and c["ONE_LAUNCH"] == 1 for c in cands)
+        assert any(c["ONE_DIRECT"] for c in cands) == (m <= 2)
+        for cfg in cands:
+            ol.one_launch_constexprs(cfg, hidden=2880, inter=2880, top_k=4, act=1, has_b13=True, has_b2=True,
+                                     pdl=True, fence=True)
+    assert mxfp4_one_launch_space(ONE_LAUNCH_MAX_M + 1, best) == []
+    assert mxfp4_one_launch_space(1, {**best, "LAYOUT": "checkpoint"}) == []
+
+
+def test_tune_tries_the_refinements_after_the_space(monkeypatch):
+    """After the space, the case's refinements of the winner (for fused_moe_mxfp4 at small M: the one launch) are
+    timed and checked the same way; the fastest accurate one wins with the winner's keys kept."""
+    from loraplex.commands import tune
+
+    shapes = ModelShapes("tiny-mxfp4", hidden=32, num_experts=4, top_k=2, moe_intermediate=32, num_heads=4,
+                         num_kv_heads=2, head_dim=16, activation="swiglu_clamp", expert_bias=True)
+    case = tunable_cases(shapes, 2, 3, 16, torch.float32, "cpu", ops={"fused_moe_mxfp4"})[0]
+    winner = case.space[0]
+    refinements = case.refine(dict(winner))
+    timings = iter([5.0] + [2.0 if c is winner else 3.0 for c in case.space]
+                   + [1.0 if i == 2 else 4.0 for i in range(len(refinements))])
+    monkeypatch.setattr("loraplex.kernels.tuning_cases.bench_time_ms", lambda fn, **kw: next(timings))
+    best, best_ms, default_ms = tune.tune_case(case, deadline=float("inf"))
+    assert (best, best_ms, default_ms) == (refinements[2], 1.0, 5.0)
+    assert best["ONE_LAUNCH"] == 1 and {k: best[k] for k in winner} == winner
+    assert case.check(best) < 1e-4  # the one launch at the tiny shape, through the interpreter
+
+
 def test_accuracy_rule():
     from loraplex.commands.tune import ERR_FLOOR, accurate
 
