@@ -306,17 +306,16 @@ def test_committed_device_folders_hold_op_files_or_a_valid_alias():
             assert tuning.device_files(folder.name, root), f"{alias} resolves to no op files"
 
 
-H100_OWN_MS = {"1024", "2"}  # the entries where the H100's own MXFP4 file keeps a config of its own
+H100_OWN_MS = {"1024"}  # the entries where the H100's own MXFP4 file keeps a tile of its own
 H100_ONE_LAUNCH_MS = {"2", "4"}  # the entries where it adds the one-launch keys to the H200's
 
 
 def test_the_h100s_own_mxfp4_file_differs_from_the_h200s_only_where_the_h100_keeps_its_own_tile():
     """The H100's fused_moe_mxfp4.json is the H200's but at M = 1024, where the H200's 8-warp prefill tile timed
-    3% slower on the H100 than the 4-warp one it keeps, at M = 2, whose two-launch config runs with PDL (2 adapters
-    at C = 2 served 4.6% faster so), and at M = 2 and 4, where it adds the one-launch keys
-    (``fused_moe_mxfp4_one_launch``, timed 5-6% faster there on the H100) to the two-launch ones, which its expert
-    LoRA path keeps; every other entry must stay the H200's (a retune on the H200 is to be copied into it, and this
-    test fails until it is)."""
+    3% slower on the H100 than the 4-warp one it keeps, and at M = 2 and 4, where it adds the one-launch keys
+    (``fused_moe_mxfp4_one_launch``, timed 5-6% faster there on the H100) to the H200's two-launch ones, which its
+    expert LoRA path keeps; every other entry must stay the H200's (a retune on the H200 is to be copied into it,
+    and this test fails until it is)."""
     root = tuning._REPO_TUNING_DIR
     h100 = json.loads((root / "NVIDIA_H100_80GB_HBM3" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
     h200 = json.loads((root / "NVIDIA_H200" / "fused_moe_mxfp4.json").read_text(encoding="utf-8"))
