@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels import tuning
 from loraplex.kernels.activation import gated_act
 from loraplex.kernels.fused_moe import ACT_CODES
 from loraplex.kernels.fused_moe_mxfp4 import (FUSED_MAX_WARPS, _block, _interpreting, _launch, _mma, decode_mode,
@@ -157,6 +158,13 @@ def one_launch_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act
     return meta, launch
 
 
+@tuning.plan_cache
+def _plan(cfg: dict, *, interpreting: bool, **shape) -> tuple[dict, dict]:
+    """``one_launch_constexprs`` remembered per (config, shape) (``interpreting`` keys decode_mode's answer), as the
+    two-launch GEMMs' plans are: the same in every layer of a step."""
+    return one_launch_constexprs(cfg, **shape)
+
+
 def one_launch(x, w13, s13, w2, s2, topk_weights, topk_ids, cfg: dict, *, activation: str, b13=None, b2=None,
                alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The MoE layer's output [T, H] in x's dtype from kernel-layout weights (checked by the caller,
@@ -166,14 +174,12 @@ def one_launch(x, w13, s13, w2, s2, topk_weights, topk_ids, cfg: dict, *, activa
     hidden, inter = x.shape[1], w13.shape[1] // 2
     cfg = one_config(cfg)
     pdl = use_pdl(cfg, x.device)
-    meta, launch = one_launch_constexprs(cfg, hidden=hidden, inter=inter, top_k=top_k, act=ACT_CODES[activation],
-                                         has_b13=b13 is not None, has_b2=b2 is not None, pdl=pdl,
-                                         fence=x.device.type == "cuda" and not _interpreting())
-    align = route_tables(topk_ids, w13.shape[0], cfg)
-    sorted_ids, expert_ids, num_post = align
+    interpreting = _interpreting()
+    meta, launch = _plan(cfg, interpreting=interpreting, hidden=hidden, inter=inter, top_k=top_k,
+                         act=ACT_CODES[activation], has_b13=b13 is not None, has_b2=b2 is not None, pdl=pdl,
+                         fence=x.device.type == "cuda" and not interpreting)
+    sorted_ids, expert_ids, num_post = route_tables(topk_ids, w13.shape[0], cfg)  # made with this BLOCK_M
     num_m = expert_ids.shape[0]
-    if not meta["DIRECT"] and sorted_ids.shape[0] != num_m * meta["BLOCK_M"]:
-        raise ValueError("align tables were made with another BLOCK_M than the config's")
     work = torch.zeros(num_tokens * hidden + 1, dtype=torch.float32, device=x.device)  # acc, then the counter
     acc, done = work[:-1], work[-1:].view(torch.int32)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)

@@ -353,8 +353,8 @@ def warm_configs(ms: list[int]) -> list[dict]:
 def warm_compiles(s: Shapes, cfgs: list[dict], workers: int, run: Run, timeout_s: float, what: str,
                   lora: list[dict] = ()) -> None:
     """Launch gate_up and down of every config in ``cfgs`` once at M = 1 in ``workers`` processes (those in
-    ``lora`` also as moe_experts_lora calls them), filling the Triton cache the main process reads (at most
-    ``timeout_s``)."""
+    ``lora`` also as moe_experts_lora calls them; a ``ONE_LAUNCH`` config the whole op, its one launch), filling the
+    Triton cache the main process reads (at most ``timeout_s``)."""
     import multiprocessing as mp
 
     if not cfgs:
@@ -394,6 +394,11 @@ def _warm_one(job) -> bool:
         ids = torch.arange(s.top_k, device=dev)[None, :]
         weights = torch.full((1, s.top_k), 1.0 / s.top_k, device=dev)
         full = {**fm.DEFAULT_CONFIG, **cfg}
+        if int(full.get("ONE_LAUNCH", 0)):  # fused_moe_mxfp4_one_launch
+            fm.fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, activation="swiglu_clamp", b13=b13, b2=b2,
+                               config=full)
+            torch.cuda.synchronize()
+            return True
         align = fm.route_tables(ids, e, full)
         hmid = fm.gate_up(x, w13, s13, align, full, top_k=s.top_k, activation="swiglu_clamp", b13=b13)
         fm.sum_pairs(fm.down(hmid, w2, s2, weights, align, full, b2=b2), 1, s.top_k, x.dtype)

@@ -19,7 +19,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +26,7 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, committed_run, moe_bytes, moe_inputs,  # noqa: E402
-                            rel_error, write_tuning_file)
+                            rel_error, warm_compiles, write_tuning_file)
 
 
 def candidates(m: int) -> list[dict]:
@@ -46,48 +45,6 @@ def candidates(m: int) -> list[dict]:
 
 def label(cfg: dict) -> str:
     return ", ".join(f"{k[4:]}={v}" for k, v in cfg.items() if k.startswith("ONE_") and k != "ONE_LAUNCH")
-
-
-def _warm_one(job) -> bool:
-    """Compile one config in a worker (the Triton cache is shared with the main process): random kernel-layout
-    words, no quantisation."""
-    shapes, cfg = job
-    try:
-        from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
-        from loraplex.kernels.mxfp4 import kernel_k
-
-        h, e, i, a = shapes["hidden"], shapes["num_experts"], shapes["inter"], shapes["top_k"]
-        dev = "cuda"
-
-        def words(n, k):
-            return torch.randint(-2 ** 31, 2 ** 31 - 1, (e, n, kernel_k(k) // 8), dtype=torch.int32, device=dev)
-
-        scales = lambda n, k: torch.full((e, n, kernel_k(k) // 32), 120, dtype=torch.uint8, device=dev)  # noqa: E731
-        x = torch.randn(1, h, device=dev).to(torch.bfloat16)
-        ids = torch.arange(a, device=dev)[None, :]
-        fused_moe_mxfp4(x, words(2 * i, h), scales(2 * i, h), words(h, i), scales(h, i),
-                        torch.full((1, a), 1.0 / a, device=dev), ids, activation="swiglu_clamp",
-                        b13=torch.zeros(e, 2 * i, device=dev, dtype=x.dtype),
-                        b2=torch.zeros(e, h, device=dev, dtype=x.dtype), config=cfg)
-        torch.cuda.synchronize()
-        return True
-    except Exception:  # noqa: BLE001  (compiled again, and reported, when timed)
-        return False
-
-
-def warm(cfgs: list[dict], workers: int, timeout_s: float, run: Run) -> None:
-    import multiprocessing as mp
-
-    t0 = time.monotonic()
-    pool = mp.get_context("spawn").Pool(workers)
-    try:
-        done = pool.map_async(_warm_one, [(GPT_OSS_20B.__dict__, c) for c in cfgs], chunksize=1).get(timeout_s)
-        run.note(f"compile warm-up: {sum(done)}/{len(cfgs)} configs in {time.monotonic() - t0:.0f} s")
-    except mp.TimeoutError:
-        run.note(f"compile warm-up stopped after {timeout_s:.0f} s; the rest compiles when first timed")
-    finally:
-        pool.terminate()
-        pool.join()
 
 
 def measure(m: int, committed: dict, run: Run, copy_tbs: float) -> dict | None:
@@ -155,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         cfgs = []
         for m in ms:
             cfgs += [c for c in [committed[m]] + [{**committed[m], **o} for o in candidates(m)] if c not in cfgs]
-        warm(cfgs, args.compile_workers, args.warm_s, run)
+        warm_compiles(GPT_OSS_20B, cfgs, args.compile_workers, run, args.warm_s, "one launch")
     winners = {m: measure(m, committed[m], run, copy_tbs) for m in ms}
     write_tuning_file(args.out, shape, winners)
     with open(os.path.join(args.out, "mxfp4_one_launch.md"), "w", encoding="utf-8") as f:

@@ -126,15 +126,18 @@ def tune_case(case, deadline: float) -> tuple[dict, float, float]:
                 return None
         return ms
 
-    for stage in ("space", "refine"):
-        if stage == "refine" and case.refine is None:
-            break
-        for cfg in case.space if stage == "space" else case.refine(dict(best)):
+    def search(cfgs) -> None:
+        nonlocal best, best_ms
+        for cfg in cfgs:
             if time.monotonic() > deadline:
-                break
+                return
             ms = better(cfg)
             if ms is not None:
                 best, best_ms = dict(cfg), ms
+
+    search(case.space)
+    if case.refine is not None:
+        search(case.refine(dict(best)))
     return best, best_ms, default_ms
 
 
