@@ -46,16 +46,19 @@ def test_residency_affinity_eviction_and_failover(serve, tmp_path, tiny_base, ad
 
 
 class Flaky(NullEngineClient):
-    """A replica whose generate and residency each fail while their flag is set; counts generate calls."""
+    """A replica whose generate and residency each fail while their flag is set; counts generate calls. With
+    ``crash`` set, a failing generate takes residency down with it (the process died under the request), so no
+    residency poll can see the replica down before a request has."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.generate_down = self.residency_down = False
+        self.generate_down = self.residency_down = self.crash = False
         self.generates = 0
 
     async def generate(self, request):
         self.generates += 1
         if self.generate_down:
+            self.residency_down = self.residency_down or self.crash
             raise EngineUnavailableError("connection refused")
         async for chunk in super().generate(request):
             yield chunk
@@ -78,8 +81,9 @@ def test_replica_marked_down_by_a_request_waits_for_a_residency_poll(serve, tmp_
         return client.completions.create(model="tiny-llama", prompt=[1], max_tokens=1).choices[0].text
 
     assert ask() == " tok" and flaky.generates == 1           # base model: the least-loaded, "a" first
-    flaky.generate_down = flaky.residency_down = True
+    flaky.generate_down = flaky.crash = True                  # the next request to "a" finds it gone
     assert ask() == " tok" and flaky.generates == 2           # failed over to "b"; "a" is down
+    assert flaky.residency_down
     flaky.generate_down = False                               # it would answer now, but no poll has said so
     polls = server.gateway.poller.polls
     for _ in range(5):
