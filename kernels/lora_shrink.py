@@ -7,6 +7,10 @@ so tokens without an adapter and idle slots launch nothing. A program reads its 
 with rank 0 (not targeted) leaves its rows zero. Split-K programs add their partial sums with relaxed
 atomics into a zeroed fp32 buffer. The token count is not a compile-time constant: one compile serves every
 batch size and context length.
+Config "FUSE_SLICES": 1 computes every slice of a token block in one program, the slices' A rows side by side
+as one product's columns (S rounded up to a power of two, times the rank tile), so x is read once instead of once
+per slice: for prefill-sized batches of a multi-slice target (qkv), where x is the bytes that count; the grid's
+second dim is then SPLIT_K alone. Not with COMPACT.
 Config "COMPACT": c > 0 launches the grid's token-block dim divided by c, 1-D, each program walking the used
 (token block, slice, split) items with a stride of the grid: a decode graph's table (one slot per row) then
 launches c times fewer programs that do nothing, and each program scans the segment lengths once. c = 0: the
@@ -80,6 +84,46 @@ def _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
+@triton.jit
+def _shrink_slices(x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr, lora, pid_m,
+                   pid_k, K, stride_xt, stride_el, stride_es, stride_bs, stride_bt, W_DTYPE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, NUM_S: tl.constexpr, S_TILE: tl.constexpr):
+    """FUSE_SLICES: token block ``pid_m`` of slot ``lora``, K split ``pid_k``, every slice at once: column
+    n = s * BLOCK_R + r of the product is row r of slice s's A (each slice's own address and rank), so each x tile is
+    loaded once for all NUM_S slices (S_TILE: NUM_S rounded up to a power of two)."""
+    tok, row_ok = segment_rows(order_ptr, seg_start_ptr, seg_len_ptr, lora, pid_m, BLOCK_M)
+    n = tl.arange(0, S_TILE * BLOCK_R)
+    sl = n // BLOCK_R
+    r = n % BLOCK_R
+    entry = entries_ptr + lora.to(tl.int64) * stride_el + sl * stride_es
+    rank = tl.load(entry + 2, mask=sl < NUM_S, other=0).to(tl.int32)  # 0: a slice the adapter does not target
+    col_ok = r < rank
+    a_base = tl.load(entry, mask=col_ok, other=0).to(tl.pointer_type(W_DTYPE))
+    k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
+    a_ptrs = a_base[None, :] + r[None, :].to(tl.int64) * K + k[:, None]  # column n: A_s [rank, K] row-major
+    acc = tl.zeros([BLOCK_M, S_TILE * BLOCK_R], tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            at = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += dot(xt, at.to(xt.dtype))
+        x_ptrs += BLOCK_K * SPLIT_K
+        a_ptrs += BLOCK_K * SPLIT_K
+    acc *= tl.load(scaling_ptr + lora).to(tl.float32)
+    out_ptrs = buf_ptr + sl[None, :] * stride_bs + tok[:, None] * stride_bt + r[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]  # columns past a slice's rank stay zero
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+
+
 @cached_launch
 @triton.jit(do_not_specialize=["L"])
 def _lora_shrink_kernel(
@@ -89,11 +133,17 @@ def _lora_shrink_kernel(
     K, L,
     stride_xt, stride_el, stride_es, stride_bs, stride_bt,
     W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_L: tl.constexpr, NUM_S: tl.constexpr = 1,
+    S_TILE: tl.constexpr = 0,
 ):
     lora, pid_m, past = slot_block(tl.program_id(0), seg_len_ptr, L, BLOCK_M, BLOCK_L, False)
     pid_z = tl.program_id(1)
     if past:  # past the token blocks the slots use
+        return
+    if S_TILE:  # FUSE_SLICES: the grid's second dim is the K split alone
+        _shrink_slices(x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr, lora, pid_m,
+                       pid_z, K, stride_xt, stride_el, stride_es, stride_bs, stride_bt, W_DTYPE, BLOCK_M, BLOCK_R,
+                       BLOCK_K, SPLIT_K, EVEN_K, NUM_S, S_TILE)
         return
     sl = pid_z // SPLIT_K
     a_ptr, rank = weight_entry(entries_ptr, lora, sl, stride_el, stride_es, 0, W_DTYPE)
@@ -175,7 +225,12 @@ def lora_shrink(x: torch.Tensor, lora_a: LoRATable | torch.Tensor, token_lora_id
     ent = table.entries
     num_flat, num_z = flat_blocks(num_tokens, max_loras, block_m), num_slices * split_k
     compact = int(cfg.get("COMPACT", 0))
+    fuse = int(cfg.get("FUSE_SLICES", 0))
+    if fuse and compact:
+        raise ValueError("lora_shrink config: FUSE_SLICES and COMPACT cannot be combined")
     kernel, grid, extra = _lora_shrink_kernel, (num_flat, num_z), {}
+    if fuse:  # every slice of a token block in one program (module docstring)
+        grid, extra = (num_flat, split_k), {"NUM_S": num_slices, "S_TILE": next_power_of_2(num_slices)}
     if compact:  # a smaller 1-D grid walking the used work (module docstring)
         kernel, grid, extra = _lora_shrink_compact_kernel, (cdiv(num_flat, compact) * num_z,), {"NUM_Z": num_z}
     kernel[grid](

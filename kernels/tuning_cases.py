@@ -282,6 +282,24 @@ SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"
     (16, 32, 32, 2, 2), (16, 64, 1, 4, 2), (16, 128, 1, 4, 3), (16, 256, 1, 4, 3), (16, 128, 4, 4, 3),
     (16, 256, 4, 4, 3), (32, 128, 4, 4, 3), (64, 128, 2, 4, 3), (64, 64, 1, 4, 3), (16, 256, 8, 8, 3),
     (32, 256, 2, 8, 3), (16, 64, 32, 1, 2)])
+# prefill-sized batches (M >= SHRINK_LARGE_MIN_M): larger token blocks without split-K, and for a multi-slice target
+# (qkv) every slice in one program (``lora_shrink``'s FUSE_SLICES: x read once instead of once per slice), first
+SHRINK_LARGE_MIN_M = 256
+_SHRINK_KEYS = ("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+SHRINK_LARGE_SPACE = _cfgs(_SHRINK_KEYS, [
+    (64, 64, 1, 4, 3), (64, 128, 1, 8, 3), (128, 64, 1, 8, 3), (32, 128, 1, 4, 3), (64, 64, 2, 4, 3),
+    (128, 128, 1, 8, 2), (32, 64, 2, 4, 3)])
+
+
+def shrink_space(m: int, num_slices: int) -> list[dict]:
+    """Search space of ``lora_shrink`` at M tokens of a target with ``num_slices`` slices: SHRINK_SPACE, and at
+    prefill sizes first SHRINK_LARGE_SPACE (with FUSE_SLICES where there are several slices, then without)."""
+    if m < SHRINK_LARGE_MIN_M:
+        return list(SHRINK_SPACE)
+    fused = [{**c, "FUSE_SLICES": 1} for c in SHRINK_LARGE_SPACE] if num_slices > 1 else []
+    return fused + SHRINK_LARGE_SPACE + [c for c in SHRINK_SPACE if c not in SHRINK_LARGE_SPACE]
+
+
 EXPAND_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages", "PDL"), [
     (16, 128, 1, 4, 2, 1), (16, 128, 4, 4, 2, 1), (16, 256, 1, 4, 2, 1), (16, 64, 1, 4, 2, 1),
     (16, 64, 1, 4, 2, 0), (16, 128, 1, 4, 2, 0), (16, 256, 1, 4, 2, 0), (16, 128, 4, 4, 2, 0), (32, 128, 4, 4, 2, 0),
@@ -535,7 +553,7 @@ def dense_lora_cases(s: ModelShapes, m: int, max_loras: "int | AdapterMix", rank
              lambda cfg=None: rel_error(sh.lora_shrink(x, lora_a, idx, scaling, config=cfg),
                                         ref.lora_shrink(x, lora_a, idx, scaling)),
              nbytes=_nbytes(x, buf) + ns * active * rank * k_in * x.element_size(),
-             default=sh.default_config(k_in), space=SHRINK_SPACE),
+             default=sh.default_config(k_in), space=shrink_space(m, ns)),
         Case("lora_expand", f"lora_expand[{target}]", m, ex.shape_of(y, buf, slices),
              lambda cfg: ex.lora_expand(y, buf, lora_b, idx, slices, config=cfg), check_expand,
              nbytes=_nbytes(buf) + 2 * _nbytes(y) + active * n * rank * x.element_size(),

@@ -336,3 +336,18 @@ def test_moe_lora_probe_refuses_without_a_gpu(tmp_path):
     assert not out.exists()
     with pytest.raises(SystemExit):
         script.main(["--mix", "uniform"])
+
+
+def test_shrink_space_tries_fused_slices_first_at_prefill_sizes():
+    from loraplex.kernels.tuning_cases import SHRINK_LARGE_MIN_M, SHRINK_SPACE, shrink_space
+
+    assert shrink_space(SHRINK_LARGE_MIN_M - 1, 3) == SHRINK_SPACE
+    qkv, one = shrink_space(SHRINK_LARGE_MIN_M, 3), shrink_space(2048, 1)
+    assert qkv[0]["FUSE_SLICES"] == 1 and not any(c.get("FUSE_SLICES") for c in one)
+    assert all(c in qkv for c in one) and all(c in one for c in SHRINK_SPACE)
+    assert qkv[0]["SPLIT_K"] == 1 and qkv[0]["BLOCK_M"] >= 64  # large token blocks, no split, lead
+    for space in (qkv, one):
+        assert len({tuple(sorted(c.items())) for c in space}) == len(space)
+    # the fused candidates give the reference at a tiny qkv shape (the tuner's check)
+    case = next(c for c in tunable_cases(TINY, 300, 3, 16, torch.float32, "cpu") if c.label == "lora_shrink[qkv]")
+    assert case.space[0]["FUSE_SLICES"] == 1 and case.check(case.space[0]) < 1e-4
