@@ -282,21 +282,26 @@ SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"
     (16, 32, 32, 2, 2), (16, 64, 1, 4, 2), (16, 128, 1, 4, 3), (16, 256, 1, 4, 3), (16, 128, 4, 4, 3),
     (16, 256, 4, 4, 3), (32, 128, 4, 4, 3), (64, 128, 2, 4, 3), (64, 64, 1, 4, 3), (16, 256, 8, 8, 3),
     (32, 256, 2, 8, 3), (16, 64, 32, 1, 2)])
-# prefill-sized batches (M >= SHRINK_LARGE_MIN_M): larger token blocks without split-K, and for a multi-slice target
-# (qkv) every slice in one program (``lora_shrink``'s FUSE_SLICES: x read once instead of once per slice), first
+# prefill-sized batches (M >= SHRINK_LARGE_MIN_M): larger token blocks with less split-K, and for a multi-slice
+# target (qkv) every slice in one program (``lora_shrink``'s FUSE_SLICES: x read once instead of once per slice)
 SHRINK_LARGE_MIN_M = 256
 _SHRINK_KEYS = ("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 SHRINK_LARGE_SPACE = _cfgs(_SHRINK_KEYS, [
-    (64, 64, 1, 4, 3), (64, 128, 1, 8, 3), (128, 64, 1, 8, 3), (32, 128, 1, 4, 3), (64, 64, 2, 4, 3),
-    (128, 128, 1, 8, 2), (32, 64, 2, 4, 3)])
+    (64, 128, 2, 4, 3), (64, 64, 1, 4, 3), (64, 128, 1, 8, 3), (128, 64, 1, 8, 3), (32, 128, 1, 4, 3),
+    (64, 64, 2, 4, 3), (128, 128, 1, 8, 2), (32, 64, 2, 4, 3)])
+# FUSE_SLICES has S times fewer programs than the plain grid, so it splits K further to fill the GPU
+SHRINK_FUSED_SPACE = _cfgs(_SHRINK_KEYS, [
+    (64, 128, 4, 4, 3), (32, 128, 4, 4, 3), (64, 64, 8, 4, 3), (32, 64, 8, 4, 3), (64, 128, 8, 8, 3),
+    (128, 64, 4, 8, 3), (64, 128, 2, 4, 3), (16, 128, 8, 4, 3)])
 
 
 def shrink_space(m: int, num_slices: int) -> list[dict]:
     """Search space of ``lora_shrink`` at M tokens of a target with ``num_slices`` slices: SHRINK_SPACE, and at
-    prefill sizes first SHRINK_LARGE_SPACE (with FUSE_SLICES where there are several slices, then without)."""
+    prefill sizes first SHRINK_LARGE_SPACE and, where there are several slices, SHRINK_FUSED_SPACE with
+    FUSE_SLICES."""
     if m < SHRINK_LARGE_MIN_M:
         return list(SHRINK_SPACE)
-    fused = [{**c, "FUSE_SLICES": 1} for c in SHRINK_LARGE_SPACE] if num_slices > 1 else []
+    fused = [{**c, "FUSE_SLICES": 1} for c in SHRINK_FUSED_SPACE] if num_slices > 1 else []
     return fused + SHRINK_LARGE_SPACE + [c for c in SHRINK_SPACE if c not in SHRINK_LARGE_SPACE]
 
 
