@@ -99,7 +99,7 @@ def _shrink_slices(x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_le
     entry = entries_ptr + lora.to(tl.int64) * stride_el + sl * stride_es
     rank = tl.load(entry + 2, mask=sl < NUM_S, other=0).to(tl.int32)  # 0: a slice the adapter does not target
     col_ok = r < rank
-    a_base = tl.load(entry, mask=col_ok, other=0).to(tl.pointer_type(W_DTYPE))
+    a_base = tl.multiple_of(tl.load(entry, mask=col_ok, other=0).to(tl.pointer_type(W_DTYPE)), 16)  # 16-byte aligned
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
     a_ptrs = a_base[None, :] + r[None, :].to(tl.int64) * K + k[:, None]  # column n: A_s [rank, K] row-major

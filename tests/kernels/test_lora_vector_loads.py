@@ -29,7 +29,10 @@ def ptx(kernel, consts, fp32):
 W = dict(W_DTYPE=tl.bfloat16)
 CASES = {
     "lora_shrink": (sh._lora_shrink_kernel, dict(W, BLOCK_M=16, BLOCK_R=32, BLOCK_K=64, SPLIT_K=4, EVEN_K=True,
-                                                 BLOCK_L=8), {"buf_ptr", "scaling_ptr"}),
+                                                 BLOCK_L=8, NUM_S=1, S_TILE=0), {"buf_ptr", "scaling_ptr"}),
+    "lora_shrink fused slices": (sh._lora_shrink_kernel, dict(W, BLOCK_M=64, BLOCK_R=32, BLOCK_K=64, SPLIT_K=4,
+                                                              EVEN_K=True, BLOCK_L=8, NUM_S=3, S_TILE=4),
+                                 {"buf_ptr", "scaling_ptr"}),
     "lora_expand": (ex._lora_expand_kernel, dict(W, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32, GROUP_M=1, NUM_N=4,
                                                  BLOCK_L=8, USE_PDL=False), {"buf_ptr"}),
     "lora_shrink_expand": (se._lora_shrink_expand_kernel, dict(W, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32, BLOCK_K=64,
@@ -58,7 +61,8 @@ def test_table_kernels_load_factors_with_vector_loads():
     counts = build_in_child(BUILD, timeout=300)
     for name, c in counts.items():
         assert c["b16"] == 0, (name, c)  # no element-by-element load of a bf16 operand
-    for name in ("lora_shrink", "lora_shrink_expand", "moe_lora_shrink", "moe_lora_fused"):  # A: into shared
+    for name in ("lora_shrink", "lora_shrink fused slices", "lora_shrink_expand", "moe_lora_shrink",
+                 "moe_lora_fused"):  # A: into shared
         assert counts[name]["cp_async"] > 0, (name, counts[name])
     for name in ("lora_expand", "lora_shrink_expand", "moe_lora_expand", "moe_lora_fused"):  # B tiles (and y)
         assert counts[name]["v4"] > 0, (name, counts[name])
