@@ -50,6 +50,36 @@ def default_config(k: int) -> dict:
 
 
 @triton.jit
+def _shrink_product(x_ptr, a_cols, col_ok, tok, row_ok, scale, out_ptrs, pid_k, K, stride_xt,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    """scale * x[tok] @ A^T over K split ``pid_k``'s share, stored at ``out_ptrs`` [BLOCK_M, BLOCK_N] where ``row_ok``
+    and ``col_ok`` (split-K: relaxed atomic adds into the zeroed buffer); column n of the product reads the K-contiguous
+    A row that starts at ``a_cols`` [1, BLOCK_N]."""
+    k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
+    a_ptrs = a_cols + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            at = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += dot(xt, at.to(xt.dtype))
+        x_ptrs += BLOCK_K * SPLIT_K
+        a_ptrs += BLOCK_K * SPLIT_K
+    acc *= scale
+    out_mask = row_ok[:, None] & col_ok[None, :]  # columns past the rank stay zero
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+
+
+@triton.jit
 def _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_ptr, scaling_ptr, lora, pid_m, sl,
                  pid_k, K, stride_xt, stride_bs, stride_bt,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -57,31 +87,10 @@ def _shrink_rows(x_ptr, a_ptr, rank, buf_ptr, order_ptr, seg_start_ptr, seg_len_
     """One program's work: token block ``pid_m`` of slot ``lora``, slice ``sl``, K split ``pid_k`` (rank > 0)."""
     tok, row_ok = segment_rows(order_ptr, seg_start_ptr, seg_len_ptr, lora, pid_m, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
-    r_ok = r < rank
-    k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
-    a_ptrs = a_ptr + r[None, :].to(tl.int64) * K + k[:, None]  # A [rank, K] row-major
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    # ---- K loop (this split's share)
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            at = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
-        else:
-            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += dot(xt, at.to(xt.dtype))
-        x_ptrs += BLOCK_K * SPLIT_K
-        a_ptrs += BLOCK_K * SPLIT_K
-    acc *= tl.load(scaling_ptr + lora).to(tl.float32)
-    # ---- write (split-K: relaxed atomic adds into the zeroed buffer); columns past the rank stay zero
-    out_ptrs = buf_ptr + sl * stride_bs + tok[:, None] * stride_bt + r[None, :]
-    out_mask = row_ok[:, None] & r_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc, mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    a_cols = a_ptr + r[None, :].to(tl.int64) * K  # A [rank, K] row-major
+    _shrink_product(x_ptr, a_cols, r < rank, tok, row_ok, tl.load(scaling_ptr + lora).to(tl.float32),
+                    buf_ptr + sl * stride_bs + tok[:, None] * stride_bt + r[None, :], pid_k, K, stride_xt, BLOCK_M,
+                    BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
 
 
 @triton.jit
@@ -100,28 +109,10 @@ def _shrink_slices(x_ptr, entries_ptr, buf_ptr, order_ptr, seg_start_ptr, seg_le
     rank = tl.load(entry + 2, mask=sl < NUM_S, other=0).to(tl.int32)  # 0: a slice the adapter does not target
     col_ok = r < rank
     a_base = tl.multiple_of(tl.load(entry, mask=col_ok, other=0).to(tl.pointer_type(W_DTYPE)), 16)  # 16-byte aligned
-    k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
-    a_ptrs = a_base[None, :] + r[None, :].to(tl.int64) * K + k[:, None]  # column n: A_s [rank, K] row-major
-    acc = tl.zeros([BLOCK_M, S_TILE * BLOCK_R], tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            at = tl.load(a_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += dot(xt, at.to(xt.dtype))
-        x_ptrs += BLOCK_K * SPLIT_K
-        a_ptrs += BLOCK_K * SPLIT_K
-    acc *= tl.load(scaling_ptr + lora).to(tl.float32)
-    out_ptrs = buf_ptr + sl[None, :] * stride_bs + tok[:, None] * stride_bt + r[None, :]
-    out_mask = row_ok[:, None] & col_ok[None, :]  # columns past a slice's rank stay zero
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc, mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    _shrink_product(x_ptr, a_base[None, :] + r[None, :].to(tl.int64) * K, col_ok, tok, row_ok,
+                    tl.load(scaling_ptr + lora).to(tl.float32),
+                    buf_ptr + sl[None, :] * stride_bs + tok[:, None] * stride_bt + r[None, :], pid_k, K, stride_xt,
+                    BLOCK_M, S_TILE * BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
 
 
 @cached_launch
