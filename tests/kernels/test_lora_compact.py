@@ -90,7 +90,7 @@ def test_compact_with_no_adapter_rows_changes_nothing():
     torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 33, 128])
+@pytest.mark.parametrize("num_tokens", [1, 77])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("widths", [(16, 8, 8), (40,), (8, 16)], ids=["qkv", "one", "two"])
 def test_fused_slices_shrink_matches_reference(num_tokens, split_k, widths):
