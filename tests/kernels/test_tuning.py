@@ -333,7 +333,7 @@ H100_OWN_DENSE_LORA_MS = {"lora_shrink": {"1024", "2048"}, "lora_expand": set()}
 
 
 @pytest.mark.parametrize("op", ["lora_shrink", "lora_expand"])
-def test_the_h100s_own_dense_lora_files_add_only_the_o_projection_to_the_h200s(op):
+def test_the_h100s_own_dense_lora_files_add_the_o_projection_and_prefill_qkv_shrinks_to_the_h200s(op):
     """The H100 tuned the o projection's LoRA itself (the H200 has no entries for it), and the qkv shrink at
     prefill sizes where the H200 has none; every entry the H200 has must stay the H200's in the H100's file (a
     retune on the H200 is to be copied into it, and this test fails until it is)."""
