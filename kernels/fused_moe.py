@@ -11,7 +11,8 @@ program). Programs are ordered in groups of GROUP_M blocks per column block for 
 padded pair count leave at once. INT8 weights are widened in registers and the per-output-channel scale is
 applied to the fp32 accumulator (dequantisation fused). MXFP4 weights (uint8: two K elements a byte, W_MXFP4)
 are decoded to a weight tile in the K loop (``mxfp4_dequant``), their per-32 E8M0 scales on the tile. The pair
-count is not a compile-time constant.
+count is not a compile-time constant. A config with ``"TMA": 1`` runs ``fused_moe_tma``'s kernels instead (16/32-bit
+weights read through a TMA tensor descriptor).
 """
 from __future__ import annotations
 
@@ -102,6 +103,15 @@ def _moe_gate_up_kernel(
     if W_INT8:
         acc_g *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
         acc_u *= tl.load(scale_ptr + expert * stride_se + N + cols, mask=col_ok, other=0.0)[None, :]
+    gate_up_store(acc_g, acc_u, bias_ptr, out_ptr, expert, pairs, row_ok, cols, col_ok, N, alpha, limit, stride_be,
+                  stride_ot, ACT, HAS_BIAS)
+
+
+@triton.jit
+def gate_up_store(acc_g, acc_u, bias_ptr, out_ptr, expert, pairs, row_ok, cols, col_ok, N, alpha, limit, stride_be,
+                  stride_ot, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """gate_up's epilogue after any dequant scale: bias, then act(gate) * up, or [gate | up] (ACT_NONE), stored to
+    the pairs' rows. Shared with ``fused_moe_tma``."""
     if HAS_BIAS:
         acc_g += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + expert * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -206,6 +216,11 @@ def moe_config(op: str, x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tens
                                                          DEFAULT_CONFIG)
 
 
+def uses_tma(cfg: dict) -> bool:
+    """The config reads the expert weights through TMA (``fused_moe_tma``; bf16 / fp16 / fp32 weights only)."""
+    return bool(int(cfg.get("TMA", 0)))
+
+
 def _launch_args(cfg: dict) -> tuple[int, int, int, int, dict]:
     bm, bn, bk, gm = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
     return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
@@ -228,13 +243,18 @@ def gate_up(x, w13, align, cfg: dict, *, top_k: int, activation: str | None, b13
         raise ValueError(f"MXFP4 weights need their scales and BLOCK_K a power of two >= 32, got BLOCK_K {bk}")
     int8 = w13_scale is not None and not mxfp4
     out = torch.empty(num_pairs, inter if activation else 2 * inter, dtype=x.dtype, device=x.device)
+    act = ACT_CODES[activation] if activation else ACT_NONE
+    if uses_tma(cfg):
+        from loraplex.kernels import fused_moe_tma  # imports this module
+        return fused_moe_tma.gate_up(x, w13, align, cfg, out, top_k=top_k, act=act, b13=b13, alpha=alpha,
+                                     limit=limit, launch=launch)
     num_n = cdiv(inter, bn)
     _moe_gate_up_kernel[(num_m * num_n,)](
         x, w13, w13_scale if w13_scale is not None else x, b13 if b13 is not None else x, out, sorted_ids, expert_ids,
         num_post, num_pairs, num_m, inter, hidden, float(alpha), float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), *(w13_scale.stride()[:2] if w13_scale is not None else (0, 0)),
         b13.stride(0) if b13 is not None else 0, out.stride(0),
-        TOP_K=top_k, ACT=ACT_CODES[activation] if activation else ACT_NONE, W_INT8=int8, W_MXFP4=mxfp4,
+        TOP_K=top_k, ACT=act, W_INT8=int8, W_MXFP4=mxfp4,
         HAS_BIAS=b13 is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=num_n, EVEN_K=hidden % bk == 0, **launch)
     return out
@@ -252,8 +272,11 @@ def down(h, w2, topk_weights, align, cfg: dict, *, b2=None, w2_scale=None) -> to
         raise ValueError(f"MXFP4 weights need their scales and BLOCK_K a power of two >= 32, got BLOCK_K {bk}")
     int8 = w2_scale is not None and not mxfp4
     out = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
-    num_n = cdiv(hidden, bn)
     weights = topk_weights.reshape(-1).contiguous()
+    if uses_tma(cfg):
+        from loraplex.kernels import fused_moe_tma  # imports this module
+        return fused_moe_tma.down(h, w2, weights, align, cfg, out, b2=b2, launch=launch)
+    num_n = cdiv(hidden, bn)
     _moe_down_kernel[(num_m * num_n,)](
         h, w2, w2_scale if w2_scale is not None else h, b2 if b2 is not None else h, weights, out, sorted_ids,
         expert_ids, num_post, num_pairs, num_m, hidden, inter,

@@ -166,6 +166,11 @@ MOE_SPACE = _cfgs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num
     # prefill sizes (M in the thousands: compute-bound tiles)
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
     (128, 64, 64, 8, 4, 4)])
+# bf16 / fp16 experts also try their prefill tiles with the weights read through TMA (``fused_moe_tma``; a box row
+# of at most 128 bytes: BLOCK_K 64)
+MOE_FLOAT_SPACE = MOE_SPACE + [{**cfg, "TMA": 1} for cfg in _cfgs(
+    ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
+    [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4)])]
 # fused_moe_mxfp4 on the kernel layout (``fused_moe_mxfp4``): weight rows on the MMA's M (BLOCK_N), pairs on its N
 # (BLOCK_M), BLOCK_K a multiple of 64. The MMA follows from the shape: wgmma (Triton's MMAv3) where BLOCK_M >= 16,
 # the product's rows are a multiple of 64 and num_warps of 4, else mma.sync (MMAv2; BLOCK_M 8, or 1 / 2 warps),
@@ -425,7 +430,7 @@ def moe_cases(s: ModelShapes, m: int, dtype, device, *, weights: str = "float") 
                      lambda cfg=None: rel_error(fused_moe(x, w13, w2, topk_weights, ids, config=cfg, **kw),
                                                 reference.fused_moe(x, w13, w2, topk_weights, ids, **kw)),
                      nbytes=active * (w13[0].numel() + w2[0].numel()) * w13.element_size() + act_bytes,
-                     default=DEFAULT_CONFIG, space=MOE_SPACE)]
+                     default=DEFAULT_CONFIG, space=MOE_FLOAT_SPACE)]
     if weights == "int8":
         q13, s13 = reference_lora.quantize_int8_per_channel(w13)
         q2, s2 = reference_lora.quantize_int8_per_channel(w2)

@@ -1,6 +1,7 @@
-"""The bf16 expert GEMMs (``fused_moe``) at an arrival step's size, each GEMM alone over a grid of tiles, next to
-cuBLAS ``bmm`` of the same per-expert sizes (every expert padded to the most-routed one's rows) and the whole op
-with the committed config. GPT-OSS-20B expert shape (E = 32, top-4, H = I = 2880), random routing, CUDA-graph
+"""The bf16 expert GEMMs (``fused_moe``) at an arrival step's size, each GEMM alone over a grid of tiles, with
+pointer loads and (rows with ``"TMA": 1``, where the tile's box row is at most 128 bytes) with the weights read
+through TMA (``fused_moe_tma``), next to cuBLAS ``bmm`` of the same per-expert sizes (every expert padded to the
+most-routed one's rows) and the whole op with the committed config. GPT-OSS-20B expert shape (E = 32, top-4, H = I = 2880), random routing, CUDA-graph
 replay after an L2 flush (``tuning_cases.bench_time_ms``); TFLOP/s from the routed pairs' FLOPs; each gate_up
 output compared with the committed config's (``err``). Env: MS (default 1727,2048), BUDGET (s, default 200), OUT.
 
@@ -56,7 +57,8 @@ for m in [int(v) for v in os.environ.get("MS", "1727,2048").split(",")]:
     us = bench_time_ms(lambda: torch.bmm(ha, w2t)) * 1e3
     log(m=m, what="cublas bmm down (rows=max count)", us=us, tflops=2 * E * r * I * H / us / 1e6)
     h_ref = None
-    for cfg in [committed] + grid:
+    rows_of = [[c, {**c, "TMA": 1}] if c["BLOCK_K"] * 2 <= 128 else [c] for c in grid]  # each tile, then its TMA form
+    for cfg in [committed] + [c for pair in rows_of for c in pair]:
         if time.time() - t0 > BUDGET:
             log(m=m, what="stopped (budget)"); break
         try:
