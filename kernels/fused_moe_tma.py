@@ -45,7 +45,7 @@ def _gate_up_tma_kernel(
     # x [T, K]; w_desc over w13 [E * 2N, K]; bias [E, 2N]; out [T*A, N] ([T*A, 2N] if ACT_NONE); tables
     num_pairs, num_m, N, K, alpha, limit, stride_xt, stride_be, stride_ot,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -59,7 +59,7 @@ def _gate_up_tma_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xt = tl.load(x_ptrs + k0, mask=row_ok[:, None] & (k0 + k < K)[None, :], other=0.0)
+        xt = tl.load(x_ptrs + k0, mask=row_ok[:, None] & ((k0 + k < K) | EVEN_K)[None, :], other=0.0)
         acc_g += dot(xt, w_desc.load([gate_row, k0]).T)
         acc_u += dot(xt, w_desc.load([gate_row + N, k0]).T)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,7 +73,7 @@ def _down_tma_kernel(
     # h [T*A, K]; w_desc over w2 [E * N, K]; bias [E, N]; topk_weights [T*A]; out [T*A, N]; tables
     num_pairs, num_m, N, K, stride_ht, stride_be, stride_ot,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_N: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -87,7 +87,7 @@ def _down_tma_kernel(
     w_row = expert * N + pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ht = tl.load(h_ptrs + k0, mask=row_ok[:, None] & (k0 + k < K)[None, :], other=0.0)
+        ht = tl.load(h_ptrs + k0, mask=row_ok[:, None] & ((k0 + k < K) | EVEN_K)[None, :], other=0.0)
         acc += dot(ht, w_desc.load([w_row, k0]).T)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -116,7 +116,7 @@ def gate_up(x, w13, align, cfg: dict, out: torch.Tensor, *, top_k: int, act: int
         x.shape[0] * top_k, num_m, inter, x.shape[1], float(alpha), float(limit), x.stride(0),
         b13.stride(0) if b13 is not None else 0, out.stride(0),
         TOP_K=top_k, ACT=act, HAS_BIAS=b13 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=int(cfg["BLOCK_K"]),
-        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, **launch)
+        GROUP_M=int(cfg["GROUP_M"]), NUM_N=num_n, EVEN_K=x.shape[1] % int(cfg["BLOCK_K"]) == 0, **launch)
     return out
 
 
@@ -130,5 +130,5 @@ def down(h, w2, weights, align, cfg: dict, out: torch.Tensor, *, b2=None, launch
         h, _descriptor(w2, cfg), b2 if b2 is not None else h, weights, out, sorted_ids, expert_ids, num_post,
         h.shape[0], num_m, hidden, h.shape[1], h.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(0),
         HAS_BIAS=b2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=int(cfg["BLOCK_K"]), GROUP_M=int(cfg["GROUP_M"]),
-        NUM_N=num_n, **launch)
+        NUM_N=num_n, EVEN_K=h.shape[1] % int(cfg["BLOCK_K"]) == 0, **launch)
     return out

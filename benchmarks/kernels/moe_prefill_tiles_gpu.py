@@ -1,11 +1,12 @@
 """The bf16 expert GEMMs (``fused_moe``) at an arrival step's size, each GEMM alone over a grid of tiles, with
 pointer loads and (rows with ``"TMA": 1``, where the tile's box row is at most 128 bytes) with the weights read
 through TMA (``fused_moe_tma``), next to cuBLAS ``bmm`` of the same per-expert sizes (every expert padded to the
-most-routed one's rows) and the whole op with the committed config. GPT-OSS-20B expert shape (E = 32, top-4, H = I = 2880), random routing, CUDA-graph
-replay after an L2 flush (``tuning_cases.bench_time_ms``); TFLOP/s from the routed pairs' FLOPs; each gate_up
-output compared with the committed config's (``err``). Env: MS (default 1727,2048), BUDGET (s, default 200), OUT.
+most-routed one's rows) and the whole op with the committed config. GPT-OSS-20B expert shape (E = 32, top-4,
+H = I = 2880), random routing, CUDA-graph replay after an L2 flush (``tuning_cases.bench_time_ms``); TFLOP/s from
+the routed pairs' FLOPs; each gate_up output compared with the committed config's (``err``). Env: MS (default
+1727,2048), BUDGET (s, default 200), OUT.
 
-    MS=1727 BUDGET=40 PYTHONPATH=$PWD python3 benchmarks/kernels/moe_prefill_tiles_gpu.py    # H200: ~40 s
+    MS=1727 BUDGET=40 PYTHONPATH=$PWD python3 benchmarks/kernels/moe_prefill_tiles_gpu.py    # H200: ~40 s (a grid of 14 tiles, ~60 s)
 """
 import json, os, time
 import torch

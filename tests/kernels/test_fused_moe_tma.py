@@ -60,31 +60,37 @@ def test_tma_config_is_refused_where_it_cannot_read_the_weights():
 
 BUILD = r'''
 import json, re, triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loraplex.kernels.launch import jit_function
 from loraplex.kernels import fused_moe_tma as ft
 
-def ptx(kernel, consts, desc):
-    sig = {}
-    for n in kernel.arg_names:
-        if n in consts: sig[n] = "constexpr"
-        elif n == "w_desc": sig[n] = desc
-        elif n.endswith("_ptr"): sig[n] = "*fp32" if n == "weights_ptr" else "*i32" if n in ("sorted_ptr", "expert_ids_ptr", "num_post_ptr") else "*bf16"
-        elif n in ("alpha", "limit"): sig[n] = "fp32"
-        else: sig[n] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+TABLES = ("sorted_ptr", "expert_ids_ptr", "num_post_ptr")
+TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_N=23, EVEN_K=True, HAS_BIAS=True)
+
+
+def arg_type(n, consts):
+    if n in consts:
+        return "constexpr"
+    if n == "w_desc":
+        return "tensordesc<bf16[128, 64]>"
+    if n.endswith("_ptr"):
+        return "*fp32" if n == "weights_ptr" else "*i32" if n in TABLES else "*bf16"
+    return "fp32" if n in ("alpha", "limit") else "i32"
+
+
+def counts(kernel, consts):
+    names = kernel.arg_names
+    sig = {n: arg_type(n, consts) for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
     src = ASTSource(fn=jit_function(kernel), signature=sig, attrs=attrs,
-                    constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    return {"tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
 
-out = {}
-p = ptx(ft._gate_up_tma_kernel, dict(TOP_K=4, ACT=1, HAS_BIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_N=23), "tensordesc<bf16[128, 64]>")
-out["gate_up"] = {"tma": len(re.findall(r"cp\.async\.bulk\.tensor", p)), "wgmma": len(re.findall(r"wgmma\.mma_async", p))}
-p = ptx(ft._down_tma_kernel, dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_N=23), "tensordesc<bf16[128, 64]>")
-out["down"] = {"tma": len(re.findall(r"cp\.async\.bulk\.tensor", p)), "wgmma": len(re.findall(r"wgmma\.mma_async", p))}
+
+out = {"gate_up": counts(ft._gate_up_tma_kernel, dict(TILE, TOP_K=4, ACT=1)), "down": counts(ft._down_tma_kernel, TILE)}
 print("RESULT " + json.dumps(out))
 '''
 
