@@ -6,7 +6,7 @@ H = I = 2880), random routing, CUDA-graph replay after an L2 flush (``tuning_cas
 the routed pairs' FLOPs; each gate_up output compared with the committed config's (``err``). Env: MS (default
 1727,2048), BUDGET (s, default 200), OUT.
 
-    MS=1727 BUDGET=40 PYTHONPATH=$PWD python3 benchmarks/kernels/moe_prefill_tiles_gpu.py    # H200: ~40 s (a grid of 14 tiles, ~60 s)
+    MS=1727 BUDGET=40 PYTHONPATH=$PWD python3 benchmarks/kernels/moe_prefill_tiles_gpu.py   # stops the grid at BUDGET
 """
 import json, os, time
 import torch
