@@ -363,8 +363,6 @@ def test_float_moe_space_adds_tma_prefill_tiles_that_bf16_weights_can_take():
     tma = [c for c in MOE_FLOAT_SPACE if c.get("TMA")]
     assert tma and MOE_FLOAT_SPACE[:len(MOE_SPACE)] == MOE_SPACE and not any("TMA" in c for c in MOE_SPACE)
     assert all(c["BLOCK_K"] * 2 <= fused_moe_tma.MAX_BOX_ROW_BYTES and c["BLOCK_M"] >= 64 for c in tma)
-    shapes = ModelShapes("tiny", hidden=32, num_experts=4, top_k=2, moe_intermediate=16, num_heads=4,
-                         num_kv_heads=2, head_dim=16, activation="swiglu_clamp", expert_bias=True)
-    (bf16,) = moe_cases(shapes, 8, torch.bfloat16, "cpu")
-    (int8,) = moe_cases(shapes, 8, torch.bfloat16, "cpu", weights="int8")
+    (bf16,) = moe_cases(TINY, 8, torch.bfloat16, "cpu")
+    (int8,) = moe_cases(TINY, 8, torch.bfloat16, "cpu", weights="int8")
     assert bf16.space == MOE_FLOAT_SPACE and int8.space == MOE_SPACE
