@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from loraplex.kernels import tuning
 from loraplex.kernels.activation import gated_act
@@ -64,7 +65,7 @@ from loraplex.kernels.fused_moe import ACT_CODES, ACT_NONE, _grouped_pid, run_mo
 from loraplex.kernels.moe_align import moe_align
 from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP, check_kernel_layout, is_kernel_layout, kernel_k
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, DECODE_EMULATE, decode_kernel_tile,
-                                            kernel_tile_ptrs, load_kernel_tile, row_groups)
+                                            kernel_tile_ptrs, load_kernel_atom, load_kernel_tile, row_groups)
 from loraplex.kernels.reference_lora import check_mxfp4_weights
 from loraplex.kernels.slot_blocks import pdl_enabled, pdl_launch, pdl_trigger, pdl_wait, tl_dtype
 from loraplex.kernels.intmath import cdiv, next_power_of_2
@@ -229,16 +230,28 @@ def _load_xt(x_ptrs, k0, limit, row_ok, MASKED: tl.constexpr, BLOCK_K: tl.conste
 @triton.jit
 def _k_loop(acc, acc2, x_ptrs, w_ptrs, s_ptrs, w2_offset, s2_offset, row_ok, k_begin, k_end,
             TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            DECODE: tl.constexpr, PREFETCH: tl.constexpr):
+            DECODE: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr = False, expert=0, rg0=0):
     """acc [BLOCK_N, BLOCK_M] += w @ x^T over K [k_begin, k_end), and with TWO acc2 += the tile ``w2_offset`` words
     / ``s2_offset`` scale words further (gate_up's up rows) against the same x^T.
 
     PREFETCH 0: plain loads in the loop, which Triton's software pipeliner turns into cp.async copies through
     shared memory (num_stages deep); PREFETCH 1 (num_stages 1): the next step's words, scales and x^T are loaded
     into registers while this step decodes and multiplies (one step of lookahead, no shared-memory round trip for
-    the weights)."""
+    the weights). TMA: ``w_ptrs`` / ``s_ptrs`` are the descriptors of ``load_kernel_atom`` (``expert``'s row groups
+    from ``rg0``; with TWO, acc2's rows are the next half), each K step one TMA copy per 64-K atom, pipelined
+    num_stages deep by Triton; ``x_ptrs`` then covers 64 rows of x^T, one atom."""
     atom_end = tl.cdiv(k_end, 64)
-    if PREFETCH:
+    if TMA:
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            for a in tl.static_range(BLOCK_K // 64):
+                xt = _load_xt(x_ptrs, k0 + 64 * a, k_end, row_ok, not EVEN_K, 64)
+                words, scales = load_kernel_atom(w_ptrs, s_ptrs, expert, 0, rg0, k0 // 64 + a)
+                acc = _mma(decode_kernel_tile(words, scales, BLOCK_N, 64, xt.dtype, DECODE), xt, acc, DECODE)
+                if TWO:
+                    words, scales = load_kernel_atom(w_ptrs, s_ptrs, expert, 1, rg0, k0 // 64 + a)
+                    acc2 = _mma(decode_kernel_tile(words, scales, BLOCK_N, 64, xt.dtype, DECODE), xt, acc2, DECODE)
+                x_ptrs += 64
+    elif PREFETCH:
         xt = _load_xt(x_ptrs, k_begin, k_end, row_ok, True, BLOCK_K)
         words, scales = load_kernel_tile(w_ptrs, s_ptrs, k_begin // 64, atom_end, True, BLOCK_K)
         if TWO:
@@ -277,30 +290,40 @@ def _k_loop(acc, acc2, x_ptrs, w_ptrs, s_ptrs, w2_offset, s2_offset, row_ok, k_b
 @triton.jit
 def gate_up_tile(x_ptr, w_ptr, s_ptr, expert, tok, row_ok, pid_n, k_begin, k_end, N, K, stride_xt, stride_we,
                  stride_se, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 DECODE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr):
+                 DECODE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr = False):
     """(gate, up) accumulators [ROWS, BLOCK_M] float32 of row tile ``pid_n`` (ROWS = BLOCK_N, or BLOCK_N / 2 with
     FUSED: gate and up rows in one product) of expert ``expert``'s w13 (kernel layout: gate rows [0, N), up rows
-    [N, 2N)) against the x rows ``tok`` over K [k_begin, k_end); no fold, bias or activation."""
-    atoms = (K + 63) // 64
-    groups = N // 16
-    w_e = w_ptr + expert * stride_we + k_begin * 2
-    s_e = s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8
-    x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # x^T [BLOCK_K, BLOCK_M]
-    if FUSED:  # one [BLOCK_N, BLOCK_M] product: gate rows, then the same rows of up (N further)
-        RGH: tl.constexpr = BLOCK_N // 32
-        ROWS: tl.constexpr = BLOCK_N // 2
-        i = tl.arange(0, 2 * RGH)
-        rg = tl.minimum(pid_n * RGH + i % RGH, groups - 1) + (i // RGH) * groups
-        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, rg, atoms, BLOCK_K)
-        acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, x_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok,
-                         k_begin, k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, ROWS, BLOCK_M)), (1, 2, 0)))
-    else:  # gate rows [pid_n * BLOCK_N, + BLOCK_N) and the up rows N further (row group + N / 16)
-        w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, row_groups(pid_n * (BLOCK_N // 16), groups, BLOCK_N // 16),
-                                          atoms, BLOCK_K)
+    [N, 2N)) against the x rows ``tok`` over K [k_begin, k_end); no fold, bias or activation. TMA: ``w_ptr`` /
+    ``s_ptr`` are ``load_kernel_atom``'s descriptors (box halves 2 with FUSED, else 1)."""
+    if TMA:
+        x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_begin + tl.arange(0, 64))[:, None]  # x^T [64, BLOCK_M]
+        RGT: tl.constexpr = BLOCK_N // 32 if FUSED else BLOCK_N // 16
         acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
-                               x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
-                               k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+                               x_ptrs, w_ptr, s_ptr, 0, 0, row_ok, k_begin, k_end, not FUSED, BLOCK_N, BLOCK_K,
+                               EVEN_K, DECODE, False, True, expert.to(tl.int32), pid_n * RGT)
+        if FUSED:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_g, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+    else:
+        atoms = (K + 63) // 64
+        groups = N // 16
+        w_e = w_ptr + expert * stride_we + k_begin * 2
+        s_e = s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8
+        x_ptrs = x_ptr + tok[None, :] * stride_xt + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # x^T [BLOCK_K, BLOCK_M]
+        if FUSED:  # one [BLOCK_N, BLOCK_M] product: gate rows, then the same rows of up (N further)
+            RGH: tl.constexpr = BLOCK_N // 32
+            ROWS: tl.constexpr = BLOCK_N // 2
+            i = tl.arange(0, 2 * RGH)
+            rg = tl.minimum(pid_n * RGH + i % RGH, groups - 1) + (i // RGH) * groups
+            w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, rg, atoms, BLOCK_K)
+            acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, x_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok,
+                             k_begin, k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, ROWS, BLOCK_M)), (1, 2, 0)))
+        else:  # gate rows [pid_n * BLOCK_N, + BLOCK_N) and the up rows N further (row group + N / 16)
+            w_ptrs, s_ptrs = kernel_tile_ptrs(w_e, s_e, row_groups(pid_n * (BLOCK_N // 16), groups, BLOCK_N // 16),
+                                              atoms, BLOCK_K)
+            acc_g, acc_u = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), tl.zeros([BLOCK_N, BLOCK_M], tl.float32),
+                                   x_ptrs, w_ptrs, s_ptrs, groups * atoms * 128, groups * atoms * 8, row_ok, k_begin,
+                                   k_end, True, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
     return acc_g, acc_u
 
 
@@ -320,7 +343,7 @@ def _gate_up_kernel(
     FUSED: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
     LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False, LORA_L2: tl.constexpr = False,
-    LORA_LINE: tl.constexpr = 64,
+    LORA_LINE: tl.constexpr = 64, TMA: tl.constexpr = False,
 ):
     if not LATE_WAIT:
         pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
@@ -341,7 +364,7 @@ def _gate_up_kernel(
         _lora_prefetch(slots, b_addr, b_rank, split == 0, expert, pid_n * ROWS, N, 2 * N, N, True, ROWS, LORA_LINE,
                        LORA_DTYPE, LORA_BLOCK_R)
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, s_ptr, expert, tok, row_ok, pid_n, k_begin, k_end, N, K, stride_xt,
-                                stride_we, stride_se, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DECODE, FUSED, PREFETCH)
+                                stride_we, stride_se, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DECODE, FUSED, PREFETCH, TMA)
     rows = pid_n * ROWS + tl.arange(0, ROWS)
     rows_ok = rows < N
     if LORA:  # the first slot's B tiles (gate columns, then up) in flight while the shrink's rows are awaited
@@ -414,7 +437,7 @@ def _down_kernel(
     DIRECT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, LORA_PARTS: tl.constexpr = 1, LORA_BLOCK_R: tl.constexpr = 16,
     LORA_DTYPE: tl.constexpr = tl.bfloat16, LATE_WAIT: tl.constexpr = False, LORA_L2: tl.constexpr = False,
-    LORA_LINE: tl.constexpr = 64,
+    LORA_LINE: tl.constexpr = 64, TMA: tl.constexpr = False,
 ):
     if not LATE_WAIT:
         pdl_wait(USE_PDL)
@@ -432,14 +455,21 @@ def _down_kernel(
     if LORA and LORA_L2:  # as in _gate_up_kernel
         _lora_prefetch(slots, b_addr, b_rank, split == 0, expert, pid_n * BLOCK_N, N, N, 0, False, BLOCK_N,
                        LORA_LINE, LORA_DTYPE, LORA_BLOCK_R)
-    atoms = (K + 63) // 64
     k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K, split)
-    w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we + k_begin * 2,
-                                      s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4) + k_begin // 8,
-                                      row_groups(pid_n * (BLOCK_N // 16), N // 16, BLOCK_N // 16), atoms, BLOCK_K)
-    h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # h^T [BLOCK_K, BLOCK_M]
-    acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, h_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok, k_begin,
-                     k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
+    if TMA:  # w_ptr / s_ptr: load_kernel_atom's descriptors; h^T [64, BLOCK_M], one atom a copy
+        h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + tl.arange(0, 64))[:, None]
+        acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, h_ptrs, w_ptr, s_ptr, 0, 0, row_ok, k_begin,
+                         k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, False, True, expert.to(tl.int32),
+                         pid_n * (BLOCK_N // 16))
+    else:
+        w_ptrs, s_ptrs = kernel_tile_ptrs(w_ptr + expert * stride_we + k_begin * 2,
+                                          s_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_se // 4)
+                                          + k_begin // 8,
+                                          row_groups(pid_n * (BLOCK_N // 16), N // 16, BLOCK_N // 16),
+                                          (K + 63) // 64, BLOCK_K)
+        h_ptrs = h_ptr + pairs64[None, :] * stride_ht + (k_begin + tl.arange(0, BLOCK_K))[:, None]  # h^T [K, M]
+        acc, _ = _k_loop(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), 0, h_ptrs, w_ptrs, s_ptrs, 0, 0, row_ok, k_begin,
+                         k_end, False, BLOCK_N, BLOCK_K, EVEN_K, DECODE, PREFETCH)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
     if LORA:
@@ -522,7 +552,7 @@ def _lora_args(lora: LoRAEpilogue | None, fallback: torch.Tensor, cfg: dict):
 
 # keys a config may set for the down GEMM alone with a DOWN_ prefix (DOWN_BLOCK_N 128: gate_up keeps BLOCK_N, down
 # runs 128-row tiles); the row blocks (BLOCK_M, GROUP_M, DIRECT) come from the one alignment both GEMMs share
-DOWN_KEYS = ("BLOCK_N", "BLOCK_K", "PREFETCH", "DECODE", "num_warps", "num_stages")
+DOWN_KEYS = ("BLOCK_N", "BLOCK_K", "PREFETCH", "DECODE", "TMA", "num_warps", "num_stages")
 
 
 def down_config(cfg: dict) -> dict:
@@ -555,8 +585,33 @@ def _launch(cfg: dict) -> tuple[int, int, int, int, dict]:
     prefetch = int(cfg.get("PREFETCH", 0))
     if prefetch not in (0, 1):
         raise ValueError(f"PREFETCH {prefetch!r}: expected 0 or 1")
+    if prefetch and _tma(cfg):
+        raise ValueError("TMA and PREFETCH exclude each other: TMA copies are pipelined by num_stages, PREFETCH "
+                         "loads into registers; drop one")
     stages = 1 if prefetch else int(cfg["num_stages"])  # PREFETCH pipelines in registers, not through Triton's
     return bm, bn, bk, gm, dict(num_warps=int(cfg["num_warps"]), num_stages=stages)
+
+
+def _tma(cfg: dict) -> bool:
+    tma = int(cfg.get("TMA", 0))
+    if tma not in (0, 1):
+        raise ValueError(f"TMA {tma!r}: expected 0 or 1")
+    return bool(tma)
+
+
+def tma_descriptors(words: torch.Tensor, scales: torch.Tensor, *, halves: int, box_halves: int,
+                    block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The descriptors ``load_kernel_atom`` reads kernel-layout weights through (config key "TMA"): words [E, rows,
+    KP/8] int32 as [E, halves, groups, atoms * 4, 32] and scales [E, rows, KP/32] uint8 as int32 [E, halves,
+    groups, atoms * 8], ``halves`` 2 for w13 (gate rows, then up), 1 for w2; boxes of ``box_halves`` halves (2:
+    GU_FUSED's one product over both) and ``block_n`` / (16 ``box_halves``) row groups, one 64-K atom deep."""
+    num_experts, rows, kw = words.shape
+    groups, atoms = rows // ROW_GROUP // halves, kw // 8
+    rg = block_n // ROW_GROUP // box_halves
+    w = words.view(num_experts, halves, groups, atoms * 4, 32)
+    s = scales.view(num_experts, halves, groups, atoms * 32).view(torch.int32)
+    return (TensorDescriptor.from_tensor(w, [1, box_halves, rg, 4, 32]),
+            TensorDescriptor.from_tensor(s, [1, box_halves, rg, 8]))
 
 
 def use_pdl(cfg: dict, device: torch.device) -> bool:
@@ -622,7 +677,7 @@ def gate_up_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act: i
                 NUM_N=cdiv(inter, bn // 2 if fused else bn),
                 SPLIT_K=max(1, min(int(cfg.get("GU_SPLIT_K", 1)), cdiv(hidden, bk))),
                 EVEN_K=hidden % bk == 0, DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))),
-                FUSED=fused, PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
+                FUSED=fused, PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, TMA=_tma(cfg))
 
 
 def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: bool,
@@ -635,7 +690,7 @@ def down_constexprs(cfg: dict, *, hidden: int, inter: int, has_bias: bool, pdl: 
     return dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_N=cdiv(hidden, bn),
                 SPLIT_K=max(1, min(splits, cdiv(inter, bk))), EVEN_K=inter % bk == 0,
                 DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))),
-                PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl)
+                PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, TMA=_tma(cfg))
 
 
 @tuning.plan_cache
@@ -672,8 +727,12 @@ def gate_up(x, w13, s13, align, cfg: dict, *, top_k: int, activation: str | None
     out = torch.empty(num_pairs, width, dtype=x.dtype, device=x.device)
     dest = out if splits == 1 else torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
     lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, x, cfg)
+    w_arg, s_arg = w13, s13
+    if meta["TMA"]:
+        w_arg, s_arg = tma_descriptors(w13, s13, halves=2, box_halves=2 if meta["FUSED"] else 1,
+                                       block_n=meta["BLOCK_N"])
     _gate_up_kernel[(num_m * meta["NUM_N"], splits)](
-        x, w13, s13, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post, *lora_ptrs,
+        x, w_arg, s_arg, b13 if b13 is not None else x, dest, sorted_ids, expert_ids, num_post, *lora_ptrs,
         num_pairs, num_m, inter, hidden, float(alpha), float(limit), lora_r,
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, dest.stride(-2),
         dest.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta,
@@ -707,9 +766,12 @@ def down(h, w2, s2, topk_weights, align, cfg: dict, *, b2=None, split_k: int | N
         out = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=h.device)
     lora_ptrs, lora_r, lora_strides, lora_meta = _lora_args(lora, h, cfg)
     top_k = num_pairs // lora.token_slots.shape[0] if lora is not None else 1  # pair p's token: p // top_k
+    w_arg, s_arg = w2, s2
+    if meta["TMA"]:
+        w_arg, s_arg = tma_descriptors(w2, s2, halves=1, box_halves=1, block_n=meta["BLOCK_N"])
     _down_kernel[(num_m * meta["NUM_N"], splits)](
-        h, w2, s2, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids, expert_ids,
-        num_post, *lora_ptrs, num_pairs, num_m, hidden, inter, lora_r, top_k,
+        h, w_arg, s_arg, b2 if b2 is not None else h, topk_weights.reshape(-1).contiguous(), out, sorted_ids,
+        expert_ids, num_post, *lora_ptrs, num_pairs, num_m, hidden, inter, lora_r, top_k,
         h.stride(0), w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0, out.stride(-2),
         out.stride(0) if splits > 1 else 0, *lora_strides, **meta, **lora_meta,
         LATE_WAIT=pdl and late_wait and LORA_LATE_WAIT, **launch, **pdl_launch(pdl))
@@ -768,4 +830,4 @@ def fused_moe_mxfp4(x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weight
 
 __all__ = ["DEFAULT_CONFIG", "DOWN_KEYS", "LoRAEpilogue", "check_kernel_weights", "decode_mode", "down", "down_config",
            "down_constexprs", "fused_moe_mxfp4", "gate_up", "gate_up_constexprs", "kernel_config", "lora_l2",
-           "route_tables", "sum_pairs", "use_pdl"]
+           "route_tables", "sum_pairs", "tma_descriptors", "use_pdl"]

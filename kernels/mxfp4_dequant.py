@@ -180,3 +180,22 @@ def decode_kernel_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
     w = tl.reshape(w, (8, 4, RG, KA, 2, 2, 2, 2, 2))  # g q rg ka kb ks jr jk h
     w = tl.permute(w, (2, 6, 0, 3, 4, 5, 7, 1, 8))  # rg jr g ka kb ks jk q h
     return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DTYPE)
+
+
+@triton.jit
+def load_kernel_atom(w_desc, s_desc, expert, half, rg0, atom):
+    """One 64-K atom of kernel-layout words and scales through TMA (``fused_moe_mxfp4``'s "TMA" key): words
+    [32, HB * RG, 1, 4] and scales [32, HB * RG, 1, 1] int32, as ``load_kernel_tile`` gives them at BLOCK_K 64, of
+    row groups ``rg0`` .. + RG of halves ``half`` .. + HB (gate_up's gate / up rows) of ``expert``. ``w_desc``: a
+    descriptor over the words viewed as [E, halves, groups, atoms * 4, 32] (128-byte rows, lane 8 lq + lr at row
+    lq, words 4 lr ..) with box [1, HB, RG, 4, 32]; ``s_desc`` over the scales as int32 [E, halves, groups,
+    atoms * 8], box [1, HB, RG, 8]. A box past the groups or atoms reads zeros (code 0, scale 0: weight 0). One
+    atom a load keeps the box's rows on the lanes alone, so the shared-memory tile is read straight into the
+    MMA fragments (a BLOCK_K-deep box would put warps across K and cost a layout round trip per step)."""
+    w = w_desc.load([expert, half, rg0, atom * 4, 0])
+    HB: tl.constexpr = w.shape[1]
+    RG: tl.constexpr = w.shape[2]
+    w = tl.reshape(tl.permute(tl.reshape(w, (HB * RG, 4, 8, 4)), (1, 2, 0, 3)), (32, HB * RG, 1, 4))
+    s = tl.permute(tl.reshape(s_desc.load([expert, half, rg0, atom * 8]), (HB * RG, 8)), (1, 0))  # [8, RG']
+    s = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 1), (8, 4, HB * RG)), (32, HB * RG, 1, 1))
+    return w, s
