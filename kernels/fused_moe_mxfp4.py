@@ -42,8 +42,10 @@ every kernel of the op launched with programmatic dependent launch on sm_90+: it
 drains, waits for it before reading, and lets the next one start after its K loop), DECODE
 ("asm": the scale multiply as inline PTX; "bits": the same in plain Triton), DIRECT (1: one routed pair per block
 and no moe_align launch, ``route_tables``; for a token or two), LORA_L2 (1: with a LoRA epilogue, its B tiles
-prefetched into L2 before the K loop, ``lora_l2``; on GPUs only), num_warps, num_stages, and DOWN_<key> (the down
-GEMM's own BLOCK_N, BLOCK_K, PREFETCH, DECODE, num_warps or num_stages: its K is I and its N is H, not gate_up's
+prefetched into L2 before the K loop, ``lora_l2``; on GPUs only), TMA (1: the words and scales copied into shared
+memory through TMA descriptors, one 64-K atom a box, ``tma_descriptors`` / ``load_kernel_atom``; not with PREFETCH),
+num_warps, num_stages, and DOWN_<key> (the down GEMM's own BLOCK_N, BLOCK_K, PREFETCH, DECODE, TMA, num_warps or
+num_stages: its K is I and its N is H, not gate_up's
 shape, and it has one accumulator where gate_up has two, so its best tile differs). Under TRITON_INTERPRET the
 decode runs in float32 (``DECODE_EMULATE``: the interpreter's bf16 bitcasts and dots are wrong) and bf16 dots in
 float32.
