@@ -223,6 +223,15 @@ MXFP4_OWN_TILE_SPACE = [  # M <= 32: each GEMM on its own tile (DOWN_ keys), the
         ((8, 128, 128, 1, 2, 2, 1, 1, 4, 1), (64, 128, 0, 4, 3)),
         ((8, 128, 128, 1, 2, 1, 1, 0, 4, 3), (128, 128, 0, 4, 3)),
         ((8, 64, 128, 1, 2, 2, 0, 0, 4, 3), (128, 128, 0, 4, 3))]]
+# M <= 64: both GEMMs' weights through TMA (``fused_moe_mxfp4``'s TMA / DOWN_TMA keys, one 64-K atom a copy). The
+# copies hold no registers, so these run deeper pipelines than the pointer tiles (4-6 stages) and leave room for more
+# programs an SM; tried after the own-tile configs
+_TMA = {"TMA": 1, "DOWN_TMA": 1, "PDL": 1}
+MXFP4_TMA_SPACE = [
+    _own_tile((8, 128, 128, 1, 2, 2, 1, 0, 4, 6), (64, 128, 0, 4, 6), **_TMA),
+    _own_tile((8, 64, 128, 1, 4, 4, 0, 0, 4, 4), (64, 128, 0, 4, 4), **_TMA),
+    _own_tile((8, 128, 256, 1, 2, 2, 1, 0, 4, 4), (128, 256, 0, 4, 4), **_TMA),
+    {**dict(zip(_MXFP4_KEYS, (16, 128, 128, 1, 1, 1, 1, 0, 4, 4))), **_TMA}]  # one tile for both (M = 32 .. 64)
 MXFP4_MID_MIN_M = 128
 MXFP4_PREFILL_MIN_M = 1024
 MXFP4_SPLIT_MAX_M = 16  # split-K candidates: only while the touched experts leave SMs idle
@@ -252,8 +261,8 @@ def mxfp4_one_launch_space(m: int, best: dict) -> list[dict]:
 
 def mxfp4_moe_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first: at M <= 16 the tiles with
-    the down GEMM on its own tile (``MXFP4_OWN_TILE_SPACE``; the first three of them up to M = 32), then the decode
-    tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first
+    the down GEMM on its own tile (``MXFP4_OWN_TILE_SPACE``; the first three of them up to M = 32), the TMA tiles
+    (``MXFP4_TMA_SPACE``; the 16-row one up to M = 64), then the decode tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first
     three candidates up to M = 64, at M <= 2 also DIRECT."""
     if m >= MXFP4_PREFILL_MIN_M:
         return list(MXFP4_PREFILL_SPACE) + MXFP4_MID_SPACE[:2]
@@ -262,14 +271,14 @@ def mxfp4_moe_space(m: int) -> list[dict]:
     if m > MXFP4_SPLIT_MAX_M:
         own = MXFP4_OWN_TILE_SPACE[:3] if m <= 2 * MXFP4_SPLIT_MAX_M else []
         return MXFP4_BLOCK16_SPACE[:2] + [{**c, "PDL": 1} for c in MXFP4_BLOCK16_SPACE[:2]] + own \
-            + MXFP4_BLOCK16_SPACE[2:] + MXFP4_DECODE_SPACE[:4]
+            + MXFP4_TMA_SPACE[3:] + MXFP4_BLOCK16_SPACE[2:] + MXFP4_DECODE_SPACE[:4]
     splits = [{**c, "SPLIT_K": s, "GU_SPLIT_K": g} for c in MXFP4_DECODE_SPACE[:3] for s, g in MXFP4_SPLITS]
     space = splits[:4] + MXFP4_DECODE_SPACE + splits[4:] if m <= 4 else MXFP4_DECODE_SPACE[:6] + splits \
         + MXFP4_DECODE_SPACE[6:]
     space = space[:3] + [{**c, "PDL": 1} for c in space[:3]] + space[3:]
     if m <= MXFP4_DIRECT_MAX_M:
         space = space[:2] + [{**c, "DIRECT": 1} for c in (space[0], space[1], MXFP4_DECODE_SPACE[0])] + space[2:]
-    return MXFP4_OWN_TILE_SPACE + space + MXFP4_BLOCK16_SPACE[:2]
+    return MXFP4_OWN_TILE_SPACE + MXFP4_TMA_SPACE + space + MXFP4_BLOCK16_SPACE[:2]
 
 
 def mxfp4_variants(cfg: dict) -> dict[str, dict]:

@@ -102,3 +102,25 @@ def test_tma_gemms_build_for_sm90():
     for b in build_in_child(BUILD, timeout=900):
         assert b["tma"] > 0 and b["wgmma"] and b["asm"] and not b["smem_tile"], b
         assert b["loop"]["mma"] and not b["loop"]["shfl"], b
+
+
+def test_the_tuner_tries_tma_tiles_at_decode_sizes():
+    from loraplex.kernels.tuning_cases import MXFP4_OWN_TILE_SPACE, MXFP4_TMA_SPACE, mxfp4_moe_space
+
+    for m in (1, 4, 16):
+        space = mxfp4_moe_space(m)
+        n = len(MXFP4_OWN_TILE_SPACE)
+        assert space[n:n + len(MXFP4_TMA_SPACE)] == MXFP4_TMA_SPACE  # right after the own-tile configs
+    assert MXFP4_TMA_SPACE[3] in mxfp4_moe_space(64) and MXFP4_TMA_SPACE[0] not in mxfp4_moe_space(64)
+    for m in (128, 2048):
+        assert not any(c.get("TMA") or c.get("DOWN_TMA") for c in mxfp4_moe_space(m))
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_tuner_tma_candidates_match_reference(index):
+    from loraplex.kernels.tuning_cases import MXFP4_TMA_SPACE
+
+    x, plain, kernel, weights, ids, b13, b2 = _moe(2, 4, True)
+    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
+    got = fused_moe_mxfp4(x, *kernel, weights, ids, config=MXFP4_TMA_SPACE[index], **kw)
+    torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
