@@ -31,10 +31,14 @@ TMA_KEYS = ("BLOCK_N", "BLOCK_K", "GU_FUSED", "num_stages", "SPLIT_K", "GU_SPLIT
 
 
 def candidates(m: int) -> list[dict]:
-    """TMA configs tried at M tokens: weight rows per program, K per step (atoms unrolled), gate and up in one
-    product or two, pipeline depth (TMA needs no registers for the copies in flight, so deeper than the pointer
-    kernels' 3), split-K of both GEMMs, down's rows; one warpgroup, two launches (``ONE_LAUNCH`` 0)."""
-    return [{"TMA": 1, "DOWN_TMA": 1, "PREFETCH": 0, "DOWN_PREFETCH": 0, "ONE_LAUNCH": 0, "BLOCK_N": bn,
+    """TMA configs tried at M tokens: the tuner's (``tuning_cases.MXFP4_TMA_SPACE``, those ``mxfp4_moe_space(m)``
+    holds), then a grid of weight rows per program, K per step (atoms unrolled), gate and up in one product or two,
+    pipeline depth (TMA needs no registers for the copies in flight, so deeper than the pointer kernels' 3),
+    split-K of both GEMMs; one warpgroup, two launches (``ONE_LAUNCH`` 0)."""
+    from loraplex.kernels.tuning_cases import MXFP4_TMA_SPACE, mxfp4_moe_space
+
+    tuner = [{**c, "ONE_LAUNCH": 0} for c in MXFP4_TMA_SPACE if c in mxfp4_moe_space(m)]
+    return tuner + [{"TMA": 1, "DOWN_TMA": 1, "PREFETCH": 0, "DOWN_PREFETCH": 0, "ONE_LAUNCH": 0, "BLOCK_N": bn,
              "BLOCK_K": bk, "DOWN_BLOCK_K": bk, "GU_FUSED": fused, "num_stages": stages, "DOWN_num_stages": stages,
              "num_warps": 4, "DOWN_num_warps": 4, "SPLIT_K": split, "GU_SPLIT_K": split, "DOWN_BLOCK_N": dbn}
             for bn, bk, fused, stages, split, dbn in itertools.product((64, 128), (128, 256), (1, 0), (4, 6),
@@ -42,7 +46,7 @@ def candidates(m: int) -> list[dict]:
 
 
 def label(cfg: dict) -> str:
-    return ", ".join(f"{k}={cfg[k]}" for k in TMA_KEYS)
+    return ", ".join(f"{k}={cfg[k]}" for k in TMA_KEYS if k in cfg)
 
 
 def measure(m: int, committed: dict, run: Run, copy_tbs: float) -> dict | None:
@@ -58,7 +62,7 @@ def measure(m: int, committed: dict, run: Run, copy_tbs: float) -> dict | None:
     want = ref.fused_moe_mxfp4(x, *inp["plain"], wts, ids, **kw)
     nbytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4")
     rows = []
-    for variant, cfg in [("op, committed", committed)] + [(f"tma, {label(c)}", {**committed, **c})
+    for variant, cfg in [("op, committed", committed)] + [(f"tma, {label({**committed, **c})}", {**committed, **c})
                                                           for c in candidates(m)]:
         if run.left_s() < 0:
             run.note(f"M = {m}: stopped at {variant} (time budget)")
