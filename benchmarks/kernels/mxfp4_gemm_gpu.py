@@ -324,6 +324,93 @@ def committed_run(out_dir: str, budget_s: float, args, ms: list[int], name: str)
     return run, copy_tbs, shape, committed
 
 
+def time_op_rows(m: int, variants: list[tuple[str, dict]], run: Run, copy_tbs: float, seed: int):
+    """The whole op at M tokens (GPT-OSS-20B, fresh random inputs from ``seed``) for each (name, config) of
+    ``variants``, in order until ``run``'s budget: output checked against the torch reference (rel. error, bound
+    TOLERANCE), then timed by CUDA-graph replay after an L2 flush and held against the copy roofline. Returns (rows,
+    ``call(cfg)``: the op on the same inputs); each row is also added to ``run``."""
+    from loraplex.kernels import reference_lora as ref
+    from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+    from loraplex.kernels.tuning_cases import bench_time_ms
+
+    s = GPT_OSS_20B
+    inp = moe_inputs(s, m, "cuda", seed)
+    x, ids, wts = inp["x"], inp["ids"], inp["weights"]
+    kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
+    want = ref.fused_moe_mxfp4(x, *inp["plain"], wts, ids, **kw)
+    nbytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4")
+    call = lambda cfg: fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw)  # noqa: E731
+    rows = []
+    for variant, cfg in variants:
+        if run.left_s() < 0:
+            run.note(f"M = {m}: stopped at {variant} (time budget)")
+            break
+        r = {"m": m, "variant": variant, "config": cfg, "nbytes": nbytes, "active_experts": inp["active"]}
+        try:
+            r["rel_err"] = rel_error(call(cfg), want)
+            r["ok"] = r["rel_err"] <= TOLERANCE
+            if r["ok"]:
+                r["us"] = bench_time_ms(lambda cfg=cfg: call(cfg)) * 1e3
+                r["roofline_pct"] = 100 * nbytes / (r["us"] * 1e-6) / (copy_tbs * 1e12)
+        except Exception as e:  # noqa: BLE001  (a row, not a crash)
+            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.synchronize()
+        run.add(r)
+        rows.append(r)
+    return rows, call
+
+
+def sweep_main(argv: list[str] | None, *, doc: str, name: str, default_m: str, warm_s: float, budget_s: float,
+               candidates, measure) -> int:
+    """The command line of a sweep of op configs against the committed ones (``mxfp4_one_launch_gpu.py``,
+    ``mxfp4_tma_gpu.py``): at each --m, the committed config plus ``candidates(m)`` over it compiled in parallel
+    (--warm-s), then ``measure(m, committed, run, copy_tbs)`` (the winning config, or None where the committed one
+    stayed fastest); writes ``<name>.json`` (rows as they come), ``<name>.md`` and ``fused_moe_mxfp4.json`` (the
+    device's file with the winners) to --out. 2 without a GPU."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--m", default=default_m)
+    p.add_argument("--warm-s", type=float, default=warm_s, help="parallel compile warm-up budget (0: none)")
+    p.add_argument("--compile-workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)))
+    p.add_argument("--budget-s", type=float, default=budget_s)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    ms = [int(v) for v in args.m.split(",")]
+    run, copy_tbs, shape, committed = committed_run(args.out, args.budget_s, args, ms, f"{name}.json")
+    if args.warm_s > 0:
+        cfgs = []
+        for m in ms:
+            cfgs += [c for c in [committed[m]] + [{**committed[m], **o} for o in candidates(m)] if c not in cfgs]
+        warm_compiles(GPT_OSS_20B, cfgs, args.compile_workers, run, args.warm_s, name)
+    winners = {m: measure(m, committed[m], run, copy_tbs) for m in ms}
+    write_tuning_file(args.out, shape, winners)
+    write_rows_md(os.path.join(args.out, f"{name}.md"), run.data["rows"])
+    return 0
+
+
+def sweep_outcome(rows: list[dict], prefix: str) -> tuple[dict | None, dict | None]:
+    """(the config to write, the fastest row whose variant starts with ``prefix``) of ``time_op_rows``' rows: the
+    overall fastest row's config when it is such a row, else None (the committed config stays); None, None when
+    nothing was timed."""
+    timed = [r for r in rows if r.get("us") is not None]
+    ours = [r for r in timed if r["variant"].startswith(prefix)]
+    fastest = min(ours, key=lambda r: r["us"]) if ours else None
+    best = min(timed, key=lambda r: r["us"]) if timed else None
+    return (dict(best["config"]) if best is not None and best is fastest else None), fastest
+
+
+def write_rows_md(path: str, rows: list[dict]) -> None:
+    """The rows of ``time_op_rows`` as one markdown table (M, row, µs, % roofline, rel. error, error)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("| M | row | µs | % roofline | rel err |\n|---:|---|---:|---:|---:|\n")
+        for r in rows:
+            f.write(f"| {r['m']} | {r['variant']} | {r.get('us', float('nan')):.1f} | "
+                    f"{r.get('roofline_pct', float('nan')):.1f} | {r.get('rel_err', float('nan')):.1e} |"
+                    f"{' ' + r['error'] if r.get('error') else ''}\n")
+
+
 def write_tuning_file(out_dir: str, shape: dict, winners: dict[int, dict | None]) -> None:
     """``fused_moe_mxfp4.json`` in ``out_dir``: the device's committed file (its own, else the alias's) with each M
     of ``winners`` that has a config set to it."""

@@ -15,7 +15,6 @@ fastest row's config where that is a one-launch row) to $OUT.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
@@ -23,10 +22,7 @@ import sys
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
-from mxfp4_gemm_gpu import (GPT_OSS_20B, TOLERANCE, Run, committed_run, moe_bytes, moe_inputs,  # noqa: E402
-                            rel_error, warm_compiles, write_tuning_file)
+from mxfp4_gemm_gpu import Run, sweep_main, sweep_outcome, time_op_rows  # noqa: E402
 
 
 def candidates(m: int) -> list[dict]:
@@ -49,79 +45,21 @@ def label(cfg: dict) -> str:
 
 def measure(m: int, committed: dict, run: Run, copy_tbs: float) -> dict | None:
     """Rows at M tokens; the fastest one-launch config if it beat the committed op, else None."""
-    from loraplex.kernels import reference_lora as ref
-    from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
-    from loraplex.kernels.tuning_cases import bench_time_ms
-
-    s = GPT_OSS_20B
-    inp = moe_inputs(s, m, "cuda", 4000 + m)
-    x, ids, wts = inp["x"], inp["ids"], inp["weights"]
-    kw = dict(activation="swiglu_clamp", b13=inp["b13"], b2=inp["b2"])
-    want = ref.fused_moe_mxfp4(x, *inp["plain"], wts, ids, **kw)
-    nbytes = moe_bytes(m, inp["active"], s.hidden, s.inter, s.top_k, "mxfp4")
-    rows = []
     # each one-launch row keeps the committed two-launch keys, which the expert LoRA path reads from the same entry
-    for variant, cfg in [("op, committed", committed)] + [(f"one launch, {label(c)}", {**committed, **c})
-                                                          for c in candidates(m)]:
-        if run.left_s() < 0:
-            run.note(f"M = {m}: stopped at {variant} (time budget)")
-            break
-        op = lambda cfg=cfg: fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw)  # noqa: E731
-        r = {"m": m, "variant": variant, "config": cfg, "nbytes": nbytes, "active_experts": inp["active"]}
-        try:
-            r["rel_err"] = rel_error(op(), want)
-            r["ok"] = r["rel_err"] <= TOLERANCE
-            if r["ok"]:
-                r["us"] = bench_time_ms(op) * 1e3
-                r["roofline_pct"] = 100 * nbytes / (r["us"] * 1e-6) / (copy_tbs * 1e12)
-        except Exception as e:  # noqa: BLE001  (a row, not a crash)
-            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            torch.cuda.synchronize()
-        run.add(r)
-        rows.append(r)
-    timed = [r for r in rows if r.get("us") is not None]
-    if not timed:
-        return None
-    best = min(timed, key=lambda r: r["us"])
-    ones = [r for r in timed if r["variant"].startswith("one launch")]
-    if ones:
-        fastest = min(ones, key=lambda r: r["us"])
-        cfg = fastest["config"]
-        first = fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw)
-        spread = max(float((fused_moe_mxfp4(x, *inp["kernel"], wts, ids, config=cfg, **kw).float()
-                            - first.float()).abs().max()) for _ in range(20))
+    variants = [("op, committed", committed)] + [(f"one launch, {label(c)}", {**committed, **c})
+                                                 for c in candidates(m)]
+    rows, call = time_op_rows(m, variants, run, copy_tbs, 4000 + m)
+    winner, fastest = sweep_outcome(rows, "one launch")
+    if fastest is not None:
+        first = call(fastest["config"])
+        spread = max(float((call(fastest["config"]).float() - first.float()).abs().max()) for _ in range(20))
         run.note(f"M = {m}: fastest one launch {fastest['us']:.1f} us ({fastest['roofline_pct']:.1f}%), committed "
                  f"{rows[0].get('us', float('nan')):.1f} us; largest difference over 20 runs {spread:.3g}")
-    return dict(best["config"]) if best["variant"].startswith("one launch") else None
-
+    return winner
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--m", default="1,2,4")
-    p.add_argument("--warm-s", type=float, default=120.0, help="parallel compile warm-up budget (0: none)")
-    p.add_argument("--compile-workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)))
-    p.add_argument("--budget-s", type=float, default=360.0)
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    ms = [int(v) for v in args.m.split(",")]
-    run, copy_tbs, shape, committed = committed_run(args.out, args.budget_s, args, ms, "mxfp4_one_launch.json")
-    if args.warm_s > 0:
-        cfgs = []
-        for m in ms:
-            cfgs += [c for c in [committed[m]] + [{**committed[m], **o} for o in candidates(m)] if c not in cfgs]
-        warm_compiles(GPT_OSS_20B, cfgs, args.compile_workers, run, args.warm_s, "one launch")
-    winners = {m: measure(m, committed[m], run, copy_tbs) for m in ms}
-    write_tuning_file(args.out, shape, winners)
-    with open(os.path.join(args.out, "mxfp4_one_launch.md"), "w", encoding="utf-8") as f:
-        f.write("| M | row | µs | % roofline | rel err |\n|---:|---|---:|---:|---:|\n")
-        for r in run.data["rows"]:
-            f.write(f"| {r['m']} | {r['variant']} | {r.get('us', float('nan')):.1f} | "
-                    f"{r.get('roofline_pct', float('nan')):.1f} | {r.get('rel_err', float('nan')):.1e} |"
-                    f"{' ' + r['error'] if r.get('error') else ''}\n")
-    return 0
+    return sweep_main(argv, doc=__doc__, name="mxfp4_one_launch", default_m="1,2,4", warm_s=120.0, budget_s=360.0,
+                      candidates=candidates, measure=measure)
 
 
 if __name__ == "__main__":

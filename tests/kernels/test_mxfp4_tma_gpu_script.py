@@ -37,3 +37,14 @@ def test_sampled_candidates_match_reference(index):
     kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
     got = fm.fused_moe_mxfp4(x, *kernel, weights, ids, config=cfg, **kw)
     torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
+
+
+def test_sweep_outcome_keeps_the_committed_config_unless_a_candidate_wins():
+    outcome = load_script("kernels", "mxfp4_gemm_gpu").sweep_outcome
+    rows = [{"variant": "op, committed", "config": {"a": 0}, "us": 10.0},
+            {"variant": "tma, x", "config": {"a": 1}, "us": 12.0},
+            {"variant": "tma, y", "config": {"a": 2}, "error": "failed"}]
+    assert outcome(rows, "tma") == (None, rows[1])
+    rows[1]["us"] = 9.0
+    assert outcome(rows, "tma") == ({"a": 1}, rows[1])
+    assert outcome(rows[2:], "tma") == (None, None)
