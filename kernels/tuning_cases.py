@@ -262,8 +262,9 @@ def mxfp4_one_launch_space(m: int, best: dict) -> list[dict]:
 def mxfp4_moe_space(m: int) -> list[dict]:
     """Search space of ``fused_moe_mxfp4`` (kernel layout) at M tokens, best bets first: at M <= 16 the tiles with
     the down GEMM on its own tile (``MXFP4_OWN_TILE_SPACE``; the first three of them up to M = 32), the TMA tiles
-    (``MXFP4_TMA_SPACE``; the 16-row one up to M = 64), then the decode tiles with the split-K pairs of ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first
-    three candidates up to M = 64, at M <= 2 also DIRECT."""
+    (``MXFP4_TMA_SPACE``; the 16-row one up to M = 64), then the decode tiles with the split-K pairs of
+    ``MXFP4_SPLITS`` on the first three (first at M <= 4), PDL launches of the first three candidates up to M = 64,
+    at M <= 2 also DIRECT."""
     if m >= MXFP4_PREFILL_MIN_M:
         return list(MXFP4_PREFILL_SPACE) + MXFP4_MID_SPACE[:2]
     if m >= MXFP4_MID_MIN_M:
