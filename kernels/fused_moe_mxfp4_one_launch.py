@@ -17,7 +17,8 @@ to run (the split-K path's are fixed); the tuned configs take this path only whe
 Config keys (the "fused_moe_mxfp4" config, ``fused_moe_mxfp4.kernel_config``): ONE_LAUNCH (1: ``fused_moe_mxfp4``
 takes this path), ONE_BLOCK_I (intermediate columns per program, the down GEMM's K step: a multiple of 64),
 ONE_BLOCK_H (down rows per step: a multiple of 16), and BLOCK_M, BLOCK_K (gate_up's K step), GU_FUSED, PREFETCH,
-DECODE, DIRECT, PDL, num_warps and num_stages (both loops), each from its ``ONE_`` key where the config has one
+DECODE, DIRECT, PDL, TMA (gate_up's weights through TMA, ``fused_moe_mxfp4.tma_descriptors``; w2's K slices keep
+pointer loads), num_warps and num_stages (both loops), each from its ``ONE_`` key where the config has one
 (``one_config``), else shared with the two-launch GEMMs. A tuned entry keeps its two-launch keys for the expert
 LoRA path (``moe_experts_lora`` runs the two GEMMs with their LoRA epilogues whatever ONE_LAUNCH says).
 """
@@ -30,8 +31,8 @@ import triton.language as tl
 from loraplex.kernels import tuning
 from loraplex.kernels.activation import gated_act
 from loraplex.kernels.fused_moe import ACT_CODES
-from loraplex.kernels.fused_moe_mxfp4 import (FUSED_MAX_WARPS, _block, _interpreting, _launch, _mma, decode_mode,
-                                              gate_up_tile, route_tables, use_pdl)
+from loraplex.kernels.fused_moe_mxfp4 import (FUSED_MAX_WARPS, _block, _interpreting, _launch, _mma, _tma, decode_mode,
+                                              gate_up_tile, route_tables, tma_descriptors, use_pdl)
 from loraplex.kernels.intmath import cdiv
 from loraplex.kernels.launch import cached_launch
 from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP
@@ -61,7 +62,7 @@ def _one_launch_kernel(
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, NUM_I: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_I: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr, FENCE: tl.constexpr, FINAL: tl.constexpr,
+    USE_PDL: tl.constexpr, FENCE: tl.constexpr, FINAL: tl.constexpr, TMA: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)  # x, the tables and the zeroed acc come from the kernels just before
     pid = tl.program_id(0)
@@ -73,7 +74,8 @@ def _one_launch_kernel(
         # ---- gate_up: intermediate columns [pid_i * BLOCK_I, + BLOCK_I) over all of H
         GU_N: tl.constexpr = 2 * BLOCK_I if FUSED else BLOCK_I
         acc_g, acc_u = gate_up_tile(x_ptr, w13_ptr, s13_ptr, expert, tok, row_ok, pid_i, 0, H, I, H, stride_xt,
-                                    stride_w13e, stride_s13e, BLOCK_M, GU_N, BLOCK_K, EVEN_K, DECODE, FUSED, PREFETCH)
+                                    stride_w13e, stride_s13e, BLOCK_M, GU_N, BLOCK_K, EVEN_K, DECODE, FUSED, PREFETCH,
+                                    TMA)
         if x_ptr.dtype.element_ty == tl.bfloat16:
             acc_g *= BF16_FOLD
             acc_u *= BF16_FOLD
@@ -126,7 +128,7 @@ def _one_launch_kernel(
 # keys a config may set for the one launch alone with a ONE_ prefix (ONE_num_stages 3: the one launch pipelines 3
 # deep, the two-launch GEMMs that moe_experts_lora runs from the same config keep num_stages); ONE_LAUNCH,
 # ONE_BLOCK_I and ONE_BLOCK_H are the one launch's own
-ONE_KEYS = ("BLOCK_M", "BLOCK_K", "GU_FUSED", "PREFETCH", "DECODE", "DIRECT", "PDL", "num_warps", "num_stages")
+ONE_KEYS = ("BLOCK_M", "BLOCK_K", "GU_FUSED", "PREFETCH", "DECODE", "DIRECT", "PDL", "TMA", "num_warps", "num_stages")
 OWN_KEYS = ("ONE_LAUNCH", "ONE_BLOCK_I", "ONE_BLOCK_H")
 
 
@@ -154,7 +156,7 @@ def one_launch_constexprs(cfg: dict, *, hidden: int, inter: int, top_k: int, act
     meta = dict(TOP_K=top_k, ACT=act, HAS_B13=has_b13, HAS_B2=has_b2, BLOCK_M=bm, BLOCK_I=bi, BLOCK_K=bk,
                 BLOCK_H=bh, NUM_I=cdiv(inter, bi), EVEN_K=hidden % bk == 0, EVEN_I=inter % bi == 0,
                 DECODE=decode_mode(cfg), DIRECT=bool(int(cfg.get("DIRECT", 0))), FUSED=fused,
-                PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, FENCE=fence, FINAL=FINAL_BLOCK)
+                PREFETCH=int(cfg.get("PREFETCH", 0)), USE_PDL=pdl, FENCE=fence, FINAL=FINAL_BLOCK, TMA=_tma(cfg))
     return meta, launch
 
 
@@ -183,8 +185,12 @@ def one_launch(x, w13, s13, w2, s2, topk_weights, topk_ids, cfg: dict, *, activa
     work = torch.zeros(num_tokens * hidden + 1, dtype=torch.float32, device=x.device)  # acc, then the counter
     acc, done = work[:-1], work[-1:].view(torch.int32)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    w13_arg, s13_arg = w13, s13
+    if meta["TMA"]:  # gate_up's weights through TMA (``fused_moe_mxfp4.tma_descriptors``); w2 keeps pointer loads
+        w13_arg, s13_arg = tma_descriptors(w13, s13, halves=2, box_halves=2 if meta["FUSED"] else 1,
+                                           block_n=2 * meta["BLOCK_I"] if meta["FUSED"] else meta["BLOCK_I"])
     _one_launch_kernel[(num_m * meta["NUM_I"],)](
-        x, w13, s13, b13 if b13 is not None else x, w2, s2, b2 if b2 is not None else x,
+        x, w13_arg, s13_arg, b13 if b13 is not None else x, w2, s2, b2 if b2 is not None else x,
         topk_weights.reshape(-1).contiguous(), acc, done, out, sorted_ids, expert_ids, num_post,
         num_tokens * top_k, num_m, num_tokens, inter, hidden, float(alpha), float(limit),
         x.stride(0), w13.stride(0), s13.stride(0), b13.stride(0) if b13 is not None else 0, w2.stride(0),

@@ -239,7 +239,8 @@ MXFP4_DIRECT_MAX_M = 2  # one pair per block (no moe_align launch) pays while to
 
 
 # both MXFP4 GEMMs in one launch (``fused_moe_mxfp4_one_launch``), as ``ONE_`` keys over a two-launch winner at M up to
-# ONE_LAUNCH_MAX_M: the H100's winners at M = 2 and 4 first, then their neighbours
+# ONE_LAUNCH_MAX_M: the H100's winners at M = 2 and 4 first, then their neighbours, last two with gate_up's weights
+# through TMA (``ONE_TMA``)
 ONE_LAUNCH_MAX_M = 4
 _ONE_BASE = {"ONE_LAUNCH": 1, "ONE_BLOCK_M": 8, "ONE_BLOCK_K": 128, "ONE_GU_FUSED": 0, "ONE_PREFETCH": 0,
              "ONE_num_stages": 3, "ONE_num_warps": 4, "ONE_PDL": 1}
@@ -247,7 +248,9 @@ ONE_LAUNCH_SPACE = [{**_ONE_BASE, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "ONE_DIR
                     for bi, bh, direct, extra in [
                         (64, 512, 1, {}), (128, 256, 0, {}), (64, 256, 1, {}), (128, 256, 0, {"ONE_GU_FUSED": 1}),
                         (128, 512, 0, {}), (64, 512, 1, {"ONE_GU_FUSED": 1}), (64, 512, 0, {}),
-                        (128, 256, 0, {"ONE_num_stages": 2})]]
+                        (128, 256, 0, {"ONE_num_stages": 2}),
+                        (64, 512, 1, {"ONE_TMA": 1, "ONE_num_stages": 4}),
+                        (128, 256, 0, {"ONE_TMA": 1, "ONE_GU_FUSED": 1, "ONE_num_stages": 6})]]
 
 
 def mxfp4_one_launch_space(m: int, best: dict) -> list[dict]:

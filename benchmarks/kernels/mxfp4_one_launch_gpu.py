@@ -29,14 +29,17 @@ def candidates(m: int) -> list[dict]:
     """One-launch configs tried at M tokens: intermediate tile, down rows per step (the larger, the more of w2 in
     flight), gate and up in one product or two, cp.async pipeline depth, one or two warpgroups, and at M <= 2 one
     pair per block without the alignment launch (register prefetch and BLOCK_K 256 were slower in the first
-    sweep)."""
+    sweep); then gate_up's weights through TMA (``ONE_TMA``) on one warpgroup, 4 or 6 stages deep."""
     directs = (1, 0) if m <= 2 else (0,)
-    return [{"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "ONE_BLOCK_M": 8, "ONE_BLOCK_K": 128,
+    grid = [{"ONE_LAUNCH": 1, "ONE_BLOCK_I": bi, "ONE_BLOCK_H": bh, "ONE_BLOCK_M": 8, "ONE_BLOCK_K": 128,
              "ONE_GU_FUSED": fused, "ONE_PREFETCH": 0, "ONE_num_stages": stages, "ONE_num_warps": warps,
              "ONE_DIRECT": direct, "ONE_PDL": 1}
             for bi, bh, fused, stages, warps, direct in itertools.product((64, 128), (256, 512), (1, 0), (2, 3),
                                                                          (4, 8), directs)
             if not (fused and warps > 4)]  # fused gate/up over two warpgroups runs unfused (``FUSED_MAX_WARPS``)
+    tma = [{**c, "ONE_TMA": 1, "ONE_num_stages": stages} for c in grid
+           if c["ONE_num_warps"] == 4 and c["ONE_num_stages"] == 3 for stages in (4, 6)]
+    return grid + tma
 
 
 def label(cfg: dict) -> str:

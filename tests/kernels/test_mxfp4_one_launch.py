@@ -27,6 +27,12 @@ CONFIGS = {
                                           "num_warps": 2, "num_stages": 1, "ONE_LAUNCH": 1, "ONE_BLOCK_I": 64,
                                           "ONE_BLOCK_H": 64, "ONE_BLOCK_M": 8, "ONE_BLOCK_K": 128, "ONE_DIRECT": 1,
                                           "ONE_GU_FUSED": 1, "ONE_num_warps": 4, "ONE_num_stages": 3},
+    # gate_up's weights through TMA (w2's K slices by pointer)
+    "tma direct 64/64, fused, K 128": {**BASE, "ONE_BLOCK_I": 64, "ONE_BLOCK_H": 64, "BLOCK_K": 128, "DIRECT": 1,
+                                       "GU_FUSED": 1, "TMA": 1, "num_warps": 4, "num_stages": 4},
+    "tma aligned 128/32, K 64, ONE_ keys": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
+                                            "num_stages": 3, "ONE_LAUNCH": 1, "ONE_BLOCK_I": 128, "ONE_BLOCK_H": 32,
+                                            "ONE_BLOCK_M": 8, "ONE_TMA": 1, "ONE_num_stages": 6},
 }
 
 
@@ -37,6 +43,8 @@ CONFIGS = {
     (3, 4, "swiglu_clamp", "b13 only", "direct 128/128, K 256, 8 warps"),
     (1, 2, "silu", "both", "aligned 128/64, fused, K 128"),
     (2, 4, "swiglu_clamp", "both", "ONE_ keys over a two-launch entry"),
+    (1, 4, "swiglu_clamp", "both", "tma direct 64/64, fused, K 128"),
+    (3, 2, "silu", "b13 only", "tma aligned 128/32, K 64, ONE_ keys"),
 ])
 def test_one_launch_matches_reference(num_tokens, top_k, activation, biases, config):
     x, plain, kernel, weights, ids, b13, b2 = _moe(num_tokens, top_k, biases != "none")
@@ -133,13 +141,17 @@ TYPES = {"w13_ptr": "*i32", "w2_ptr": "*i32", "s13_ptr": "*u8", "s2_ptr": "*u8",
          "acc_ptr": "*fp32", "done_ptr": "*i32", "sorted_ptr": "*i32", "expert_ids_ptr": "*i32",
          "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
 out = []
-for fused, prefetch, direct, bi, bh, warps, stages in ((True, 1, True, 64, 64, 4, 1),
-                                                      (False, 0, False, 128, 128, 8, 3)):
+for fused, prefetch, direct, bi, bh, warps, stages, tma in ((True, 1, True, 64, 64, 4, 1, False),
+                                                           (False, 0, False, 128, 128, 8, 3, False),
+                                                           (True, 0, True, 64, 512, 4, 4, True)):
     meta = dict(TOP_K=4, ACT=1, HAS_B13=True, HAS_B2=True, BLOCK_M=8, BLOCK_I=bi, BLOCK_K=128, BLOCK_H=bh,
                 NUM_I=-(-2880 // bi), EVEN_K=False, EVEN_I=2880 % bi == 0, DECODE=2, DIRECT=direct, FUSED=fused,
-                PREFETCH=prefetch, USE_PDL=True, FENCE=True, FINAL=1024)
-    ptx = build_sm90(ol._one_launch_kernel, meta, TYPES, warps, stages).asm["ptx"]
-    out.append({"fence": ptx.count("fence.acq_rel.gpu"), "red": "red.global" in ptx or "atom.global.add.f32" in ptx,
+                PREFETCH=prefetch, USE_PDL=True, FENCE=True, FINAL=1024, TMA=tma)
+    groups = bi // 16  # gate_up's box: BLOCK_I / 16 row groups of each half it reads
+    types = dict(TYPES, w13_ptr=f"tensordesc<i32[1, {2 if fused else 1}, {groups}, 4, 32]>",
+                 s13_ptr=f"tensordesc<i32[1, {2 if fused else 1}, {groups}, 8]>") if tma else TYPES
+    ptx = build_sm90(ol._one_launch_kernel, meta, types, warps, stages).asm["ptx"]
+    out.append({"tma": "cp.async.bulk.tensor" in ptx, "fence": ptx.count("fence.acq_rel.gpu"), "red": "red.global" in ptx or "atom.global.add.f32" in ptx,
                 "counter": "atom.global.acq_rel" in ptx or "atom.acq_rel" in ptx or "atom.global.gpu.acq_rel" in ptx,
                 "pdl": "griddepcontrol.wait" in ptx, "mma": "mma.sync" in ptx or "wgmma" in ptx,
                 "asm": "fma.rn.bf16x2" in ptx})
@@ -151,6 +163,20 @@ def test_one_launch_builds_for_sm90():
     """The GPU build has what the interpreter skips: the fence in every program before it counts itself (and in
     the last one before it reads), the float32 atomic adds, the acquire-release counter, the PDL wait, tensor-core
     products and the inline-PTX decode."""
-    for b in build_in_child(BUILD, timeout=900):
+    got = build_in_child(BUILD, timeout=900)
+    for b in got:
         assert b["fence"] >= 2 and b["red"] and b["counter"] and b["pdl"] and b["mma"] and b["asm"], b
+    assert [b["tma"] for b in got] == [False, False, True]  # ONE_TMA: gate_up's weights by TMA copies
+
+
+@pytest.mark.parametrize("index", [-2, -1])
+def test_the_tuners_tma_one_launch_candidates_match_reference(index):
+    from loraplex.kernels.tuning_cases import ONE_LAUNCH_SPACE
+
+    cand = ONE_LAUNCH_SPACE[index]
+    assert cand["ONE_TMA"] == 1
+    x, plain, kernel, weights, ids, b13, b2 = _moe(2, 4, True)
+    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
+    got = fm.fused_moe_mxfp4(x, *kernel, weights, ids, config={**fm.DEFAULT_CONFIG, **cand}, **kw)
+    torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
 
