@@ -10,6 +10,7 @@ the compiled kernel Triton chose:
         tensor: (dtype, data_ptr % 16 == 0)            (alignment ignored where the kernel does not specialise)
         int:    32 / 64 / unsigned 64-bit range, and == 1 or % 16 == 0 unless in ``do_not_specialize``
         bool, float, None: the type (bool: its value);  a constexpr passed by position: its value
+        TensorDescriptor (host TMA descriptor): its tensor's dtype, box shape, padding and tf32 rounding
         keywords: constexprs and launch options (num_warps, launch_pdl, ...) by value
 
 The first launch of a key goes through ``JITFunction.run`` (it compiles or loads the kernel, and launches it);
@@ -108,6 +109,9 @@ class CachedLaunch:
                 parts.append(f"({a}.dtype, ({a}.data_ptr() & 15) == 0)" if mode[0] and mode[1] else f"({a}.dtype, None)")
             elif t is float:
                 parts.append("'f'")
+            elif t is _tensor_descriptor_type():  # Triton specialises a host descriptor by dtype and box
+                parts.append(f"('d', {a}.base.dtype, tuple({a}.block_shape), getattr({a}, 'padding', None), "
+                             f"getattr({a}, 'round_f32_to_tf32', None))")
             elif t is type(None):
                 parts.append("None")
             else:
@@ -177,6 +181,15 @@ class CachedLaunch:
 
             self._knobs = knobs.runtime
         return self._knobs.launch_enter_hook, self._knobs.launch_exit_hook
+
+
+def _tensor_descriptor_type():
+    """Triton's host ``TensorDescriptor`` class (TMA descriptors passed as kernel arguments), None without one."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - every Triton the project supports has it
+        return None
+    return TensorDescriptor
 
 
 def cached_launch(jit):

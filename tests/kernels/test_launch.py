@@ -41,7 +41,22 @@ def _arg_pool() -> list:
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8):
         base = torch.zeros(64, dtype=dtype)
         tensors += [base, base[1:], base[2:], base[8:], base[16:]]
-    return ints + [True, False, 0.5, 1.0, 16.0, None] + tensors
+    return ints + [True, False, 0.5, 1.0, 16.0, None] + tensors + _descriptors()
+
+
+def _descriptors() -> list:
+    """Host TMA descriptors: several dtypes, ranks and boxes, over aligned tensors of different shapes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = []
+    for dtype in (torch.int32, torch.bfloat16, torch.float32):
+        for shape, boxes in (((64, 64), ([16, 32], [32, 16], [16, 16])),
+                             ((2, 2, 8, 8, 32), ([1, 2, 4, 4, 32], [1, 1, 4, 4, 32])),
+                             ((3, 2, 8, 64), ([1, 2, 4, 8], [1, 1, 8, 8]))):
+            t = torch.zeros(shape, dtype=dtype)
+            out += [TensorDescriptor.from_tensor(t, box) for box in boxes]
+            out.append(TensorDescriptor.from_tensor(torch.zeros((shape[0] + 1,) + shape[1:], dtype=dtype), boxes[0]))
+    return out
 
 
 def _key_of(a, specialize: bool = True, align: bool = True):
@@ -273,3 +288,23 @@ def test_launch_overhead_benchmark_refuses_without_a_gpu(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         script.main(["--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
+
+
+def test_tma_descriptor_arguments_are_cached_per_dtype_and_box():
+    """A host TensorDescriptor in a pointer's place (the TMA configs): a second descriptor of the same dtype and box
+    (other tensor, other shape) reuses the compiled variant and reaches the launcher as it is; another box or dtype
+    goes through the JIT."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    jit, k = _make()
+    y = torch.zeros(64)
+    desc = lambda t, box: TensorDescriptor.from_tensor(t, box)  # noqa: E731
+    a = desc(torch.zeros(4, 64, dtype=torch.int32), [2, 32])
+    b = desc(torch.zeros(8, 128, dtype=torch.int32), [2, 32])
+    k[(1,)](a, y, 17, 5, BLOCK=64)
+    k[(2,)](b, y, 17, 5, BLOCK=64)
+    assert [e[0] for e in jit.log] == ["jit", "cached"] and jit.log[1][2][9] is b
+    k[(1,)](desc(torch.zeros(8, 128, dtype=torch.int32), [4, 32]), y, 17, 5, BLOCK=64)
+    k[(1,)](desc(torch.zeros(8, 128, dtype=torch.float32), [2, 32]), y, 17, 5, BLOCK=64)
+    assert [e[0] for e in jit.log] == ["jit", "cached", "jit", "jit"]
+    assert len({id(e[1]) for e in jit.log}) == 3  # Triton chose a variant per box and dtype too
