@@ -151,7 +151,8 @@ for fused, prefetch, direct, bi, bh, warps, stages, tma in ((True, 1, True, 64, 
     types = dict(TYPES, w13_ptr=f"tensordesc<i32[1, {2 if fused else 1}, {groups}, 4, 32]>",
                  s13_ptr=f"tensordesc<i32[1, {2 if fused else 1}, {groups}, 8]>") if tma else TYPES
     ptx = build_sm90(ol._one_launch_kernel, meta, types, warps, stages).asm["ptx"]
-    out.append({"tma": "cp.async.bulk.tensor" in ptx, "fence": ptx.count("fence.acq_rel.gpu"), "red": "red.global" in ptx or "atom.global.add.f32" in ptx,
+    out.append({"tma": "cp.async.bulk.tensor" in ptx, "fence": ptx.count("fence.acq_rel.gpu"),
+                "red": "red.global" in ptx or "atom.global.add.f32" in ptx,
                 "counter": "atom.global.acq_rel" in ptx or "atom.acq_rel" in ptx or "atom.global.gpu.acq_rel" in ptx,
                 "pdl": "griddepcontrol.wait" in ptx, "mma": "mma.sync" in ptx or "wgmma" in ptx,
                 "asm": "fma.rn.bf16x2" in ptx})
