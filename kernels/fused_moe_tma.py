@@ -21,6 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from loraplex.kernels.dot import dot
 from loraplex.kernels.fused_moe import _grouped_pid, gate_up_store
+from loraplex.kernels.launch import cached_launch
 
 TMA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BOX_ROW_BYTES = 128  # the widest swizzled shared-memory row one box fills
@@ -39,6 +40,7 @@ def check_tma(w: torch.Tensor, cfg: dict) -> None:
                          f"{cfg['BLOCK_K']} of {w.dtype} is {int(cfg['BLOCK_K']) * size}")
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _gate_up_tma_kernel(
     x_ptr, w_desc, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -67,6 +69,7 @@ def _gate_up_tma_kernel(
                   stride_ot, ACT, HAS_BIAS)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _down_tma_kernel(
     h_ptr, w_desc, bias_ptr, weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
