@@ -288,12 +288,16 @@ def mxfp4_moe_space(m: int) -> list[dict]:
 def mxfp4_variants(cfg: dict) -> dict[str, dict]:
     """The benchmark's and GPU check's extra ``fused_moe_mxfp4`` runs next to ``cfg`` (the tuned config): the scale
     multiply in plain Triton instead of inline PTX, split-K 2 on both GEMMs, one pair per block without moe_align
-    (DIRECT), and the checkpoint layout (``fused_moe``'s W_MXFP4 kernels at their default config)."""
+    (DIRECT), both GEMMs' weights through TMA on the same tiles (two launches, 4 stages at least), and the checkpoint
+    layout (``fused_moe``'s W_MXFP4 kernels at their default config)."""
     from loraplex.kernels.fused_moe import DEFAULT_CONFIG
 
+    stages = max(4, int(cfg.get("num_stages", 1)))
     return {"decode bits": {**cfg, "DECODE": "bits"},
             "split-K 2": {**cfg, "SPLIT_K": 2, "GU_SPLIT_K": 2},
             "direct": {**cfg, "DIRECT": 1},
+            "tma": {**cfg, "TMA": 1, "DOWN_TMA": 1, "PREFETCH": 0, "DOWN_PREFETCH": 0, "ONE_LAUNCH": 0,
+                    "num_stages": stages, "DOWN_num_stages": max(4, int(cfg.get("DOWN_num_stages", stages)))},
             "checkpoint layout": {**DEFAULT_CONFIG, "LAYOUT": "checkpoint"}}
 SHRINK_SPACE = _cfgs(("BLOCK_M", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), [
     (16, 64, 16, 2, 3), (16, 64, 8, 2, 3), (16, 32, 16, 2, 3), (16, 64, 16, 4, 2), (16, 128, 8, 4, 3),

@@ -10,6 +10,7 @@ from loraplex.kernels import reference_lora as ref
 from loraplex.kernels.fused_moe_mxfp4 import fused_moe_mxfp4
 from tests.kernels.sm90_build import build_in_child
 from tests.kernels.test_mxfp4_kernel_layout import BUILD_PRELUDE, CONFIGS, EPILOGUE_CASES, _moe, check_epilogue_case
+from tests.utils.tuning_files import committed_configs, config_id
 
 TMA_CONFIGS = {
     "fused 8x64x64": {"BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "GU_FUSED": 1, "TMA": 1,
@@ -124,4 +125,18 @@ def test_tuner_tma_candidates_match_reference(index):
     x, plain, kernel, weights, ids, b13, b2 = _moe(2, 4, True)
     kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
     got = fused_moe_mxfp4(x, *kernel, weights, ids, config=MXFP4_TMA_SPACE[index], **kw)
+    torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [c for c in committed_configs("fused_moe_mxfp4") if int(c["BLOCK_M"]) <= 16],
+                         ids=config_id)
+def test_the_benchmarks_tma_variant_of_each_committed_decode_config_matches_reference(cfg):
+    """``tuning_cases.mxfp4_variants``' "tma" row (what the kernel benchmark and the GPU check run beside the tuned
+    config): the committed tile with both GEMMs through TMA, register prefetch and the one launch off."""
+    from loraplex.kernels.tuning_cases import mxfp4_variants
+
+    tma = mxfp4_variants(dict(cfg))["tma"]
+    x, plain, kernel, weights, ids, b13, b2 = _moe(5, 4, True)
+    kw = dict(activation="swiglu_clamp", b13=b13, b2=b2)
+    got = fused_moe_mxfp4(x, *kernel, weights, ids, config=tma, **kw)
     torch.testing.assert_close(got, ref.fused_moe_mxfp4(x, *plain, weights, ids, **kw), rtol=1e-4, atol=1e-4)
