@@ -41,6 +41,22 @@ def _grouped_pid(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
+@triton.jit
+def row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(dead, expert int64, pairs [BLOCK_M], row_ok [BLOCK_M]) of row block pid_m: from moe_align's tables (a block
+    at or past num_post is dead: its caller returns), or with DIRECT one routed pair per block (pair pid_m of expert
+    topk_ids[pid_m], read from ``expert_ids_ptr``; no tables)."""
+    if DIRECT:
+        dead = pid_m >= num_pairs
+        expert = tl.load(expert_ids_ptr + pid_m, mask=pid_m < num_pairs, other=0).to(tl.int64)
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        dead = pid_m * BLOCK_M >= tl.load(num_post_ptr)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # -1 in dead blocks (unused)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return dead, expert, pairs, pairs < num_pairs
+
+
 @cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gate_up_kernel(
@@ -54,11 +70,9 @@ def _moe_gate_up_kernel(
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    dead, expert, pairs, row_ok = row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, False)
+    if dead:
         return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
     tok = (pairs // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -138,11 +152,9 @@ def _moe_down_kernel(
     NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    dead, expert, pairs, row_ok = row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, False)
+    if dead:
         return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
     pairs64 = pairs.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N

@@ -63,7 +63,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from loraplex.kernels import tuning
 from loraplex.kernels.activation import gated_act
 from loraplex.kernels.dot import dot
-from loraplex.kernels.fused_moe import ACT_CODES, ACT_NONE, _grouped_pid, run_moe
+from loraplex.kernels.fused_moe import ACT_CODES, ACT_NONE, _grouped_pid, row_block, run_moe
 from loraplex.kernels.moe_align import moe_align
 from loraplex.kernels.mxfp4 import K_ATOM, ROW_GROUP, check_kernel_layout, is_kernel_layout, kernel_k
 from loraplex.kernels.mxfp4_dequant import (BF16_FOLD, DECODE_ASM, DECODE_BITS, DECODE_EMULATE, decode_kernel_tile,
@@ -89,21 +89,6 @@ def _mma(w, xt, acc, DECODE: tl.constexpr):
         return acc + dot(w.to(tl.float32), xt.to(tl.float32))
     else:
         return acc + dot(w, xt)
-
-
-@triton.jit
-def _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
-    """(dead, expert, pairs [BLOCK_M], row_ok [BLOCK_M]) of row block pid_m: from moe_align's tables, or with DIRECT
-    one routed pair per block (pair pid_m of expert topk_ids[pid_m], read from ``expert_ids_ptr``; no tables)."""
-    if DIRECT:
-        dead = pid_m >= num_pairs
-        expert = tl.load(expert_ids_ptr + pid_m, mask=pid_m < num_pairs, other=0).to(tl.int64)
-        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
-    else:
-        dead = pid_m * BLOCK_M >= tl.load(num_post_ptr)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # -1 in dead blocks (unused)
-        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return dead, expert, pairs, pairs < num_pairs
 
 
 @triton.jit
@@ -351,7 +336,7 @@ def _gate_up_kernel(
         pdl_wait(USE_PDL)  # the tables and x come from the kernels just before
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
-    dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
+    dead, expert, pairs, row_ok = row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
     if dead:
         if LATE_WAIT:  # so that this grid never ends before the kernel it depends on
             pdl_wait(USE_PDL)
@@ -445,7 +430,7 @@ def _down_kernel(
         pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
     split = tl.program_id(1)
-    dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
+    dead, expert, pairs, row_ok = row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
     if dead:
         if LATE_WAIT:  # so that this grid never ends before the kernel it depends on
             pdl_wait(USE_PDL)

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from loraplex.kernels import tuning
 from loraplex.kernels.activation import gated_act
-from loraplex.kernels.fused_moe import ACT_CODES
-from loraplex.kernels.fused_moe_mxfp4 import (FUSED_MAX_WARPS, _block, _interpreting, _launch, _mma, _tma, decode_mode,
+from loraplex.kernels.fused_moe import ACT_CODES, row_block
+from loraplex.kernels.fused_moe_mxfp4 import (FUSED_MAX_WARPS, _interpreting, _launch, _mma, _tma, decode_mode,
                                               gate_up_tile, route_tables, tma_descriptors, use_pdl)
 from loraplex.kernels.intmath import cdiv
 from loraplex.kernels.launch import cached_launch
@@ -68,7 +68,7 @@ def _one_launch_kernel(
     pid = tl.program_id(0)
     pid_m = pid // NUM_I
     pid_i = pid % NUM_I
-    dead, expert, pairs, row_ok = _block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
+    dead, expert, pairs, row_ok = row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, DIRECT)
     if not dead:
         tok = (pairs // TOP_K).to(tl.int64)
         # ---- gate_up: intermediate columns [pid_i * BLOCK_I, + BLOCK_I) over all of H

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from loraplex.kernels.dot import dot
-from loraplex.kernels.fused_moe import _grouped_pid, gate_up_store
+from loraplex.kernels.fused_moe import _grouped_pid, gate_up_store, row_block
 from loraplex.kernels.launch import cached_launch
 
 TMA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -50,14 +50,12 @@ def _gate_up_tma_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    dead, expert, pairs, row_ok = row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, False)
+    if dead:
         return
-    expert = tl.load(expert_ids_ptr + pid_m)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_xt + k[None, :]
-    gate_row = expert * 2 * N + pid_n * BLOCK_N
+    gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)  # descriptor coordinates are 32-bit
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -79,15 +77,13 @@ def _down_tma_kernel(
     GROUP_M: tl.constexpr, NUM_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, NUM_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    dead, expert, pairs, row_ok = row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_M, False)
+    if dead:
         return
-    expert = tl.load(expert_ids_ptr + pid_m)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
     pairs64 = pairs.to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pairs64[:, None] * stride_ht + k[None, :]
-    w_row = expert * N + pid_n * BLOCK_N
+    w_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ht = tl.load(h_ptrs + k0, mask=row_ok[:, None] & ((k0 + k < K) | EVEN_K)[None, :], other=0.0)
