@@ -57,6 +57,22 @@ def row_block(pid_m, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, BLOCK_
     return dead, expert, pairs, pairs < num_pairs
 
 
+@triton.jit
+def weight_tile(pid_n, N, w_ptr, scale_ptr, expert, stride_we, stride_wn, stride_se, stride_sn,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_MXFP4: tl.constexpr):
+    """(cols, col_ok, weight pointers [BLOCK_K, BLOCK_N], scale pointers) of weight column block pid_n at K step 0.
+    MXFP4: two K elements a byte ([BLOCK_K / 2, BLOCK_N] bytes) and one scale byte per 32 K ([BLOCK_K / 32,
+    BLOCK_N]); otherwise the scale pointer is ``scale_ptr`` itself (INT8's per-row scales, read in the epilogue)."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if W_MXFP4:
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + tl.arange(0, BLOCK_K // 2)[:, None]
+        s_ptrs = scale_ptr + expert * stride_se + cols[None, :] * stride_sn + tl.arange(0, BLOCK_K // 32)[:, None]
+    else:
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + tl.arange(0, BLOCK_K)[:, None]
+        s_ptrs = scale_ptr
+    return cols, cols < N, w_ptrs, s_ptrs
+
+
 @cached_launch
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gate_up_kernel(
@@ -74,16 +90,10 @@ def _moe_gate_up_kernel(
     if dead:
         return
     tok = (pairs // TOP_K).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    cols, col_ok, wg_ptrs, sg_ptrs = weight_tile(pid_n, N, w_ptr, scale_ptr, expert, stride_we, stride_wn, stride_se,
+                                                 stride_sn, BLOCK_N, BLOCK_K, W_MXFP4)
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
-    if W_MXFP4:  # two K elements a byte, one scale byte per 32 K
-        wg_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + tl.arange(0, BLOCK_K // 2)[:, None]
-        sg_ptrs = scale_ptr + expert * stride_se + cols[None, :] * stride_sn + tl.arange(0, BLOCK_K // 32)[:, None]
-    else:
-        wg_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
-        sg_ptrs = scale_ptr
     wu_ptrs = wg_ptrs + N * stride_wn
     su_ptrs = sg_ptrs + N * stride_sn
     W_STEP: tl.constexpr = BLOCK_K // 2 if W_MXFP4 else BLOCK_K  # weight elements (MXFP4: bytes) per K step
@@ -156,16 +166,10 @@ def _moe_down_kernel(
     if dead:
         return
     pairs64 = pairs.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    cols, col_ok, w_ptrs, ws_ptrs = weight_tile(pid_n, N, w_ptr, scale_ptr, expert, stride_we, stride_wn, stride_se,
+                                                stride_sn, BLOCK_N, BLOCK_K, W_MXFP4)
     k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pairs64[:, None] * stride_ht + k[None, :]
-    if W_MXFP4:  # two K elements a byte, one scale byte per 32 K
-        w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + tl.arange(0, BLOCK_K // 2)[:, None]
-        ws_ptrs = scale_ptr + expert * stride_se + cols[None, :] * stride_sn + tl.arange(0, BLOCK_K // 32)[:, None]
-    else:
-        w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + k[:, None]
-        ws_ptrs = scale_ptr
     W_STEP: tl.constexpr = BLOCK_K // 2 if W_MXFP4 else BLOCK_K  # weight elements (MXFP4: bytes) per K step
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -3,8 +3,8 @@ pointer loads and (rows with ``"TMA": 1``, where the tile's box row is at most 1
 through TMA (``fused_moe_tma``), next to cuBLAS ``bmm`` of the same per-expert sizes (every expert padded to the
 most-routed one's rows) and the whole op with the committed config. GPT-OSS-20B expert shape (E = 32, top-4,
 H = I = 2880), random routing, CUDA-graph replay after an L2 flush (``tuning_cases.bench_time_ms``); TFLOP/s from
-the routed pairs' FLOPs; each gate_up output compared with the committed config's (``err``). Env: MS (default
-1727,2048), BUDGET (s, default 200), OUT.
+the routed pairs' FLOPs; each gate_up and down output compared with the committed config's (``err``,
+``err_down``). Env: MS (default 1727,2048), BUDGET (s, default 200), OUT.
 
     MS=1727 BUDGET=40 PYTHONPATH=$PWD python3 benchmarks/kernels/moe_prefill_tiles_gpu.py   # stops the grid at BUDGET
 """
@@ -57,7 +57,7 @@ for m in [int(v) for v in os.environ.get("MS", "1727,2048").split(",")]:
     log(m=m, what="cublas bmm gate_up (rows=max count)", us=us, tflops=2 * E * r * H * 2 * I / us / 1e6)
     us = bench_time_ms(lambda: torch.bmm(ha, w2t)) * 1e3
     log(m=m, what="cublas bmm down (rows=max count)", us=us, tflops=2 * E * r * I * H / us / 1e6)
-    h_ref = None
+    h_ref = o_ref = None
     rows_of = [[c, {**c, "TMA": 1}] if c["BLOCK_K"] * 2 <= 128 else [c] for c in grid]  # each tile, then its TMA form
     for cfg in [committed] + [c for pair in rows_of for c in pair]:
         if time.time() - t0 > BUDGET:
@@ -71,9 +71,13 @@ for m in [int(v) for v in os.environ.get("MS", "1727,2048").split(",")]:
             e_gu = rel_error(h, h_ref)
             us_gu = bench_time_ms(g) * 1e3
             d = lambda: fm.down(h_ref, w2, tw, align, cfg, b2=b2)
+            o = d()
+            if o_ref is None:
+                o_ref = o
+            e_dn = rel_error(o, o_ref)
             us_dn = bench_time_ms(d) * 1e3
             log(m=m, what="gemms", cfg=cfg, gate_up_us=us_gu, gate_up_tflops=fl_gu / us_gu / 1e6, err=e_gu,
-                down_us=us_dn, down_tflops=fl_dn / us_dn / 1e6)
+                down_us=us_dn, down_tflops=fl_dn / us_dn / 1e6, err_down=e_dn)
         except Exception as ex:  # noqa: BLE001
             log(m=m, what="error", cfg=cfg, error=f"{type(ex).__name__}: {str(ex)[:200]}")
             torch.cuda.synchronize()
