@@ -95,6 +95,16 @@ def _shrink_rows(x_ptr, a_ptr, rows, row_ok, pid_k, K, R, stride_xt, stride_ar,
 
 
 @triton.jit
+def _slot_rows(lora, pid_m, sorted_ptr, expert_ids_ptr, num_pairs, capacity, num_blocks, BLOCK_M: tl.constexpr):
+    """(expert int64, pairs [BLOCK_M], row_ok) of row block pid_m of step slot ``lora`` in the per-slot alignment
+    tables (``moe_align_lora``: slot ``lora``'s rows at ``lora * capacity``, its experts at ``lora * num_blocks``)."""
+    lora64 = lora.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _add_delta(y_ptr, h, b, weights_ptr, pairs64, row_ok, cols, col_ok, stride_yt, HAS_WEIGHTS: tl.constexpr):
     """y[pairs, cols] += w(pair) * h @ b  (h [BLOCK_M, BLOCK_R] fp32, b [BLOCK_R, BLOCK_N])."""
     delta = dot(h.to(b.dtype), b)
@@ -127,10 +137,8 @@ def _moe_lora_shrink_kernel(
     a_ptr, rank = weight_entry(entries_ptr, lora, 0, stride_el, 0, 0, W_DTYPE)
     if rank == 0:  # the slot's adapter does not target these experts
         return
-    lora64 = lora.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
+    expert, pairs, row_ok = _slot_rows(lora, pid_m, sorted_ptr, expert_ids_ptr, num_pairs, capacity, num_blocks,
+                                       BLOCK_M)
     rows = (pairs // ROW_DIV).to(tl.int64)
     acc = _shrink_rows(x_ptr, a_ptr + expert * rank * K, rows, row_ok, pid_k, K, rank, stride_xt, K,
                        BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K)
@@ -168,10 +176,8 @@ def _moe_lora_expand_kernel(
     b_ptr, rank = weight_entry(entries_ptr, lora, 0, stride_el, 0, 1, W_DTYPE)
     if rank == 0:  # the slot's adapter does not target these experts
         return
-    lora64 = lora.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
+    expert, pairs, row_ok = _slot_rows(lora, pid_m, sorted_ptr, expert_ids_ptr, num_pairs, capacity, num_blocks,
+                                       BLOCK_M)
     pairs64 = pairs.to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
@@ -220,10 +226,8 @@ def _moe_lora_fused_kernel(
     b_ptr, _ = weight_entry(entries_ptr, lora, 0, stride_el, 0, 1, W_DTYPE)
     if rank == 0:  # the slot's adapter does not target these experts
         return
-    lora64 = lora.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + lora64 * num_blocks + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + lora64 * capacity + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
+    expert, pairs, row_ok = _slot_rows(lora, pid_m, sorted_ptr, expert_ids_ptr, num_pairs, capacity, num_blocks,
+                                       BLOCK_M)
     pairs64 = pairs.to(tl.int64)
     # ---- shrink of this row block, whole K, in registers (A [E, r, K])
     h = _shrink_rows(x_ptr, a_ptr + expert * rank * K, (pairs // ROW_DIV).to(tl.int64), row_ok, 0, K, rank,
